@@ -1,0 +1,26 @@
+"""afabric: asyncio-first point-to-point RDMA for LLM systems.
+
+This module only re-exports; nothing runs at import (no library is loaded until the
+first engine is created).
+"""
+
+from . import errors
+from .address import Address
+from .descriptor import MrDesc
+from .engine import Engine
+from .memory import MemoryRegion
+from .pages import Pages
+from .provider import ProviderSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Address",
+    "Engine",
+    "MemoryRegion",
+    "MrDesc",
+    "Pages",
+    "ProviderSpec",
+    "errors",
+    "__version__",
+]

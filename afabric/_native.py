@@ -1,0 +1,553 @@
+"""The one module that owns ctypes: finds, loads and checks the C shim.
+
+Everything else in afabric calls the typed functions below. Each foreign function gets
+its signature from one table applied at load time; each handle kind has its own opaque
+pointer type so ctypes rejects mix-ups; every return code passes one checker that turns
+it into a typed exception from :mod:`afabric.errors`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from . import errors
+
+ABI_VERSION = 1
+SHIM_NAME = "libafabric_shim.so"
+
+_u8p = ctypes.POINTER(ctypes.c_uint8)
+_u32p = ctypes.POINTER(ctypes.c_uint32)
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_i32p = ctypes.POINTER(ctypes.c_int32)
+
+
+class EngineHandle(ctypes.c_void_p):
+    """Opaque `afs_engine *` (its own type so no other pointer can be passed for it)."""
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("provider_lib", ctypes.c_char_p),
+        ("provider_name", ctypes.c_char_p),
+        ("fabric_provider", ctypes.c_char_p),
+        ("nic", ctypes.c_char_p),
+        ("bind_addr", ctypes.c_char_p),
+        ("cpu", ctypes.c_int32),
+        ("poll_mode", ctypes.c_uint32),
+        ("spin_us", ctypes.c_uint32),
+        ("max_msg_size", ctypes.c_uint32),
+        ("rx_depth", ctypes.c_uint32),
+        ("tx_depth", ctypes.c_uint32),
+        ("op_timeout_ns", ctypes.c_uint64),
+    ]
+
+
+class EngineFacts(ctypes.Structure):
+    _fields_ = [
+        ("event_fd", ctypes.c_int32),
+        ("caps", ctypes.c_uint32),
+        ("incarnation", ctypes.c_uint64),
+        ("max_write_size", ctypes.c_uint64),
+        ("max_msg_size", ctypes.c_uint32),
+        ("nics", ctypes.c_uint32),
+        ("provider", ctypes.c_char * 64),
+    ]
+
+
+class DescInfo(ctypes.Structure):
+    _fields_ = [
+        ("incarnation", ctypes.c_uint64),
+        ("base", ctypes.c_uint64),
+        ("length", ctypes.c_uint64),
+        ("device", ctypes.c_int32),
+        ("nics", ctypes.c_uint32),
+        ("provider", ctypes.c_char * 32),
+    ]
+
+
+class Completion(ctypes.Structure):
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("status", ctypes.c_int32),
+        ("kind", ctypes.c_uint32),
+        ("data", ctypes.c_uint64),
+        ("len", ctypes.c_uint64),
+        ("slot", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+class NicInfoStruct(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char * 64),
+        ("fabric", ctypes.c_char * 64),
+        ("provider", ctypes.c_char * 64),
+        ("pci", ctypes.c_char * 32),
+        ("link_speed_bps", ctypes.c_uint64),
+        ("numa_node", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+# Completion kinds, config flags and capability bits (afabric_shim.h / afabric_provider.h).
+C_DONE, C_RELEASE, C_RECV = 1, 2, 3
+CFG_FORCE_EFA_MODES = 0x1
+POLL_ADAPTIVE, POLL_SPIN = 0, 1
+MR_REMOTE, MR_DEVICE = 0x1, 0x2
+NO_IMM = -1
+CAP_IMM_NEEDS_RECV = 0x1
+CAP_DEVICE_MEM = 0x2
+CAP_MR_LOCAL = 0x4
+CAP_VIRT_ADDR = 0x8
+CAP_PROV_KEY = 0x10
+CAP_DELIVERY_COMPLETE = 0x20
+
+_E = EngineHandle
+# name -> (restype, argtypes). The stub typings/afabric_shim.pyi lists the same names and
+# a test keeps the two in step.
+FUNCTIONS: dict[str, tuple[Any, list[Any]]] = {
+    "afs_abi_version": (ctypes.c_uint32, []),
+    "afs_error_count": (ctypes.c_int32, []),
+    "afs_error_info": (
+        ctypes.c_int32,
+        [ctypes.c_int32, _i32p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)],
+    ),
+    "afs_last_error": (ctypes.c_char_p, []),
+    "afs_text_free": (None, [ctypes.c_uint64]),
+    "afs_provider_probe": (
+        ctypes.c_int32,
+        [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_uint32, _u32p, ctypes.c_char_p, ctypes.c_uint32],
+    ),
+    "afs_engine_create": (ctypes.c_int32, [ctypes.POINTER(Config), ctypes.POINTER(_E)]),
+    "afs_engine_destroy": (ctypes.c_int32, [_E]),
+    "afs_engine_info": (ctypes.c_int32, [_E, ctypes.POINTER(EngineFacts)]),
+    "afs_engine_address": (ctypes.c_int32, [_E, _u8p, ctypes.c_uint32, _u32p]),
+    "afs_mr_register": (
+        ctypes.c_int32,
+        [_E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, _u64p, _u8p, ctypes.c_uint32, _u32p],
+    ),
+    "afs_mr_deregister": (ctypes.c_int32, [_E, ctypes.c_uint64]),
+    "afs_desc_decode": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_uint32, ctypes.POINTER(DescInfo)]),
+    "afs_address_check": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_uint32, _u64p, _u32p]),
+    "afs_remote_import": (ctypes.c_int32, [_E, ctypes.c_char_p, ctypes.c_uint32, _u64p]),
+    "afs_remote_release": (ctypes.c_int32, [_E, ctypes.c_uint64]),
+    "afs_peer_resolve": (ctypes.c_int32, [_E, ctypes.c_char_p, ctypes.c_uint32, _u64p]),
+    "afs_write": (
+        ctypes.c_int32,
+        [_E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, _u64p],
+    ),
+    "afs_write_paged": (
+        ctypes.c_int32,
+        [
+            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+            ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
+            ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, _u64p,
+        ],
+    ),
+    "afs_send": (ctypes.c_int32, [_E, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64, _u64p]),
+    "afs_expect_imm": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.c_uint64, _u64p]),
+    "afs_cancel": (ctypes.c_int32, [_E, ctypes.c_uint64]),
+    "afs_drain": (ctypes.c_int32, [_E, ctypes.POINTER(Completion), ctypes.c_uint32, _u32p]),
+    "afs_recv_release": (ctypes.c_int32, [_E, _u32p, ctypes.c_uint32]),
+    "afs_bench_write": (
+        ctypes.c_int32,
+        [_E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64, _u64p],
+    ),
+    "afs_bench_paged": (
+        ctypes.c_int32,
+        [
+            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, _u64p,
+        ],
+    ),
+}
+
+
+@dataclass(frozen=True)
+class NicInfo:
+    """One NIC (libfabric domain) as a provider library reports it."""
+
+    name: str
+    fabric: str
+    provider: str
+    pci: str
+    link_speed_bps: int
+    numa_node: int
+
+
+class Shim:
+    """The loaded shim library with its checked functions."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        self.lib = lib
+        self.path = path
+        for name, (restype, argtypes) in FUNCTIONS.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        self.codes: dict[int, tuple[str, str]] = {}
+        code = ctypes.c_int32()
+        name_p = ctypes.c_char_p()
+        text_p = ctypes.c_char_p()
+        for i in range(lib.afs_error_count()):
+            lib.afs_error_info(i, ctypes.byref(code), ctypes.byref(name_p), ctypes.byref(text_p))
+            self.codes[code.value] = ((name_p.value or b"").decode(), (text_p.value or b"").decode())
+        self.f: Any = lib
+
+    def check(self, rc: int, what: str, provider: str = "") -> None:
+        """Raise the typed error for a negative return code, with the shim's detail."""
+        if rc == 0:
+            return
+        detail = (self.lib.afs_last_error() or b"").decode(errors="replace")
+        name, text = self.codes.get(rc, (f"E{rc}", "unknown error code"))
+        raise errors.from_code(name, rc, what, detail or text, provider)
+
+    def error_name(self, rc: int) -> str:
+        return self.codes.get(rc, (f"E{rc}", ""))[0]
+
+
+_lock = threading.Lock()
+_shim: Shim | None = None
+
+
+def _candidates() -> list[tuple[str, str]]:
+    """Places to look for the shim, in order, each with where the path came from."""
+    out: list[tuple[str, str]] = []
+    env = os.environ.get("AFABRIC_SHIM")
+    if env:
+        out.append((env, "AFABRIC_SHIM"))
+    try:
+        pkg = resources.files("afabric").joinpath("_lib").joinpath(SHIM_NAME)
+        out.append((str(pkg), "installed package"))
+    except (ModuleNotFoundError, TypeError):  # pragma: no cover - broken install
+        pass
+    return out
+
+
+def shim() -> Shim:
+    """Load the shim once (thread-safe); raise ShimLoadError listing every place tried."""
+    global _shim
+    if _shim is not None:
+        return _shim
+    with _lock:
+        if _shim is not None:
+            return _shim
+        tried: list[str] = []
+        for path, origin in _candidates():
+            if not Path(path).is_file():
+                tried.append(f"{path} ({origin}): not found")
+                continue
+            try:
+                lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+            except OSError as e:
+                tried.append(f"{path} ({origin}): {e}")
+                continue
+            if not hasattr(lib, "afs_abi_version"):
+                tried.append(f"{path} ({origin}): not an afabric shim (no afs_abi_version)")
+                continue
+            version = ctypes.CFUNCTYPE(ctypes.c_uint32)(("afs_abi_version", lib))()
+            if version != ABI_VERSION:
+                tried.append(f"{path} ({origin}): ABI version {version}, need {ABI_VERSION}")
+                continue
+            missing = [n for n in FUNCTIONS if not hasattr(lib, n)]
+            if missing:
+                tried.append(f"{path} ({origin}): lacks {', '.join(missing)}")
+                continue
+            _shim = Shim(lib, path)
+            return _shim
+        raise errors.ShimLoadError(
+            "cannot load the afabric shim; looked in:\n  " + "\n  ".join(tried or ["(nowhere)"])
+            + "\nreinstall afabric (`pip install .` compiles it) or set AFABRIC_SHIM"
+        )
+
+
+def _cstr(s: str | None) -> bytes | None:
+    return s.encode() if s is not None else None
+
+
+def make_config(
+    *,
+    library: str,
+    provider_name: str,
+    fabric_provider: str,
+    nic: str | None = None,
+    bind_addr: str | None = None,
+    cpu: int = -1,
+    spin: bool = False,
+    spin_us: int = 50,
+    max_msg_size: int = 65536,
+    rx_depth: int = 128,
+    tx_depth: int = 256,
+    op_timeout: float = 20.0,
+    force_efa_modes: bool = False,
+) -> Config:
+    cfg = Config()
+    cfg.size = ctypes.sizeof(Config)
+    cfg.flags = CFG_FORCE_EFA_MODES if force_efa_modes else 0
+    cfg.provider_lib = _cstr(library)
+    cfg.provider_name = _cstr(provider_name)
+    cfg.fabric_provider = _cstr(fabric_provider)
+    cfg.nic = _cstr(nic)
+    cfg.bind_addr = _cstr(bind_addr)
+    cfg.cpu = cpu
+    cfg.poll_mode = POLL_SPIN if spin else POLL_ADAPTIVE
+    cfg.spin_us = spin_us
+    cfg.max_msg_size = max_msg_size
+    cfg.rx_depth = rx_depth
+    cfg.tx_depth = tx_depth
+    cfg.op_timeout_ns = int(op_timeout * 1e9) if op_timeout > 0 else 0
+    return cfg
+
+
+def probe(cfg: Config) -> tuple[str, list[NicInfo]]:
+    """NICs the provider library sees (raises the provider's error when it sees none)."""
+    s = shim()
+    max_nics = 64
+    arr = (NicInfoStruct * max_nics)()
+    count = ctypes.c_uint32()
+    name = ctypes.create_string_buffer(64)
+    rc = s.f.afs_provider_probe(ctypes.byref(cfg), arr, max_nics, ctypes.byref(count), name, 64)
+    prov = (cfg.provider_name or b"").decode()
+    s.check(rc, f"probing provider {prov}", prov)
+    nics = [
+        NicInfo(
+            name=n.name.decode(errors="replace"),
+            fabric=n.fabric.decode(errors="replace"),
+            provider=n.provider.decode(errors="replace"),
+            pci=n.pci.decode(errors="replace"),
+            link_speed_bps=int(n.link_speed_bps),
+            numa_node=int(n.numa_node),
+        )
+        for n in arr[: min(count.value, max_nics)]
+    ]
+    return name.value.decode(errors="replace"), nics
+
+
+def decode_descriptor(blob: bytes) -> DescInfo:
+    s = shim()
+    info = DescInfo()
+    s.check(s.f.afs_desc_decode(blob, len(blob), ctypes.byref(info)), "decoding descriptor")
+    return info
+
+
+def check_address(blob: bytes) -> tuple[int, int]:
+    s = shim()
+    inc = ctypes.c_uint64()
+    nics = ctypes.c_uint32()
+    s.check(s.f.afs_address_check(blob, len(blob), ctypes.byref(inc), ctypes.byref(nics)), "decoding address")
+    return inc.value, nics.value
+
+
+def buffer_address(obj: Any) -> tuple[int, int]:
+    """(address, length in bytes) of a writable, C-contiguous buffer-protocol object."""
+    mv = memoryview(obj)
+    if mv.readonly:
+        raise errors.RegistrationError("read-only buffers cannot be registered (a peer may write them)")
+    if not mv.c_contiguous:
+        raise errors.RegistrationError("buffer is not C-contiguous")
+    nbytes = mv.nbytes
+    if nbytes == 0:
+        raise errors.RegistrationError("cannot register an empty buffer")
+    flat = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+    view = (ctypes.c_char * nbytes).from_buffer(flat)
+    addr = ctypes.addressof(view)
+    del view
+    flat.release()
+    mv.release()
+    return int(addr), int(nbytes)
+
+
+def string_at(address: int, length: int) -> bytes:
+    return ctypes.string_at(address, length)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One drained completion record, already converted to Python objects."""
+
+    kind: int
+    id: int
+    status: int
+    payload: bytes | None  # RECV: the message
+    text: str | None  # DONE with an error: the provider's/shim's error text
+    release_later: bool  # DONE of a failed op whose buffers the provider still holds
+
+
+class NativeEngine:
+    """An `afs_engine *` with one method per shim call; all ctypes stays in this module."""
+
+    DRAIN_BATCH = 256
+
+    def __init__(self, cfg: Config, provider: str) -> None:
+        self._s = shim()
+        self.provider = provider
+        h = EngineHandle()
+        self._s.check(self._s.f.afs_engine_create(ctypes.byref(cfg), ctypes.byref(h)), "creating engine", provider)
+        self._h: EngineHandle | None = h
+        self._out = ctypes.c_uint64()
+        self._out_ref = ctypes.byref(self._out)
+        self._ring = (Completion * self.DRAIN_BATCH)()
+        self._count = ctypes.c_uint32()
+        f = self._s.f
+        self._write = f.afs_write
+        self._paged = f.afs_write_paged
+        self._drain = f.afs_drain
+
+    @property
+    def open(self) -> bool:
+        return self._h is not None
+
+    def _handle(self) -> EngineHandle:
+        if self._h is None:
+            raise errors.EngineClosed("engine is closed")
+        return self._h
+
+    def destroy(self) -> None:
+        h, self._h = self._h, None
+        if h is not None:
+            self._s.check(self._s.f.afs_engine_destroy(h), "closing engine", self.provider)
+
+    def facts(self) -> EngineFacts:
+        out = EngineFacts()
+        self._s.check(self._s.f.afs_engine_info(self._handle(), ctypes.byref(out)), "engine info", self.provider)
+        return out
+
+    def address(self) -> bytes:
+        buf = (ctypes.c_uint8 * 2048)()
+        n = ctypes.c_uint32()
+        self._s.check(
+            self._s.f.afs_engine_address(self._handle(), buf, 2048, ctypes.byref(n)), "engine address", self.provider
+        )
+        return bytes(buf[: n.value])
+
+    def register(self, address: int, length: int, flags: int, device: int) -> tuple[int, bytes]:
+        buf = (ctypes.c_uint8 * 4096)()
+        n = ctypes.c_uint32()
+        mr_id = ctypes.c_uint64()
+        rc = self._s.f.afs_mr_register(
+            self._handle(), address, length, flags, device, ctypes.byref(mr_id), buf, 4096, ctypes.byref(n)
+        )
+        self._s.check(rc, f"registering {length} bytes", self.provider)
+        return mr_id.value, bytes(buf[: n.value])
+
+    def deregister(self, mr_id: int) -> None:
+        self._s.check(self._s.f.afs_mr_deregister(self._handle(), mr_id), "deregistering", self.provider)
+
+    def import_descriptor(self, blob: bytes) -> int:
+        rc = self._s.f.afs_remote_import(self._handle(), blob, len(blob), self._out_ref)
+        self._s.check(rc, "importing remote descriptor", self.provider)
+        return self._out.value
+
+    def release_remote(self, remote_id: int) -> None:
+        self._s.check(self._s.f.afs_remote_release(self._handle(), remote_id), "releasing descriptor", self.provider)
+
+    def resolve_peer(self, address: bytes) -> int:
+        rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), self._out_ref)
+        self._s.check(rc, "resolving peer", self.provider)
+        return self._out.value
+
+    def write(self, what: str, mr_id: int, remote_id: int, length: int, src: int, dst: int, imm: int) -> int:
+        rc = self._write(self._handle(), mr_id, remote_id, length, src, dst, imm, self._out_ref)
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return self._out.value
+
+    def write_paged(
+        self,
+        what: str,
+        mr_id: int,
+        remote_id: int,
+        page_len: int,
+        src_idx: Any,
+        src_stride: int,
+        src_offset: int,
+        dst_idx: Any,
+        dst_stride: int,
+        dst_offset: int,
+        imm: int,
+    ) -> int:
+        count = int(src_idx.shape[0])
+        rc = self._paged(
+            self._handle(), mr_id, remote_id, page_len, count,
+            src_idx.ctypes.data, src_stride, src_offset,
+            dst_idx.ctypes.data, dst_stride, dst_offset, imm, self._out_ref,
+        )  # fmt: skip
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return self._out.value
+
+    def send(self, what: str, peer_id: int, data: bytes) -> int:
+        rc = self._s.f.afs_send(self._handle(), peer_id, data, len(data), self._out_ref)
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return self._out.value
+
+    def expect_imm(self, imm: int, count: int) -> int:
+        rc = self._s.f.afs_expect_imm(self._handle(), imm, count, self._out_ref)
+        if rc:
+            self._s.check(rc, f"expect_imm({imm}, {count})", self.provider)
+        return self._out.value
+
+    def cancel(self, op_id: int) -> None:
+        if self._h is not None:
+            self._s.check(self._s.f.afs_cancel(self._h, op_id), "cancel", self.provider)
+
+    def drain(self) -> list[Event]:
+        """Every completion ready now (one ctypes call per 256 records)."""
+        h = self._handle()
+        out: list[Event] = []
+        ring = self._ring
+        release: list[int] = []
+        while True:
+            self._drain(h, ring, self.DRAIN_BATCH, ctypes.byref(self._count))
+            n = self._count.value
+            for i in range(n):
+                c = ring[i]
+                kind = c.kind
+                if kind == C_RECV:
+                    out.append(Event(kind, 0, 0, ctypes.string_at(c.data, c.len), None, False))
+                    release.append(c.slot)
+                elif kind == C_DONE:
+                    text = None
+                    if c.data:
+                        text = ctypes.string_at(c.data).decode(errors="replace")
+                        self._s.f.afs_text_free(c.data)
+                    out.append(Event(kind, c.id, c.status, None, text, bool(c.slot)))
+                else:
+                    out.append(Event(kind, c.id, c.status, None, None, False))
+            if n < self.DRAIN_BATCH:
+                break
+        if release:
+            arr = (ctypes.c_uint32 * len(release))(*release)
+            self._s.check(self._s.f.afs_recv_release(h, arr, len(release)), "releasing receive buffers", self.provider)
+        return out
+
+    def bench_write(self, mr_id: int, remote_id: int, length: int, window: int, iters: int) -> int:
+        ns = ctypes.c_uint64()
+        rc = self._s.f.afs_bench_write(self._handle(), mr_id, remote_id, length, window, iters, ctypes.byref(ns))
+        self._s.check(rc, "raw benchmark", self.provider)
+        return ns.value
+
+    def bench_paged(
+        self, mr_id: int, remote_id: int, page_len: int, src_idx: Any, dst_idx: Any, window: int, iters: int
+    ) -> int:
+        ns = ctypes.c_uint64()
+        rc = self._s.f.afs_bench_paged(
+            self._handle(), mr_id, remote_id, page_len, int(src_idx.shape[0]),
+            src_idx.ctypes.data, dst_idx.ctypes.data, window, iters, ctypes.byref(ns),
+        )  # fmt: skip
+        self._s.check(rc, "raw paged benchmark", self.provider)
+        return ns.value
+
+    def error(self, status: int, what: str, text: str | None) -> errors.AfabricError:
+        name, generic = self._s.codes.get(status, (f"E{status}", "unknown error code"))
+        return errors.from_code(name, status, what, text or generic, self.provider)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `afabric bench ...`: each reports, none asserts."""

@@ -1,0 +1,279 @@
+"""`afabric bench p2p`: bandwidth and operation rate between two processes on this machine.
+
+A target process registers memory and publishes its descriptor; this process writes to it
+through the Python API (W coroutines each awaiting its writes, the idiomatic way to keep W
+in flight) and through the shim's raw C loop (same submit path, no Python per operation).
+Every number is the median of repeated runs; the ratio column is Python over raw from
+the same run. Nothing here asserts speed: it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from .. import Engine, MrDesc, Pages
+from .. import _native
+
+KiB, MiB = 1 << 10, 1 << 20
+CONTIG_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+QUICK_CONTIG = [8, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]
+PAGE_SIZES = [1 * KiB, 4 * KiB, 16 * KiB, 64 * KiB]
+QUICK_PAGES = [1 * KiB, 32 * KiB]
+REGION = 128 * MiB
+PAGES_PER_OP = 64
+
+
+@dataclass
+class Row:
+    kind: str  # "write" or "paged"
+    size: int  # bytes per write, or bytes per page
+    ops_per_call: int  # 1, or pages per paged write
+    window: int
+    py_gbps: float = 0.0
+    raw_gbps: float = 0.0
+    py_ops: float = 0.0  # writes (or pages) per second
+    raw_ops: float = 0.0
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.py_gbps / self.raw_gbps if self.raw_gbps else 0.0
+
+
+@dataclass
+class Latency:
+    size: int
+    p50_us: float
+    p99_us: float
+    raw_p50_us: float
+    samples: int
+
+
+def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
+    async def run() -> None:
+        async with Engine(provider, polling=polling) as eng:
+            buf = np.zeros(REGION, dtype=np.uint8)
+            mr = eng.register(buf)
+            conn.send(bytes(mr.descriptor))
+            aloop = asyncio.get_running_loop()
+            await aloop.run_in_executor(None, conn.recv)
+
+    _run(run(), loop)
+
+
+def _run(coro: Awaitable[Any], loop: str) -> Any:
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)  # type: ignore[arg-type]
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _iters_for(nbytes: int, quick: bool) -> int:
+    budget = (64 if quick else 256) * MiB
+    return int(max(64, min(20000 if quick else 50000, budget // max(nbytes, 1))))
+
+
+def _window_for(nbytes: int) -> int:
+    return 64 if nbytes <= 64 * KiB else 16 if nbytes <= 1 * MiB else 4
+
+
+async def _py_writes(eng: Engine, mr: Any, desc: MrDesc, nbytes: int, window: int, iters: int) -> float:
+    per = max(1, iters // window)
+    span = max(1, REGION // max(nbytes, 1))
+
+    async def lane(k: int) -> None:
+        for i in range(per):
+            off = ((k * per + i) % span) * nbytes
+            await eng.write(mr, desc, nbytes, src_offset=off, dst_offset=off)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane(k) for k in range(window)))
+    return (time.perf_counter() - t0) / (per * window)
+
+
+async def _py_paged(eng: Engine, mr: Any, desc: MrDesc, page: int, src: Pages, dst: Pages, window: int, iters: int) -> float:
+    per = max(1, iters // window)
+
+    async def lane() -> None:
+        for _ in range(per):
+            await eng.write_paged(mr, desc, page_len=page, src_pages=src, dst_pages=dst)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(window)))
+    return (time.perf_counter() - t0) / (per * window)
+
+
+def _raw(eng: Engine, fn: Callable[[], int], count: int) -> float:
+    return fn() / 1e9 / count
+
+
+async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row], list[Latency], Engine]:
+    eng = Engine(args.provider, polling=args.polling)
+    try:
+        desc = MrDesc.from_bytes(desc_blob)
+        src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
+        mr = eng.register(src)
+        mr_id = mr.check(eng)
+        rid, _ = eng._remote(desc)  # the raw loop drives the same imported descriptor
+        n = eng._n
+        rows: list[Row] = []
+        sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
+        for size in sizes:
+            window, iters = _window_for(size), _iters_for(size, args.quick)
+            row = Row("write", size, 1, window)
+            py: list[float] = []
+            raw: list[float] = []
+            for _ in range(args.repeat):
+                py.append(await _py_writes(eng, mr, desc, size, window, iters))
+                raw.append(_raw(eng, lambda: n.bench_write(mr_id, rid, size, window, iters), iters))
+            _fill(row, py, raw, size)
+            rows.append(row)
+            _progress(args, row)
+        rng = np.random.default_rng(1)
+        for page in QUICK_PAGES if args.quick else PAGE_SIZES:
+            npages = REGION // page
+            count = PAGES_PER_OP
+            window = 16
+            iters = max(16, _iters_for(page * count, args.quick))
+            s_idx = rng.choice(npages, count, replace=False).astype(np.int64)
+            d_idx = rng.choice(npages, count, replace=False).astype(np.int64)
+            sp, dp = Pages(s_idx, page), Pages(d_idx, page)
+            row = Row("paged", page, count, window)
+            py, raw = [], []
+            for _ in range(args.repeat):
+                py.append(await _py_paged(eng, mr, desc, page, sp, dp, window, iters))
+                raw.append(_raw(eng, lambda: n.bench_paged(mr_id, rid, page, s_idx, d_idx, window, iters), iters))
+            _fill(row, py, raw, page * count, per_call=count)
+            rows.append(row)
+            _progress(args, row)
+        lat = [await _latency(eng, mr, desc, 8, args.quick)]
+        return rows, lat, eng
+    except BaseException:
+        await eng.aclose()
+        raise
+
+
+async def _latency(eng: Engine, mr: Any, desc: MrDesc, size: int, quick: bool) -> Latency:
+    n = 2000 if quick else 20000
+    for _ in range(200):
+        await eng.write(mr, desc, size)
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        await eng.write(mr, desc, size)
+        samples.append(clock() - t0)
+    samples.sort()
+    mr_id = mr.check(eng)
+    rid, _ = eng._remote(desc)
+    raw = eng._n.bench_write(mr_id, rid, size, 1, n) / n
+    return Latency(size, samples[len(samples) // 2] / 1e3, samples[int(len(samples) * 0.99)] / 1e3, raw / 1e3, n)
+
+
+def _fill(row: Row, py: list[float], raw: list[float], nbytes: int, per_call: int = 1) -> None:
+    py_s, raw_s = statistics.median(py), statistics.median(raw)
+    row.py_gbps = nbytes / py_s / 1e9
+    row.raw_gbps = nbytes / raw_s / 1e9
+    row.py_ops = per_call / py_s
+    row.raw_ops = per_call / raw_s
+    row.samples = {"py_s_per_call": py, "raw_s_per_call": raw}
+
+
+def _fmt_size(n: int) -> str:
+    for unit, f in (("MiB", MiB), ("KiB", KiB)):
+        if n >= f and n % f == 0:
+            return f"{n // f} {unit}"
+    return f"{n} B"
+
+
+def _progress(args: argparse.Namespace, row: Row) -> None:
+    if sys.stderr.isatty() and not args.json_only:
+        print(f"  measured {row.kind} {_fmt_size(row.size)}", file=sys.stderr)
+
+
+def render(rows: list[Row], lat: list[Latency], header: str) -> str:
+    out = [header, ""]
+    out.append(f"{'op':<6} {'size':>8} {'win':>4} {'py GB/s':>9} {'raw GB/s':>9} {'py/raw':>7} {'py op/s':>11} {'raw op/s':>11}")
+    for r in rows:
+        size = _fmt_size(r.size) + ("/pg" if r.kind == "paged" else "")
+        out.append(
+            f"{r.kind:<6} {size:>8} {r.window:>4} {r.py_gbps:>9.2f} {r.raw_gbps:>9.2f} {r.ratio:>7.2f} "
+            f"{r.py_ops:>11,.0f} {r.raw_ops:>11,.0f}"
+        )
+    for x in lat:
+        out.append(
+            f"\nawaited {x.size} B write, one at a time: p50 {x.p50_us:.1f} µs, p99 {x.p99_us:.1f} µs "
+            f"(raw C loop: {x.raw_p50_us:.1f} µs mean; {x.samples} samples)"
+        )
+    out.append("paged rows: size is per page, op/s counts pages, {} pages per call".format(PAGES_PER_OP))
+    return "\n".join(out)
+
+
+def main(args: argparse.Namespace) -> int:
+    args.repeat = max(1, int(getattr(args, "repeat", None) or (3 if args.quick else 5)))
+    args.json_only = False
+    args.polling = getattr(args, "polling", None) or "adaptive"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    loop = getattr(args, "loop", None) or "asyncio"
+
+    async def run() -> tuple[list[Row], list[Latency], str, str]:
+        # resolve the provider here first so "auto" is decided once, for both processes
+        probe = Engine(args.provider)
+        provider, fabric, why = probe.provider, probe.fabric_provider, probe.provider_choice
+        await probe.aclose()
+        proc = ctx.Process(target=_target, args=(child, provider, args.polling, loop), daemon=True)
+        proc.start()
+        try:
+            aloop = asyncio.get_running_loop()
+            ready = await aloop.run_in_executor(None, parent.poll, 60)
+            if not ready:
+                raise RuntimeError("benchmark target did not start")
+            desc_blob = parent.recv()
+            args.provider = provider
+            rows, lat, eng = await _measure(args, desc_blob)
+            await eng.aclose()
+            return rows, lat, fabric, why
+        finally:
+            parent.send("stop")
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+    rows, lat, fabric, why = _run(run(), loop)
+    header = (
+        f"afabric bench p2p — provider {args.provider} ({fabric}), loop {loop}, polling {args.polling}, "
+        f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}"
+    )
+    print(render(rows, lat, header))
+    if args.json:
+        doc = {
+            "bench": "p2p",
+            "provider": args.provider,
+            "fabric_provider": fabric,
+            "loop": loop,
+            "polling": args.polling,
+            "cpus": os.cpu_count(),
+            "host": platform.node(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "shim": _native.shim().path,
+            "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+            "latency": [asdict(x) for x in lat],
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0

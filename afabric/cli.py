@@ -1,0 +1,306 @@
+"""The ``afabric`` command: ``afabric info`` and ``afabric bench p2p``.
+
+``info`` lists the installed providers (from the ``afabric.providers`` entry points),
+whether each is usable here and why not, the NICs each sees, what ``provider="auto"``
+would pick, GPUs and NUMA nodes. ``bench p2p`` parses its options and hands them to
+:func:`afabric.bench.p2p.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from . import _native, registry
+from .errors import AfabricError
+
+__all__ = ["main", "parse_size"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"4096"``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2G"`` -> bytes (binary units)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8, 4K, 1M, 1G)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit]
+
+
+def _size_list(text: str) -> list[int]:
+    sizes = [parse_size(t) for t in text.split(",") if t.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("no sizes given")
+    return sizes
+
+
+def _speed(bps: int) -> str:
+    if bps <= 0:
+        return "?"
+    if bps >= 10**9:
+        return f"{bps / 1e9:g} Gb/s"
+    return f"{bps / 1e6:g} Mb/s"
+
+
+# ---- host facts (sysfs / procfs) ----
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pci_numa(bus: str) -> int:
+    text = _read(Path("/sys/bus/pci/devices") / bus.lower() / "numa_node")
+    try:
+        return int(text)
+    except ValueError:
+        return -1
+
+
+def gpus() -> list[dict[str, Any]]:
+    """NVIDIA GPUs from /proc/driver/nvidia/gpus (nvidia-smi when /proc lacks them)."""
+    out: list[dict[str, Any]] = []
+    root = Path("/proc/driver/nvidia/gpus")
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            fields: dict[str, str] = {}
+            for line in _read(d / "information").splitlines():
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields[key.strip()] = value.strip()
+            bus = fields.get("Bus Location", d.name)
+            out.append({
+                "index": int(fields.get("Device Minor", len(out))),
+                "name": fields.get("Model", "NVIDIA GPU"),
+                "pci": bus,
+                "numa_node": _pci_numa(bus),
+            })
+        return out
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return out
+    try:
+        proc = subprocess.run(
+            [smi, "--query-gpu=index,name,pci.bus_id", "--format=csv,noheader"],
+            check=False, capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return out
+    if proc.returncode != 0:
+        return out
+    for line in proc.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[0].isdigit():
+            bus = parts[2][-12:].lower()  # nvidia-smi prints 00000000:3B:00.0
+            out.append({"index": int(parts[0]), "name": parts[1], "pci": bus, "numa_node": _pci_numa(bus)})
+    return out
+
+
+def numa_nodes() -> list[dict[str, Any]]:
+    """NUMA nodes from /sys/devices/system/node: id, CPU list, memory."""
+    out: list[dict[str, Any]] = []
+    root = Path("/sys/devices/system/node")
+    if not root.is_dir():
+        return out
+    nodes = [d for d in root.iterdir() if re.fullmatch(r"node\d+", d.name)]
+    for d in sorted(nodes, key=lambda p: int(p.name[4:])):
+        mem_kib = 0
+        for line in _read(d / "meminfo").splitlines():
+            if "MemTotal:" in line:
+                mem_kib = int(line.split()[-2])
+        out.append({"node": int(d.name[4:]), "cpus": _read(d / "cpulist"), "mem_bytes": mem_kib * 1024})
+    return out
+
+
+# ---- info ----
+
+
+def _version() -> str:
+    try:
+        return metadata.version("afabric")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _shim_state() -> dict[str, Any]:
+    try:
+        s = _native.shim()
+    except AfabricError as e:
+        return {"loaded": False, "error": str(e)}
+    return {"loaded": True, "path": s.path}
+
+
+def _availability_json(a: registry.Availability) -> dict[str, Any]:
+    spec = a.spec
+    return {
+        "name": a.name,
+        "distribution": a.distribution,
+        "available": a.available,
+        "reason": a.reason,
+        "provider": a.provider,
+        "priority": spec.priority if spec is not None else None,
+        "library": spec.library if spec is not None else None,
+        "fabric_provider": spec.fabric_provider if spec is not None else None,
+        "bind_addr": spec.bind_addr if spec is not None else None,
+        "hint": spec.hint if spec is not None else "",
+        "description": spec.description if spec is not None else "",
+        "options": dict(spec.options) if spec is not None else {},
+        "nics": [asdict(n) for n in a.nics],
+    }
+
+
+def collect_info() -> dict[str, Any]:
+    """Everything ``afabric info`` shows, as plain data."""
+    providers = registry.probe_all()
+    auto: dict[str, Any]
+    try:
+        spec, sentence = registry.resolve("auto")
+        auto = {"provider": spec.name, "why": sentence}
+    except AfabricError as e:
+        auto = {"provider": None, "why": str(e)}
+    return {
+        "afabric": _version(),
+        "python": sys.version.split()[0],
+        "shim": _shim_state(),
+        "providers": [_availability_json(a) for a in providers],
+        "auto": auto,
+        "gpus": gpus(),
+        "numa": numa_nodes(),
+    }
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    print(f"afabric {info['afabric']} (Python {info['python']})")
+    shim = info["shim"]
+    print(f"shim: {shim['path']}" if shim["loaded"] else f"shim: NOT LOADED: {shim['error']}")
+    print()
+    print("providers:")
+    if not info["providers"]:
+        print("  none installed (no entry points in the group 'afabric.providers')")
+    for p in info["providers"]:
+        state = "available" if p["available"] else "unavailable"
+        prio = p["priority"] if p["priority"] is not None else "-"
+        print(f"  {p['name']}: {state}  [distribution {p['distribution']}, priority {prio}]")
+        if p["provider"]:
+            print(f"    libfabric provider: {p['provider']}")
+        if p["bind_addr"]:
+            print(f"    binds: {p['bind_addr']}")
+        for n in p["nics"]:
+            numa = n["numa_node"] if n["numa_node"] >= 0 else "?"
+            print(
+                f"    NIC {n['name']}: fabric {n['fabric'] or '?'}, numa {numa}, "
+                f"pci {n['pci'] or '-'}, speed {_speed(n['link_speed_bps'])}"
+            )
+        if not p["available"]:
+            print(f"    why: {p['reason']}")
+    print()
+    auto = info["auto"]
+    print(auto["why"] if auto["provider"] else f"auto: nothing usable: {auto['why']}")
+    print()
+    print("GPUs:" + ("" if info["gpus"] else " none"))
+    for g in info["gpus"]:
+        numa = g["numa_node"] if g["numa_node"] >= 0 else "?"
+        print(f"  GPU {g['index']}: {g['name']}, pci {g['pci']}, numa {numa}")
+    print("NUMA nodes:" + ("" if info["numa"] else " none (no /sys/devices/system/node)"))
+    for n in info["numa"]:
+        print(f"  node {n['node']}: cpus {n['cpus']}, memory {n['mem_bytes'] / 2**30:.1f} GiB")
+
+
+def _cmd_info(ns: argparse.Namespace) -> int:
+    info = collect_info()
+    if ns.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+    else:
+        _print_info(info)
+    return 0
+
+
+# ---- bench ----
+
+
+def _default_loop() -> str:
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
+def _cmd_bench_p2p(ns: argparse.Namespace) -> int:
+    # Imported here, on use only: the benchmark pulls in numpy and the engine.
+    try:
+        mod = importlib.import_module("afabric.bench.p2p")
+    except ModuleNotFoundError as e:
+        if e.name is None or not "afabric.bench.p2p".startswith(e.name):
+            raise
+        print(f"afabric: error: this install has no benchmark module ({e})", file=sys.stderr)
+        return 2
+    run: Callable[[argparse.Namespace], int] = mod.main
+    return int(run(ns))
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="afabric", description="Portable point-to-point RDMA for asyncio.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log afabric's decisions (INFO) to stderr")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    info = sub.add_parser("info", help="providers, NICs, GPUs and NUMA nodes on this machine")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    info.set_defaults(func=_cmd_info)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    p2p = bsub.add_parser("p2p", help="point-to-point write/send bandwidth and latency between two processes")
+    p2p.add_argument("--provider", default="auto", help="provider name or 'auto' (default: auto)")
+    p2p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    p2p.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
+    p2p.add_argument(
+        "--sizes", type=_size_list, default=None, metavar="LIST",
+        help="comma-separated message sizes, e.g. 8,4K,64K,1M (default: the benchmark's own list)",
+    )
+    p2p.add_argument("--repeat", type=int, default=None, metavar="N",
+                     help="repetitions per measurement (default: the benchmark's own)")
+    p2p.add_argument("--polling", choices=("adaptive", "spin"), default=None,
+                     help="worker polling: adaptive (default; spin briefly, then sleep) or spin (a core per worker)")
+    p2p.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
+                     help="event loop (default: uvloop if installed, else asyncio)")
+    p2p.set_defaults(func=_cmd_bench_p2p)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``afabric`` console script; returns the exit status."""
+    ns = _parser().parse_args(argv)
+    if ns.verbose:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("afabric").setLevel(logging.INFO)
+    try:
+        rc: int = ns.func(ns)
+    except AfabricError as e:
+        print(f"afabric: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `afabric info | head`: stop quietly, as other tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Memory-region descriptors: what a target hands to initiators so they can write to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _native
+
+
+class MrDesc:
+    """A remote memory region: owner address, range and per-NIC keys in one compact blob.
+
+    ``bytes(d)`` / ``MrDesc.from_bytes(b)`` and pickle round-trip it. Construction decodes
+    the blob with the shim's decoder, so a truncated, corrupted or foreign blob raises
+    :class:`afabric.errors.BadDescriptor` here, long before anything is posted.
+    """
+
+    __slots__ = ("_blob", "length", "base", "device", "incarnation", "provider", "nics")
+
+    def __init__(self, blob: bytes) -> None:
+        blob = bytes(blob)
+        info = _native.decode_descriptor(blob)
+        self._blob = blob
+        self.length: int = int(info.length)
+        self.base: int = int(info.base)
+        self.device: int = int(info.device)
+        self.incarnation: int = int(info.incarnation)
+        self.provider: str = info.provider.decode(errors="replace")
+        self.nics: int = int(info.nics)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes | bytearray | memoryview) -> MrDesc:
+        return cls(bytes(blob))
+
+    def __bytes__(self) -> bytes:
+        return self._blob
+
+    def __len__(self) -> int:
+        return len(self._blob)
+
+    def __repr__(self) -> str:
+        return (
+            f"MrDesc(length={self.length}, provider={self.provider}, nics={self.nics}, "
+            f"owner={self.incarnation:016x})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MrDesc) and other._blob == self._blob
+
+    def __hash__(self) -> int:
+        return hash(self._blob)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MrDesc.from_bytes, (self._blob,))

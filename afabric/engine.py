@@ -1,0 +1,436 @@
+"""The asyncio facade: :class:`Engine` turns shim completions into awaited results.
+
+Every operation is one ctypes call that enqueues a request for the shim's worker thread;
+completions come back through the shim's ring, announced on an eventfd that the loop
+watches with ``add_reader``; one drain call resolves a batch of futures on the loop's
+thread. Python never runs on the worker; the worker never takes the GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import traceback
+import warnings
+import weakref
+from typing import Any
+
+import numpy as np
+
+from . import _native, errors, registry
+from .address import Address
+from .descriptor import MrDesc
+from .memory import BufferSpan, MemoryRegion, span_of
+from .pages import Pages
+
+IMM_MAX = 0xFFFFFFFF
+U64_MAX = (1 << 64) - 1
+_REMOTE_CACHE_MAX = 65536
+
+
+def _u64(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise errors.InvalidArgument(f"{name} must be an integer, got {type(value).__name__}")
+    v = int(value)
+    if v < 0 or v > U64_MAX:
+        raise errors.OutOfRange(f"{name} {v} is negative or too large")
+    return v
+
+
+def _imm(value: Any) -> int:
+    if value is None:
+        return _native.NO_IMM
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise errors.ImmediateOutOfRange(f"immediate must be an int in 0..{IMM_MAX}, got {type(value).__name__}")
+    v = int(value)
+    if v < 0 or v > IMM_MAX:
+        raise errors.ImmediateOutOfRange(f"immediate {v} outside 0..{IMM_MAX}")
+    return v
+
+
+class _Op:
+    """An operation in flight: its future, how to name it in errors, what it keeps alive."""
+
+    __slots__ = ("future", "verb", "peer", "refs", "kind")
+
+    def __init__(self, future: asyncio.Future[None], verb: str, peer: int, refs: tuple[Any, ...], kind: str) -> None:
+        self.future = future
+        self.verb = verb
+        self.peer = peer
+        self.refs = refs
+        self.kind = kind
+
+    def label(self) -> str:
+        return f"{self.verb} to peer {self.peer:016x}" if self.peer else self.verb
+
+
+def _on_ready(ref: weakref.ref[Engine]) -> None:
+    eng = ref()
+    if eng is not None:
+        eng._process()
+
+
+class Engine:
+    """One endpoint: a provider, its NIC domain(s), a worker thread and a completion ring.
+
+    Create it inside a running event loop and close it with ``await eng.aclose()`` or
+    ``async with``::
+
+        async with afabric.Engine(provider="auto") as eng:
+            mr = eng.register(buf)
+            ...
+    """
+
+    def __init__(
+        self,
+        provider: str = "auto",
+        *,
+        nic: str | None = None,
+        bind: str | None = None,
+        cpu: int | None = None,
+        polling: str = "adaptive",
+        spin_us: int = 50,
+        max_message_size: int = 65536,
+        op_timeout: float = 20.0,
+        rx_depth: int = 128,
+        tx_depth: int = 256,
+        name: str | None = None,
+        force_efa_modes: bool = False,
+    ) -> None:
+        self._closed = True  # until fully open: __del__ must not touch half-made state
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise errors.UsageError("create an Engine inside a running event loop (async def ...)") from None
+        if polling not in ("adaptive", "spin"):
+            raise errors.InvalidArgument(f"polling must be 'adaptive' or 'spin', got {polling!r}")
+        if not isinstance(provider, str):
+            raise errors.InvalidArgument("provider must be a string")
+        if op_timeout < 0:
+            raise errors.InvalidArgument("op_timeout must be >= 0 (0 = never)")
+        spec, why = registry.resolve(provider)
+        self.provider: str = spec.name
+        """afabric's provider name ("tcp")."""
+        self.provider_choice: str = why
+        """Why this provider: with provider="auto", what was picked and what was passed over."""
+        cfg = _native.make_config(
+            library=spec.library,
+            provider_name=spec.name,
+            fabric_provider=spec.fabric_provider,
+            nic=nic,
+            bind_addr=bind if bind is not None else spec.bind_addr,
+            cpu=-1 if cpu is None else cpu,
+            spin=polling == "spin",
+            spin_us=spin_us,
+            max_msg_size=max_message_size,
+            rx_depth=rx_depth,
+            tx_depth=tx_depth,
+            op_timeout=op_timeout,
+            force_efa_modes=force_efa_modes,
+        )
+        self._n = _native.NativeEngine(cfg, spec.name)
+        facts = self._n.facts()
+        self._fd = int(facts.event_fd)
+        self.fabric_provider: str = facts.provider.decode(errors="replace")
+        """The provider as the native library reports it ("tcp;ofi_rxm")."""
+        self.max_message_size: int = int(facts.max_msg_size)
+        self.max_write_size: int = int(facts.max_write_size)
+        self.caps: int = int(facts.caps)
+        self.address: Address = Address(self._n.address())
+        self.op_timeout = op_timeout
+        self.name = name or f"{spec.name}-{self.address.short()}"
+        self.log = logging.getLogger(f"afabric.engine.{self.name}")
+        self._ops: dict[int, _Op] = {}
+        self._held: dict[int, tuple[Any, ...]] = {}
+        self._inbox: collections.deque[bytes] = collections.deque()
+        self._recv_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self._remotes: dict[bytes, int] = {}
+        self._peers: dict[bytes, int] = {}
+        self._next_imm = 0
+        self._created_at = traceback.format_stack() if self._loop.get_debug() else None
+        self._loop.add_reader(self._fd, _on_ready, weakref.ref(self))
+        self._closed = False
+        self.log.info("engine open: provider %s (%s); %s", self.provider, self.fabric_provider, why)
+
+    # ---- lifetime ----
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Close gracefully: wait (bounded) for writes and sends in flight, then release
+        everything. Idempotent; aborts on error or cancellation."""
+        if self._closed:
+            return
+        wait = [op.future for op in self._ops.values() if op.kind in ("write", "send") and not op.future.done()]
+        try:
+            if wait:
+                limit = timeout if timeout is not None else (self.op_timeout or None)
+                await asyncio.wait(wait, timeout=limit)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort: fail everything pending with EngineClosed and release native resources.
+        Safe to call from finalizers; never awaits."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.remove_reader(self._fd)
+        except (RuntimeError, ValueError, OSError):  # loop already closed
+            pass
+        try:
+            self._n.destroy()
+        finally:
+            self._fail_all(errors.EngineClosed("engine closed while the operation was in flight"))
+
+    def _fail_all(self, exc: errors.AfabricError) -> None:
+        ops, self._ops = self._ops, {}
+        self._held.clear()
+        for op in ops.values():
+            if not op.future.done() and not op.future.get_loop().is_closed():
+                op.future.set_exception(exc)
+                op.future.exception()  # mark retrieved: nobody may await it any more
+        while self._recv_waiters:
+            w = self._recv_waiters.popleft()
+            if not w.done() and not w.get_loop().is_closed():
+                w.set_exception(exc)
+                w.exception()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        msg = f"unclosed afabric.Engine {getattr(self, 'name', '?')}"
+        if self._created_at:
+            msg += "\ncreated at:\n" + "".join(self._created_at)
+        warnings.warn(msg, ResourceWarning, source=self, stacklevel=1)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.EngineClosed(f"engine {self.name} is closed")
+
+    # ---- memory ----
+
+    def register(self, buf: Any, *, remote: bool = True) -> MemoryRegion:
+        """Register a numpy array, bytearray/memoryview, torch tensor or CuPy array.
+
+        ``remote=False`` registers for local use only (send buffers, write sources): peers
+        cannot write there and the region has no descriptor."""
+        self._check_open()
+        return self._register_span(span_of(buf), remote)
+
+    def register_ptr(self, ptr: int, length: int, device: int = -1, *, remote: bool = True, owner: Any = None) -> MemoryRegion:
+        """Register raw memory. The caller keeps it valid until deregistered (``owner`` is
+        kept referenced for that)."""
+        self._check_open()
+        span = BufferSpan(_u64(ptr, "ptr"), _u64(length, "length"), int(device), owner)
+        return self._register_span(span, remote)
+
+    def _register_span(self, span: BufferSpan, remote: bool) -> MemoryRegion:
+        flags = (_native.MR_REMOTE if remote else 0) | (_native.MR_DEVICE if span.device >= 0 else 0)
+        try:
+            mr_id, blob = self._n.register(span.address, span.length, flags, span.device)
+        except (errors.Unsupported, errors.TransportError) as e:
+            where = "host memory" if span.device < 0 else f"CUDA memory (device {span.device})"
+            raise errors.RegistrationError(f"provider {self.provider} cannot register {where}: {e}") from e
+        desc = MrDesc(blob) if remote else None
+        return MemoryRegion(self, mr_id, span, remote, desc)
+
+    def deregister(self, mr: MemoryRegion) -> None:
+        """Revoke remote access at once. Writes already in flight from this region keep its
+        buffer referenced until they complete."""
+        if not isinstance(mr, MemoryRegion):
+            raise errors.InvalidArgument(f"deregister takes a MemoryRegion, got {type(mr).__name__}")
+        mr_id = mr.check(self)
+        mr.id = None
+        self._n.deregister(mr_id)
+
+    # ---- descriptors and peers ----
+
+    def _remote(self, desc: Any) -> tuple[int, int]:
+        if not isinstance(desc, MrDesc):
+            if isinstance(desc, (bytes, bytearray, memoryview)):
+                desc = MrDesc.from_bytes(desc)
+            else:
+                raise errors.InvalidArgument(f"remote descriptor must be an MrDesc, got {type(desc).__name__}")
+        blob = bytes(desc)
+        rid = self._remotes.get(blob)
+        if rid is None:
+            rid = self._n.import_descriptor(blob)
+            if len(self._remotes) >= _REMOTE_CACHE_MAX:
+                old_blob = next(iter(self._remotes))
+                self._n.release_remote(self._remotes.pop(old_blob))
+            self._remotes[blob] = rid
+        return rid, desc.incarnation
+
+    def _peer(self, address: Any) -> tuple[int, int]:
+        if not isinstance(address, Address):
+            if isinstance(address, (bytes, bytearray, memoryview)):
+                address = Address.from_bytes(address)
+            else:
+                raise errors.InvalidArgument(f"peer must be an Address, got {type(address).__name__}")
+        blob = bytes(address)
+        pid = self._peers.get(blob)
+        if pid is None:
+            pid = self._n.resolve_peer(blob)
+            self._peers[blob] = pid
+        return pid, address.incarnation
+
+    # ---- operations ----
+
+    async def _wait(self, op_id: int, verb: str, peer: int, refs: tuple[Any, ...], kind: str) -> None:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._ops[op_id] = _Op(fut, verb, peer, refs, kind)
+        # If the awaiting task is cancelled the op stays in _ops, keeping `refs` (the
+        # buffers) alive until the native completion: the NIC may still be reading them.
+        await fut
+
+    async def write(
+        self,
+        mr: MemoryRegion,
+        remote_desc: MrDesc,
+        length: int,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+    ) -> None:
+        """One-sided write of ``length`` bytes; with ``imm`` the target counts one arrival
+        after the data is in place. Zero length with an immediate is immediate-only."""
+        self._check_open()
+        if not isinstance(mr, MemoryRegion):
+            raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
+        mr_id = mr.check(self)
+        rid, peer = self._remote(remote_desc)
+        op = self._n.write(
+            "write", mr_id, rid, _u64(length, "length"), _u64(src_offset, "src_offset"),
+            _u64(dst_offset, "dst_offset"), _imm(imm),
+        )  # fmt: skip
+        await self._wait(op, "write", peer, (mr,), "write")
+
+    async def write_paged(
+        self,
+        mr: MemoryRegion,
+        remote_desc: MrDesc,
+        *,
+        page_len: int,
+        src_pages: Pages,
+        dst_pages: Pages,
+        imm: int | None = None,
+    ) -> None:
+        """Write page ``src_pages[i]`` to ``dst_pages[i]`` for every i, in one call into the
+        shim. With ``imm`` the target counts one arrival per page."""
+        self._check_open()
+        if not isinstance(mr, MemoryRegion):
+            raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
+        if not isinstance(src_pages, Pages) or not isinstance(dst_pages, Pages):
+            raise errors.InvalidArgument("src_pages and dst_pages must be afabric.Pages")
+        if len(src_pages) != len(dst_pages):
+            raise errors.InvalidArgument(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+        mr_id = mr.check(self)
+        rid, peer = self._remote(remote_desc)
+        op = self._n.write_paged(
+            "paged write", mr_id, rid, _u64(page_len, "page_len"),
+            src_pages.indices, src_pages.stride, src_pages.offset,
+            dst_pages.indices, dst_pages.stride, dst_pages.offset, _imm(imm),
+        )  # fmt: skip
+        await self._wait(op, "paged write", peer, (mr,), "write")
+
+    async def send(self, peer: Address, data: bytes | bytearray | memoryview) -> None:
+        """Two-sided send of at most :attr:`max_message_size` bytes (else MessageTooLarge)."""
+        self._check_open()
+        payload = bytes(data)
+        pid, inc = self._peer(peer)
+        op = self._n.send("send", pid, payload)
+        await self._wait(op, "send", inc, (), "send")
+
+    async def recv(self) -> bytes:
+        """The next message from any peer."""
+        self._check_open()
+        if self._inbox:
+            return self._inbox.popleft()
+        fut: asyncio.Future[bytes] = self._loop.create_future()
+        self._recv_waiters.append(fut)
+        return await fut
+
+    def alloc_imm(self) -> int:
+        """A fresh immediate value for one logical operation (never 0; wraps after 2**32-1)."""
+        self._check_open()
+        self._next_imm = self._next_imm % IMM_MAX + 1
+        return self._next_imm
+
+    async def expect_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
+        """Wait until ``count`` arrivals of ``imm`` have been counted, and consume them.
+        Arrivals before this call are kept and count. Cancelling (or the timeout) withdraws
+        the expectation; arrivals consumed by a completion that raced the cancel are lost."""
+        self._check_open()
+        value = _imm(imm)
+        if value == _native.NO_IMM:
+            raise errors.ImmediateOutOfRange("expect_imm needs an immediate value, not None")
+        n = _u64(count, "count")
+        op_id = self._n.expect_imm(value, n)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._ops[op_id] = _Op(fut, f"expect_imm({value}, {n})", 0, (), "expect")
+        try:
+            if timeout is None:
+                await fut
+            else:
+                await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            self._withdraw(op_id)
+            raise errors.OperationTimeout(f"expect_imm({value}, {n}): not complete after {timeout} s") from None
+        except asyncio.CancelledError:
+            self._withdraw(op_id)
+            raise
+
+    def _withdraw(self, op_id: int) -> None:
+        if not self._closed and op_id in self._ops:
+            self._n.cancel(op_id)
+
+    # ---- completions ----
+
+    def _process(self) -> None:
+        """Reader callback: drain the ring and resolve futures (on the loop's thread)."""
+        if self._closed:
+            return
+        for ev in self._n.drain():
+            if ev.kind == _native.C_DONE:
+                op = self._ops.pop(ev.id, None)
+                if op is None:
+                    continue
+                if ev.release_later:
+                    self._held[ev.id] = op.refs
+                if op.future.done():
+                    continue
+                if ev.status == 0:
+                    op.future.set_result(None)
+                else:
+                    op.future.set_exception(self._n.error(ev.status, op.label(), ev.text))
+            elif ev.kind == _native.C_RELEASE:
+                self._held.pop(ev.id, None)
+            elif ev.kind == _native.C_RECV:
+                self._deliver(ev.payload or b"")
+
+    def _deliver(self, payload: bytes) -> None:
+        while self._recv_waiters:
+            w = self._recv_waiters.popleft()
+            if not w.done():
+                w.set_result(payload)
+                return
+        self._inbox.append(payload)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<afabric.Engine {self.name} provider={self.provider} ({state})>"

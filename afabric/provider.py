@@ -1,0 +1,40 @@
+"""What a provider plugin declares: the public contract for plugin authors.
+
+A plugin is a distribution with an entry point in the group ``afabric.providers`` whose
+object is a zero-argument callable returning a :class:`ProviderSpec`::
+
+    [project.entry-points."afabric.providers"]
+    sockets = "afabric_sockets:sockets"
+
+The spec names a native library exporting ``afp_get_ops`` (the C table of
+``shim/afabric_provider.h``); afabric loads it only when the provider is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROVIDER_ABI_MAJOR = 1
+
+
+@dataclass(frozen=True)
+class ProviderSpec:
+    """A provider as afabric sees it before loading anything native."""
+
+    name: str
+    """afabric's name for it: ``Engine(provider=name)``."""
+    library: str
+    """Absolute path of the native library implementing the provider ABI."""
+    fabric_provider: str
+    """Name the native library is given (libfabric's provider name: "tcp", "shm", "efa")."""
+    priority: int = 0
+    """Order for ``provider="auto"``: highest available wins; 0 = never picked by auto."""
+    abi_major: int = PROVIDER_ABI_MAJOR
+    """Provider ABI major version the library was built for."""
+    bind_addr: str | None = None
+    """Interface address bound by default (tcp binds loopback unless told otherwise)."""
+    hint: str = ""
+    """Shown when the provider is unavailable ("install libfabric1", "no EFA device")."""
+    description: str = ""
+    options: dict[str, str] = field(default_factory=dict)
+    """Free-form, provider-specific settings, shown by `afabric info`."""

@@ -1,0 +1,238 @@
+"""Compile afabric's native libraries with the system C compiler.
+
+Two shared libraries, both loaded with ctypes/dlopen (never CPython extensions, so one
+build serves every Python version):
+
+- ``libafabric_shim.so`` from ``shim/*.c``          -> ``afabric/_lib/``
+- ``libafabric_ofi.so``  from ``providers/ofi/*.c`` -> ``providers/ofi/afabric_ofi/``
+  (the libfabric provider plugin; it needs libfabric's headers at build time only: it
+  dlopens libfabric at run time, so nothing here links it).
+
+Used by ``setup.py`` (``pip install .`` calls :func:`build` from its build_py step) and
+directly::
+
+    python build_native.py                      # into the source tree (for running from it)
+    python build_native.py --sanitize --out DIR # ASan+UBSan build of both into DIR
+    python build_native.py --sanitize --out DIR --print-env   # + the env to use it
+
+The compiler is ``$CC`` (may hold arguments, e.g. "ccache gcc") or ``cc``; ``$CFLAGS``
+and ``$LDFLAGS`` are appended. No ``-march=native``: the libraries must run on any
+x86-64 machine the wheel is copied to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+SHIM_DIR = ROOT / "shim"
+OFI_DIR = ROOT / "providers" / "ofi"
+
+SHIM_NAME = "libafabric_shim.so"
+OFI_NAME = "libafabric_ofi.so"
+DEFAULT_SHIM_OUT = ROOT / "afabric" / "_lib"
+DEFAULT_OFI_OUT = OFI_DIR / "afabric_ofi"
+
+BASE_FLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-fPIC", "-shared", "-fvisibility=hidden",
+              "-Wall", "-Wextra", "-Werror"]
+RELEASE_OPT = ["-O2"]
+DEBUG_OPT = ["-O0", "-g3"]
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
+LIBS = ["-ldl", "-lpthread"]
+
+LIBFABRIC_HINT = (
+    "libfabric's development headers (rdma/fabric.h) are missing: "
+    "apt-get install libfabric-dev (Debian/Ubuntu) or libfabric-devel (RHEL/Fedora); "
+    "for a vendor libfabric elsewhere (e.g. /opt/amazon/efa) set CFLAGS=-I/opt/amazon/efa/include"
+)
+
+
+class BuildError(RuntimeError):
+    """A native library could not be built; the message says why and what to install."""
+
+
+@dataclass(frozen=True)
+class Library:
+    """One shared library: its sources and where it goes by default."""
+
+    name: str
+    src_dir: Path
+    default_out: Path
+    needs_libfabric: bool
+
+    def sources(self) -> list[Path]:
+        # test_*.c are standalone test programs (e.g. providers/ofi/test_ofi.c), not library code.
+        return sorted(p for p in self.src_dir.glob("*.c") if not p.name.startswith("test_"))
+
+    def headers(self) -> list[Path]:
+        return sorted(self.src_dir.glob("*.h"))
+
+
+SHIM = Library(SHIM_NAME, SHIM_DIR, DEFAULT_SHIM_OUT, needs_libfabric=False)
+OFI = Library(OFI_NAME, OFI_DIR, DEFAULT_OFI_OUT, needs_libfabric=True)
+
+
+def compiler() -> list[str]:
+    """The C compiler command: $CC (split like a shell would) or cc; BuildError if absent."""
+    cmd = shlex.split(os.environ.get("CC", "")) or ["cc"]
+    if shutil.which(cmd[0]) is None:
+        raise BuildError(
+            f"no C compiler: {cmd[0]!r} not found (set CC, or apt-get install gcc)"
+        )
+    return cmd
+
+
+def _env_flags(name: str) -> list[str]:
+    return shlex.split(os.environ.get(name, ""))
+
+
+def flags(*, sanitize: bool = False, debug: bool = False) -> list[str]:
+    """Compiler flags for a build mode (sanitize wins over debug for the optimization level)."""
+    out = list(BASE_FLAGS)
+    if sanitize:
+        out += SANITIZE_FLAGS
+    elif debug:
+        out += DEBUG_OPT
+    else:
+        out += RELEASE_OPT
+    return out
+
+
+def check_libfabric_headers(cc: Sequence[str] | None = None) -> None:
+    """Raise BuildError naming the package to install if <rdma/fabric.h> cannot be included."""
+    cmd = [*(cc or compiler()), *_env_flags("CPPFLAGS"), *_env_flags("CFLAGS"),
+           "-E", "-x", "c", "-o", os.devnull, "-"]
+    proc = subprocess.run(cmd, check=False, input="#include <rdma/fabric.h>\n", capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"{LIBFABRIC_HINT}\n(compiler said: {proc.stderr.strip()})")
+
+
+def build_library(lib: Library, out_dir: str | os.PathLike[str] | None = None, *,
+                  sanitize: bool = False, debug: bool = False, verbose: bool = False) -> Path:
+    """Compile one library into out_dir (default: its place in the source tree).
+
+    The result is written under a temporary name and renamed, so a process loading the
+    library never sees a half-written file.
+    """
+    cc = compiler()
+    srcs = lib.sources()
+    if not srcs:
+        raise BuildError(f"no C sources in {lib.src_dir} for {lib.name}")
+    if lib.needs_libfabric:
+        check_libfabric_headers(cc)
+    dest_dir = Path(out_dir) if out_dir is not None else lib.default_out
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / lib.name
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=dest_dir)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    cmd = [*cc, *_env_flags("CPPFLAGS"), *flags(sanitize=sanitize, debug=debug), *_env_flags("CFLAGS"),
+           f"-I{SHIM_DIR}", *(str(s) for s in srcs), "-o", str(tmp), *_env_flags("LDFLAGS"), *LIBS]
+    if verbose:
+        print(shlex.join(cmd), file=sys.stderr)
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(
+                f"compiling {lib.name} failed (exit {proc.returncode}):\n  {shlex.join(cmd)}\n"
+                f"{proc.stdout}{proc.stderr}".rstrip()
+            )
+        if verbose and proc.stderr:
+            print(proc.stderr, file=sys.stderr, end="")
+        tmp.chmod(0o755)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def build(out_dir_shim: str | os.PathLike[str] | None = None,
+          out_dir_ofi: str | os.PathLike[str] | None = None, *,
+          sanitize: bool = False, debug: bool = False, verbose: bool = False,
+          only: Sequence[str] = ("shim", "ofi")) -> dict[str, Path]:
+    """Build the shim and/or the libfabric provider; returns {"shim": path, "ofi": path}.
+
+    Directories default to the libraries' places in the source tree. Serial on purpose
+    (one compiler at a time). Raises BuildError with the compiler's output on failure.
+    """
+    unknown = set(only) - {"shim", "ofi"}
+    if unknown:
+        raise BuildError(f"unknown library {sorted(unknown)}; choose from shim, ofi")
+    out: dict[str, Path] = {}
+    for key, lib, dest in (("shim", SHIM, out_dir_shim), ("ofi", OFI, out_dir_ofi)):
+        if key in only:
+            out[key] = build_library(lib, dest, sanitize=sanitize, debug=debug, verbose=verbose)
+    return out
+
+
+def sanitizer_env(shim_path: str | os.PathLike[str], ofi_path: str | os.PathLike[str] | None = None
+                  ) -> dict[str, str]:
+    """Environment for running Python against a sanitizer build.
+
+    Python itself is not built with ASan, so the runtime must be preloaded. Leak detection
+    is off: the interpreter's own allocations at exit would drown real reports.
+    """
+    cc = compiler()
+    preload: list[str] = []
+    for rt in ("libasan.so", "libubsan.so"):
+        proc = subprocess.run([*cc, f"-print-file-name={rt}"], check=False, capture_output=True, text=True)
+        path = proc.stdout.strip()
+        if proc.returncode == 0 and os.path.isabs(path) and os.path.exists(path):
+            preload.append(os.path.realpath(path))
+    env = {
+        "AFABRIC_SHIM": str(Path(shim_path).resolve()),
+        "LD_PRELOAD": " ".join(preload),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    }
+    if ofi_path is not None:
+        env["AFABRIC_OFI_LIB"] = str(Path(ofi_path).resolve())
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Build afabric's native libraries (shim and libfabric provider).")
+    ap.add_argument("--out", metavar="DIR", help="put both libraries in DIR (default: their source-tree places)")
+    ap.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan build (-O1)")
+    ap.add_argument("--debug", action="store_true", help="-O0 -g3")
+    ap.add_argument("--only", choices=("shim", "ofi"), action="append",
+                    help="build just this library (repeatable; default: both)")
+    ap.add_argument("--print-env", action="store_true",
+                    help="print shell exports to use the built libraries (AFABRIC_SHIM, AFABRIC_OFI_LIB,"
+                         " and LD_PRELOAD for --sanitize)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the compiler commands")
+    ns = ap.parse_args(argv)
+    try:
+        built = build(ns.out, ns.out, sanitize=ns.sanitize, debug=ns.debug, verbose=ns.verbose,
+                      only=tuple(ns.only or ("shim", "ofi")))
+        if ns.print_env:
+            if ns.sanitize and "shim" in built:
+                env = sanitizer_env(built["shim"], built.get("ofi"))
+            else:
+                env = {}
+                if "shim" in built:
+                    env["AFABRIC_SHIM"] = str(built["shim"].resolve())
+                if "ofi" in built:
+                    env["AFABRIC_OFI_LIB"] = str(built["ofi"].resolve())
+            for k, v in env.items():
+                print(f"export {k}={shlex.quote(v)}")
+        else:
+            for p in built.values():
+                print(p)
+    except BuildError as e:
+        print(f"build_native: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

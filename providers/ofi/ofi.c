@@ -1,0 +1,1122 @@
+/*
+ * afabric provider over libfabric (RDM endpoints): efa, tcp, shm, sockets, udp, ...
+ *
+ * One code path for every libfabric provider: what differs between them (mode bits,
+ * mr_mode bits, wait objects, delivery-complete support) is read from the fi_info that
+ * fi_getinfo returns, never from the provider's name. The one exception is the default
+ * bind address of tcp (see open_node()).
+ *
+ * A domain here is one libfabric fabric + domain + address vector + completion queue +
+ * RDM endpoint. All state lives in the domain object; the only process-wide state is the
+ * dlopen'ed libfabric function table (ofi_lib.c).
+ *
+ * The test switch AFP_OPEN_FORCE_EFA_MODES makes a software provider behave like EFA
+ * where it matters to the code above us, so that those paths run on any machine:
+ *  - FI_RX_CQ_DATA: every remote immediate consumes one posted receive and its event
+ *    carries that receive's ctx. Emulated by cancelling (fi_cancel) the oldest posted
+ *    receive for each arriving immediate and reporting the immediate once the cancel has
+ *    completed, i.e. once libfabric no longer owns the buffer (see emu_assign()).
+ *  - FI_MR_LOCAL: local descriptors are always returned (and so always passed back).
+ *  - FI_MR_PROV_KEY: keys are chosen here (a per-domain counter), not the shim's
+ *    requested key, so a caller that ignores the returned rkey fails visibly.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include "afabric_provider.h"
+#include "afabric_shim.h"
+#include "ofi_lib.h"
+
+/* The API version of the headers we were built with: a newer libfabric then keeps the
+ * semantics (and struct layouts) we were written against. */
+#define OFI_API_VERSION FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION)
+#define OFI_IMM_SIZE 4u      /* EFA's immediate size; every provider we serve has >= 4 */
+#define OFI_POLL_BATCH 32u   /* CQ entries read per fi_cq_read call */
+#define OFI_DEFAULT_DEPTH 256u
+#define OFI_TCP_DEFAULT_NODE "127.0.0.1"
+
+/* ------------------------------------------------------------------------------------ */
+/* Per-operation context                                                                 */
+
+/*
+ * Every posted operation carries one of these as its libfabric context. It starts with
+ * a struct fi_context2 because providers asking for FI_CONTEXT / FI_CONTEXT2 use the
+ * memory the context points at as their own scratch space, for as long as the operation
+ * is in flight. `kind` is the AFP_EV_* kind of the operation's normal completion.
+ */
+struct ofi_op {
+    struct fi_context2 fctx; /* must stay first: &op->fctx == op is what libfabric sees */
+    uint64_t user_ctx;
+    uint32_t kind;           /* AFP_EV_WRITE_DONE, AFP_EV_SEND_DONE or AFP_EV_RECV */
+    uint32_t stolen;         /* emulation: receive being cancelled for an immediate */
+    uint32_t stolen_imm;     /* emulation: that immediate */
+    uint32_t reserved;
+    struct ofi_op *next;     /* free list, or posted-receive list (emulation) */
+    struct ofi_op *prev;     /* posted-receive list (emulation) */
+};
+
+struct afp_domain {
+    const struct ofi_lib *lib;
+    struct fi_info *info_list; /* what fi_getinfo returned; freed at close */
+    struct fi_info *info;      /* the entry in use (points into info_list) */
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+    int wait_fd; /* -1: CQ has no wait fd */
+
+    /* What the provider asks for (or, with FORCE_EFA_MODES, what we pretend it does). */
+    bool rx_cq_data;     /* provider really consumes receives for immediates */
+    bool emu_rx_cq_data; /* we emulate that */
+    bool mr_local;       /* hand out (and pass) local descriptors */
+    bool prov_key;       /* provider really picks keys */
+    bool emu_prov_key;   /* we pick keys (next_key) */
+    bool virt_addr;
+    bool mr_endpoint;
+    bool hmem;
+    bool delivery_complete;
+    uint64_t write_flags; /* fixed fi_writemsg flags (FI_COMPLETION [| FI_DELIVERY_COMPLETE]) */
+    uint64_t next_key;
+    uint64_t max_msg_size;
+    uint64_t inject_size;
+    size_t addr_len;
+
+    struct ofi_op *pool;
+    uint32_t pool_size;
+    struct ofi_op *free_ops;
+
+    /* FI_RX_CQ_DATA emulation: receives still owned by libfabric (oldest first), the
+     * immediates waiting for a receive, and how many cancels are in flight. */
+    struct ofi_op rx_posted; /* list head (sentinel) */
+    uint32_t *imm_q;
+    size_t imm_head, imm_len, imm_cap;
+    uint32_t stealing;
+
+    char prov_name[AFP_NAME_LEN];
+    char errbuf[AFP_ERRTEXT_LEN];
+};
+
+/* ------------------------------------------------------------------------------------ */
+/* Errors                                                                                */
+
+__attribute__((format(printf, 3, 4))) static void errf(char *buf, size_t len, const char *fmt,
+                                                        ...)
+{
+    if (!buf || !len)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, len, fmt, ap);
+    va_end(ap);
+}
+
+/* A positive libfabric/POSIX errno -> AFS_E* code. */
+static int map_errno(int e)
+{
+    switch (e) {
+    case 0:
+        return AFS_OK;
+    case FI_EAGAIN:
+        return AFS_EAGAIN;
+    case FI_EINVAL:
+    case FI_EBADFLAGS:
+        return AFS_EINVAL;
+    case FI_ENOMEM:
+    case FI_ENOSPC:
+        return AFS_ENOMEM;
+    case FI_EMSGSIZE:
+    case FI_ETRUNC: /* the message did not fit the posted receive */
+        return AFS_ETOOBIG;
+    case FI_ENOKEY:
+    case FI_EKEYREJECTED:
+    case FI_EACCES:
+        return AFS_EKEY;
+    case FI_ECONNREFUSED:
+    case FI_ECONNRESET:
+    case FI_ECONNABORTED:
+    case FI_EHOSTUNREACH:
+    case FI_EHOSTDOWN:
+    case FI_ENETUNREACH:
+    case FI_ENETDOWN:
+    case FI_ENOTCONN:
+    case FI_ESHUTDOWN:
+    case EPIPE:
+        return AFS_EPEER;
+    case FI_ECANCELED:
+        return AFS_ECANCELED;
+    case FI_ETIMEDOUT:
+        return AFS_ETIMEDOUT;
+    case FI_ENOSYS:
+    case FI_EOPNOTSUPP:
+        return AFS_EUNSUPPORTED;
+    case FI_ENODATA:
+    case FI_ENODEV:
+        return AFS_ENODEV;
+    case FI_EBUSY:
+        return AFS_EBUSY;
+    default:
+        return AFS_EIO;
+    }
+}
+
+/* Records "<what>: <libfabric text> (<provider>)" in the domain and maps the code. */
+static int fail(afp_domain *d, const char *what, ssize_t fi_ret)
+{
+    int e = fi_ret < 0 ? (int)-fi_ret : (int)fi_ret;
+    errf(d->errbuf, sizeof d->errbuf, "%s: %s (%s)", what, d->lib->strerror(e),
+         d->prov_name[0] ? d->prov_name : "libfabric");
+    return map_errno(e);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Operation contexts                                                                    */
+
+static struct ofi_op *op_get(afp_domain *d, uint32_t kind, uint64_t user_ctx)
+{
+    struct ofi_op *op = d->free_ops;
+    if (!op)
+        return NULL;
+    d->free_ops = op->next;
+    memset(&op->fctx, 0, sizeof op->fctx);
+    op->user_ctx = user_ctx;
+    op->kind = kind;
+    op->stolen = 0;
+    op->next = op->prev = NULL;
+    return op;
+}
+
+static void op_put(afp_domain *d, struct ofi_op *op)
+{
+    op->next = d->free_ops;
+    d->free_ops = op;
+}
+
+/* A completion's op_context -> our op, or NULL when it is not one of ours (remote-write
+ * entries carry NULL, or on some providers whatever the provider put there). */
+static struct ofi_op *op_from_ctx(afp_domain *d, void *ctx)
+{
+    uintptr_t p = (uintptr_t)ctx, base = (uintptr_t)d->pool;
+    if (!ctx || p < base || p >= base + (uintptr_t)d->pool_size * sizeof *d->pool ||
+        (p - base) % sizeof *d->pool)
+        return NULL;
+    return ctx;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* FI_RX_CQ_DATA emulation                                                               */
+
+static void rx_link(afp_domain *d, struct ofi_op *op)
+{
+    op->prev = d->rx_posted.prev;
+    op->next = &d->rx_posted;
+    d->rx_posted.prev->next = op;
+    d->rx_posted.prev = op;
+}
+
+static void rx_unlink(struct ofi_op *op)
+{
+    op->prev->next = op->next;
+    op->next->prev = op->prev;
+    op->next = op->prev = NULL;
+}
+
+static bool imm_push(afp_domain *d, uint32_t imm)
+{
+    if (d->imm_len == d->imm_cap) {
+        size_t cap = d->imm_cap ? d->imm_cap * 2 : 64;
+        uint32_t *q = malloc(cap * sizeof *q);
+        if (!q)
+            return false;
+        for (size_t i = 0; i < d->imm_len; i++) /* unwrap the ring into the new array */
+            q[i] = d->imm_q[(d->imm_head + i) % d->imm_cap];
+        free(d->imm_q);
+        d->imm_q = q;
+        d->imm_cap = cap;
+        d->imm_head = 0;
+    }
+    d->imm_q[(d->imm_head + d->imm_len) % d->imm_cap] = imm;
+    d->imm_len++;
+    return true;
+}
+
+static uint32_t imm_pop(afp_domain *d)
+{
+    uint32_t imm = d->imm_q[d->imm_head];
+    d->imm_head = (d->imm_head + 1) % d->imm_cap;
+    d->imm_len--;
+    return imm;
+}
+
+/*
+ * Gives each waiting immediate the oldest posted receive, as EFA would, and cancels that
+ * receive. The IMM event is produced only when the cancel's completion arrives (the
+ * buffer is then ours again, so the shim may repost it at once). If a message wins the
+ * race for the receive instead, poll reports the message and the immediate waits for
+ * the next receive. An immediate with no receive posted waits here, like EFA's RNR retry.
+ */
+static void emu_assign(afp_domain *d)
+{
+    while (d->imm_len && d->rx_posted.next != &d->rx_posted) {
+        struct ofi_op *op = d->rx_posted.next;
+        rx_unlink(op);
+        op->stolen = 1;
+        op->stolen_imm = imm_pop(d);
+        d->stealing++;
+        ssize_t ret = fi_cancel(&d->ep->fid, op);
+        if (ret) /* already matched: it completes normally and poll re-queues the imm */
+            fail(d, "fi_cancel (FI_RX_CQ_DATA emulation)", ret);
+    }
+}
+
+/* A receive op leaves libfabric (completed, failed or cancelled). For a stolen receive
+ * whose cancel lost the race, its immediate goes back to the queue. */
+static void emu_rx_done(afp_domain *d, struct ofi_op *op)
+{
+    if (!d->emu_rx_cq_data || op->kind != AFP_EV_RECV)
+        return;
+    if (!op->stolen) {
+        rx_unlink(op);
+        return;
+    }
+    d->stealing--;
+    if (!imm_push(d, op->stolen_imm))
+        errf(d->errbuf, sizeof d->errbuf, "out of memory: emulated immediate %u dropped",
+             op->stolen_imm);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Discovery                                                                             */
+
+/* "tcp" accepts "tcp" and layered "tcp;ofi_rxm" (libfabric 1.x), never "tcp-foo". */
+static bool prov_matches(const char *have, const char *want)
+{
+    if (!want || !*want)
+        return true;
+    if (!have)
+        return false;
+    size_t n = strlen(want);
+    return strncmp(have, want, n) == 0 && (have[n] == '\0' || have[n] == ';');
+}
+
+/* libfabric 1.17 ignores domain-name hints for tcp/net/sockets, so the NIC filter is
+ * ours. Entries that cannot carry a 4-byte immediate are unusable. */
+static bool info_usable(const struct fi_info *fi, const afp_open_args *a)
+{
+    if (!fi->fabric_attr || !fi->domain_attr || !fi->ep_attr)
+        return false;
+    if (!prov_matches(fi->fabric_attr->prov_name, a->fabric_provider))
+        return false;
+    if (a->nic && *a->nic &&
+        (!fi->domain_attr->name || strcmp(fi->domain_attr->name, a->nic) != 0))
+        return false;
+    return fi->domain_attr->cq_data_size >= OFI_IMM_SIZE;
+}
+
+static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args *a, bool dc,
+                                  bool hmem)
+{
+    struct fi_info *h = lib->dupinfo(NULL); /* = fi_allocinfo() */
+    if (!h)
+        return NULL;
+    h->ep_attr->type = FI_EP_RDM;
+    h->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    if (hmem)
+        h->caps |= FI_HMEM;
+    /* Offer every mode we can honour; the provider keeps in info->mode the ones it needs. */
+    h->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+    h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
+                              FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
+    h->domain_attr->cq_data_size = OFI_IMM_SIZE;
+    h->domain_attr->threading = FI_THREAD_DOMAIN; /* one thread per domain (ABI rule) */
+    if (dc)
+        h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+    if (a->fabric_provider && *a->fabric_provider) {
+        h->fabric_attr->prov_name = strdup(a->fabric_provider); /* fi_freeinfo frees it */
+        if (!h->fabric_attr->prov_name) {
+            lib->freeinfo(h);
+            return NULL;
+        }
+    }
+    return h;
+}
+
+/* fi_getinfo with our hints; returns libfabric's code (-FI_ENODATA: nothing matched). */
+static int query(const struct ofi_lib *lib, const afp_open_args *a, const char *node, bool dc,
+                 bool hmem, struct fi_info **list)
+{
+    *list = NULL;
+    struct fi_info *hints = make_hints(lib, a, dc, hmem);
+    if (!hints)
+        return -FI_ENOMEM;
+    int ret = lib->getinfo(OFI_API_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, list);
+    lib->freeinfo(hints);
+    return ret;
+}
+
+/* tcp with node=NULL binds the first interface (eth0): without an explicit address or
+ * NIC, bind loopback, which is what a single-machine setup wants. */
+static const char *open_node(const afp_open_args *a)
+{
+    if (a->bind_addr && *a->bind_addr)
+        return a->bind_addr;
+    if ((!a->nic || !*a->nic) && a->fabric_provider &&
+        (strcmp(a->fabric_provider, "tcp") == 0 || strcmp(a->fabric_provider, "net") == 0))
+        return OFI_TCP_DEFAULT_NODE;
+    return NULL;
+}
+
+static const char *str_or_empty(const char *s)
+{
+    return s ? s : "";
+}
+
+static void fill_nic(const struct fi_info *fi, afp_nic_info *out)
+{
+    memset(out, 0, sizeof *out);
+    out->numa_node = -1;
+    snprintf(out->name, sizeof out->name, "%s", str_or_empty(fi->domain_attr->name));
+    snprintf(out->fabric, sizeof out->fabric, "%s", str_or_empty(fi->fabric_attr->name));
+    snprintf(out->provider, sizeof out->provider, "%s",
+             str_or_empty(fi->fabric_attr->prov_name));
+    const struct fid_nic *nic = fi->nic;
+    if (!nic)
+        return;
+    if (nic->link_attr)
+        out->link_speed_bps = nic->link_attr->speed;
+    if (nic->bus_attr && nic->bus_attr->bus_type == FI_BUS_PCI) {
+        const struct fi_pci_attr *p = &nic->bus_attr->attr.pci;
+        snprintf(out->pci, sizeof out->pci, "%04x:%02x:%02x.%x", p->domain_id, p->bus_id,
+                 p->device_id, p->function_id);
+        /* libfabric has no NUMA field; the kernel knows it from the PCI address */
+        char path[96];
+        snprintf(path, sizeof path, "/sys/bus/pci/devices/%s/numa_node", out->pci);
+        FILE *f = fopen(path, "r");
+        if (f) {
+            int node;
+            if (fscanf(f, "%d", &node) == 1 && node >= 0)
+                out->numa_node = node;
+            fclose(f);
+        }
+    }
+}
+
+/* One NIC may be listed several times: once per address family or endpoint flavour,
+ * and on libfabric 2.x both as native "tcp" and as "tcp;ofi_rxm". The first entry is the
+ * one open() would pick. */
+static bool same_nic(const struct fi_info *x, const struct fi_info *y)
+{
+    return strcmp(str_or_empty(x->domain_attr->name), str_or_empty(y->domain_attr->name)) == 0;
+}
+
+static int ofi_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max, uint32_t *n,
+                         char *err, size_t errlen)
+{
+    const char *why = NULL;
+    struct fi_info *list = NULL;
+    uint32_t count = 0;
+    int rc = 0;
+
+    if (n)
+        *n = 0;
+    if (!a || !n || (max && !out)) {
+        errf(err, errlen, "list_nics: invalid arguments");
+        return AFS_EINVAL;
+    }
+    const struct ofi_lib *lib = ofi_lib_get(&why);
+    if (!lib) {
+        errf(err, errlen, "%s", why);
+        return AFS_EPROVIDER;
+    }
+    /* The plainest hints: a NIC is listed if it can be opened at all. Only an explicit
+     * bind address narrows the query (no loopback default: we want every interface). */
+    const char *node = a->bind_addr && *a->bind_addr ? a->bind_addr : NULL;
+    int ret = query(lib, a, node, false, false, &list);
+    if (ret == -FI_ENODATA)
+        goto out; /* no NIC is not an error here */
+    if (ret) {
+        errf(err, errlen, "fi_getinfo(%s): %s", str_or_empty(a->fabric_provider),
+             lib->strerror(-ret));
+        rc = map_errno(-ret);
+        goto out;
+    }
+    for (const struct fi_info *fi = list; fi; fi = fi->next) {
+        if (!info_usable(fi, a))
+            continue;
+        bool dup = false;
+        for (const struct fi_info *prev = list; prev != fi && !dup; prev = prev->next)
+            dup = info_usable(prev, a) && same_nic(prev, fi);
+        if (dup)
+            continue;
+        if (count < max)
+            fill_nic(fi, &out[count]);
+        count++;
+    }
+out:
+    if (list)
+        lib->freeinfo(list);
+    *n = count;
+    return rc;
+}
+
+/* Whether device memory could exist in this process at all. FI_HMEM is worth asking
+ * for only then: a provider may answer it with a slower variant (shm: no inject, no
+ * inline sends) even when the libfabric build has no CUDA support. */
+static bool cuda_present(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (!h)
+        return false;
+    dlclose(h);
+    return true;
+}
+
+/* Picks the fi_info to open: the richest set of attributes the provider accepts first
+ * (FI_HMEM for device memory, FI_DELIVERY_COMPLETE for writes), then less. */
+static int select_info(afp_domain *d, const afp_open_args *a)
+{
+    static const struct {
+        bool hmem, dc;
+    } rungs[] = {{true, true}, {true, false}, {false, true}, {false, false}};
+    const char *node = open_node(a);
+    bool try_hmem = cuda_present();
+    int ret = -FI_ENODATA;
+
+    for (size_t r = 0; r < sizeof rungs / sizeof rungs[0]; r++) {
+        struct fi_info *list = NULL;
+        if (rungs[r].hmem && !try_hmem)
+            continue;
+        ret = query(d->lib, a, node, rungs[r].dc, rungs[r].hmem, &list);
+        if (ret == -FI_ENODATA)
+            continue;
+        if (ret)
+            return fail(d, "fi_getinfo", ret);
+        for (struct fi_info *fi = list; fi; fi = fi->next) {
+            if (info_usable(fi, a)) {
+                d->info_list = list;
+                d->info = fi;
+                d->delivery_complete = rungs[r].dc;
+                return 0;
+            }
+        }
+        d->lib->freeinfo(list);
+    }
+    errf(d->errbuf, sizeof d->errbuf,
+         "no usable libfabric domain for provider '%s'%s%s%s%s (RDM, RMA write, %u-byte "
+         "remote CQ data)",
+         str_or_empty(a->fabric_provider), a->nic ? ", nic " : "", str_or_empty(a->nic),
+         node ? ", address " : "", str_or_empty(node), OFI_IMM_SIZE);
+    return AFS_ENODEV;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Open / close                                                                          */
+
+static void ofi_close(afp_domain *d)
+{
+    if (!d)
+        return;
+    /* Reverse order of creation. A failing fi_close cannot be acted upon by anyone (the
+     * domain is going away), so teardown continues regardless. */
+    struct fid *fids[] = {d->ep ? &d->ep->fid : NULL, d->cq ? &d->cq->fid : NULL,
+                          d->av ? &d->av->fid : NULL, d->domain ? &d->domain->fid : NULL,
+                          d->fabric ? &d->fabric->fid : NULL};
+    for (size_t i = 0; i < sizeof fids / sizeof fids[0]; i++) {
+        if (!fids[i])
+            continue;
+        int ret = fi_close(fids[i]); /* -FI_EBUSY if MRs are still registered: leaked */
+        (void)ret;
+    }
+    if (d->info_list)
+        d->lib->freeinfo(d->info_list);
+    free(d->imm_q);
+    free(d->pool);
+    free(d);
+}
+
+/* The CQ, with a wait fd if the provider offers one (adaptive polling sleeps on it). */
+static int open_cq(afp_domain *d, size_t size)
+{
+    struct fi_cq_attr attr = {
+        .size = size,
+        .format = FI_CQ_FORMAT_DATA,
+        .wait_obj = FI_WAIT_FD,
+        .wait_cond = FI_CQ_COND_NONE,
+    };
+    int ret = fi_cq_open(d->domain, &attr, &d->cq, NULL);
+    if (ret) {
+        attr.wait_obj = FI_WAIT_NONE; /* provider refuses fds (e.g. efa): spin-poll only */
+        ret = fi_cq_open(d->domain, &attr, &d->cq, NULL);
+        if (ret)
+            return fail(d, "fi_cq_open", ret);
+        return 0;
+    }
+    int fd = -1;
+    ret = fi_control(&d->cq->fid, FI_GETWAIT, &fd);
+    d->wait_fd = ret == 0 ? fd : -1;
+    return 0;
+}
+
+static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t errlen)
+{
+    const char *why = NULL;
+    afp_domain *d = NULL;
+    int rc, ret;
+
+    if (!a || !out) {
+        errf(err, errlen, "open: invalid arguments");
+        return AFS_EINVAL;
+    }
+    *out = NULL;
+    const struct ofi_lib *lib = ofi_lib_get(&why);
+    if (!lib) {
+        errf(err, errlen, "%s", why);
+        return AFS_EPROVIDER;
+    }
+    d = calloc(1, sizeof *d);
+    if (!d) {
+        errf(err, errlen, "open: out of memory");
+        return AFS_ENOMEM;
+    }
+    d->lib = lib;
+    d->wait_fd = -1;
+    d->rx_posted.next = d->rx_posted.prev = &d->rx_posted;
+
+    rc = select_info(d, a);
+    if (rc)
+        goto out_close;
+    const struct fi_info *info = d->info;
+    snprintf(d->prov_name, sizeof d->prov_name, "%s", info->fabric_attr->prov_name);
+
+    bool force = a->flags & AFP_OPEN_FORCE_EFA_MODES;
+    uint64_t mr_mode = (uint64_t)info->domain_attr->mr_mode;
+    d->rx_cq_data = info->mode & FI_RX_CQ_DATA;
+    d->emu_rx_cq_data = force && !d->rx_cq_data;
+    d->mr_local = (mr_mode & FI_MR_LOCAL) || force;
+    d->prov_key = mr_mode & FI_MR_PROV_KEY;
+    d->emu_prov_key = force && !d->prov_key;
+    d->virt_addr = mr_mode & FI_MR_VIRT_ADDR;
+    d->mr_endpoint = mr_mode & FI_MR_ENDPOINT;
+    d->hmem = info->caps & FI_HMEM;
+    /* fi_writemsg ignores tx_attr->op_flags: the completion level goes in every call. */
+    d->write_flags = FI_COMPLETION | (d->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
+    d->next_key = 1;
+    d->max_msg_size = info->ep_attr->max_msg_size;
+    d->inject_size = info->tx_attr->inject_size;
+
+    uint32_t tx = a->tx_depth ? a->tx_depth : OFI_DEFAULT_DEPTH;
+    uint32_t rx = a->rx_depth ? a->rx_depth : OFI_DEFAULT_DEPTH;
+    d->pool_size = tx + rx;
+    d->pool = calloc(d->pool_size, sizeof *d->pool);
+    if (!d->pool) {
+        errf(d->errbuf, sizeof d->errbuf, "open: out of memory");
+        rc = AFS_ENOMEM;
+        goto out_close;
+    }
+    for (uint32_t i = d->pool_size; i-- > 0;)
+        op_put(d, &d->pool[i]);
+
+    ret = d->lib->fabric(info->fabric_attr, &d->fabric, NULL);
+    if (ret) {
+        rc = fail(d, "fi_fabric", ret);
+        goto out_close;
+    }
+    ret = fi_domain(d->fabric, d->info, &d->domain, NULL);
+    if (ret) {
+        rc = fail(d, "fi_domain", ret);
+        goto out_close;
+    }
+    struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
+    ret = fi_av_open(d->domain, &av_attr, &d->av, NULL);
+    if (ret) {
+        rc = fail(d, "fi_av_open", ret);
+        goto out_close;
+    }
+    /* Room for our own operations plus remote immediates that take no receive. */
+    rc = open_cq(d, 2 * (size_t)d->pool_size);
+    if (rc)
+        goto out_close;
+    ret = fi_endpoint(d->domain, d->info, &d->ep, NULL);
+    if (ret) {
+        rc = fail(d, "fi_endpoint", ret);
+        goto out_close;
+    }
+    ret = fi_ep_bind(d->ep, &d->av->fid, 0);
+    if (ret) {
+        rc = fail(d, "fi_ep_bind(av)", ret);
+        goto out_close;
+    }
+    ret = fi_ep_bind(d->ep, &d->cq->fid, FI_TRANSMIT | FI_RECV);
+    if (ret) {
+        rc = fail(d, "fi_ep_bind(cq)", ret);
+        goto out_close;
+    }
+    ret = fi_enable(d->ep);
+    if (ret) {
+        rc = fail(d, "fi_enable", ret);
+        goto out_close;
+    }
+    char name[AFP_MAX_ADDR_LEN];
+    size_t name_len = sizeof name;
+    ret = fi_getname(&d->ep->fid, name, &name_len);
+    if (ret) {
+        rc = fail(d, "fi_getname", ret); /* -FI_ETOOSMALL: longer than the ABI allows */
+        goto out_close;
+    }
+    d->addr_len = name_len;
+    *out = d;
+    return 0;
+
+out_close:
+    errf(err, errlen, "%s", d->errbuf);
+    ofi_close(d);
+    return rc;
+}
+
+static const char *ofi_errbuf(afp_domain *d)
+{
+    return d ? d->errbuf : "no domain";
+}
+
+static int ofi_caps(afp_domain *d, afp_caps *out)
+{
+    memset(out, 0, sizeof *out);
+    snprintf(out->provider, sizeof out->provider, "%s", d->prov_name);
+    out->flags = (d->rx_cq_data || d->emu_rx_cq_data ? AFP_CAP_IMM_NEEDS_RECV : 0) |
+                 (d->hmem ? AFP_CAP_DEVICE_MEM : 0) | (d->mr_local ? AFP_CAP_MR_LOCAL : 0) |
+                 (d->virt_addr ? AFP_CAP_VIRT_ADDR : 0) |
+                 (d->prov_key || d->emu_prov_key ? AFP_CAP_PROV_KEY : 0) |
+                 (d->delivery_complete ? AFP_CAP_DELIVERY_COMPLETE : 0);
+    out->imm_size = OFI_IMM_SIZE;
+    out->max_msg_size = d->max_msg_size;
+    out->inject_size = d->inject_size;
+    out->addr_len = (uint32_t)d->addr_len;
+    out->wait_fd = d->wait_fd;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Addresses                                                                             */
+
+static int ofi_address(afp_domain *d, void *buf, size_t *len)
+{
+    size_t have = *len;
+    int ret = fi_getname(&d->ep->fid, buf, &have);
+    if (ret == -FI_ETOOSMALL) {
+        errf(d->errbuf, sizeof d->errbuf, "address: buffer of %zu bytes, need %zu", *len,
+             have);
+        *len = have;
+        return AFS_EINVAL;
+    }
+    if (ret)
+        return fail(d, "fi_getname", ret);
+    *len = have;
+    return 0;
+}
+
+static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *peer)
+{
+    /* The provider reads addr_len bytes whatever we say: never give it less. */
+    if (len != d->addr_len) {
+        errf(d->errbuf, sizeof d->errbuf, "resolve: address of %zu bytes, %s expects %zu",
+             len, d->prov_name, d->addr_len);
+        return AFS_EBADDESC;
+    }
+    fi_addr_t fa = FI_ADDR_NOTAVAIL;
+    int ret = fi_av_insert(d->av, addr, 1, &fa, 0, NULL);
+    if (ret != 1)
+        return fail(d, "fi_av_insert", ret < 0 ? ret : -FI_EINVAL);
+    *peer = fa;
+    return 0;
+}
+
+static int ofi_forget(afp_domain *d, uint64_t peer)
+{
+    fi_addr_t fa = peer;
+    int ret = fi_av_remove(d->av, &fa, 1, 0);
+    return ret ? fail(d, "fi_av_remove", ret) : 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Memory registration                                                                   */
+
+static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, int32_t device,
+                      uint64_t requested_key, afp_mr **out, void **local_desc, uint64_t *rkey,
+                      uint64_t *remote_base)
+{
+    struct fid_mr *mr = NULL;
+    int rc, ret;
+
+    uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_READ;
+    if (flags & AFP_MR_REMOTE)
+        access |= FI_REMOTE_WRITE | FI_REMOTE_READ;
+    /* Real FI_MR_PROV_KEY: the provider ignores the request. Emulated: a key of our own
+     * (unique per domain; never the shim's), so only the returned rkey works. */
+    uint64_t key = d->prov_key ? 0 : d->emu_prov_key ? d->next_key++ : requested_key;
+
+    if (flags & AFP_MR_DEVICE) {
+        if (!d->hmem) {
+            errf(d->errbuf, sizeof d->errbuf, "%s: no device-memory (FI_HMEM) support",
+                 d->prov_name);
+            return AFS_EUNSUPPORTED;
+        }
+        struct iovec iov = {.iov_base = addr, .iov_len = len};
+        struct fi_mr_attr attr = {
+            .mr_iov = &iov,
+            .iov_count = 1,
+            .access = access,
+            .requested_key = key,
+            .iface = FI_HMEM_CUDA,
+        };
+        attr.device.cuda = device;
+        ret = fi_mr_regattr(d->domain, &attr, 0, &mr);
+    } else {
+        ret = fi_mr_reg(d->domain, addr, len, access, 0, key, 0, &mr, NULL);
+    }
+    if (ret) {
+        fail(d, "fi_mr_reg", ret);
+        return ret == -FI_ENOMEM ? AFS_ENOMEM : AFS_EREG;
+    }
+    if (d->mr_endpoint) { /* such MRs only work once bound to the endpoint and enabled */
+        ret = fi_mr_bind(mr, &d->ep->fid, 0);
+        if (ret) {
+            fail(d, "fi_mr_bind", ret);
+            rc = AFS_EREG;
+            goto out_close;
+        }
+        ret = fi_mr_enable(mr);
+        if (ret) {
+            fail(d, "fi_mr_enable", ret);
+            rc = AFS_EREG;
+            goto out_close;
+        }
+    }
+    /* A local-only region may have no key at all (libfabric 2.x tcp: FI_KEY_NOTAVAIL);
+     * for a remote one that value means keys beyond 64 bits (fi_mr_raw_attr): unserved. */
+    uint64_t k = fi_mr_key(mr);
+    if (k == FI_KEY_NOTAVAIL && (flags & AFP_MR_REMOTE)) {
+        errf(d->errbuf, sizeof d->errbuf, "%s: memory keys need fi_mr_raw_attr",
+             d->prov_name);
+        rc = AFS_EUNSUPPORTED;
+        goto out_close;
+    }
+    *local_desc = d->mr_local ? fi_mr_desc(mr) : NULL;
+    *rkey = k;
+    *remote_base = d->virt_addr ? (uint64_t)(uintptr_t)addr : 0;
+    *out = (afp_mr *)mr;
+    return 0;
+
+out_close:
+    ret = fi_close(&mr->fid);
+    (void)ret; /* the error being reported is the first one */
+    return rc;
+}
+
+static int ofi_dereg_mr(afp_domain *d, afp_mr *mr)
+{
+    int ret = fi_close(&((struct fid_mr *)mr)->fid);
+    return ret ? fail(d, "fi_close(mr)", ret) : 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Posting                                                                               */
+
+static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    /* Work-request template: the message's shape is fixed for the batch; each write only
+     * changes addresses, lengths, key, peer, immediate and context. */
+    struct iovec iov;
+    void *desc;
+    struct fi_rma_iov rma;
+    struct fi_msg_rma msg = {
+        .msg_iov = &iov,
+        .desc = &desc,
+        .iov_count = 1,
+        .rma_iov = &rma,
+        .rma_iov_count = 1,
+    };
+    uint32_t i;
+    int rc = 0;
+
+    for (i = 0; i < n; i++) {
+        const afp_write *w = &wr[i];
+        if (w->length > d->max_msg_size) {
+            errf(d->errbuf, sizeof d->errbuf, "write of %llu bytes > %s max %llu",
+                 (unsigned long long)w->length, d->prov_name,
+                 (unsigned long long)d->max_msg_size);
+            rc = AFS_ETOOBIG;
+            break;
+        }
+        struct ofi_op *op = op_get(d, AFP_EV_WRITE_DONE, w->ctx);
+        if (!op) {
+            rc = AFS_EAGAIN; /* every context in flight: the shim polls, then retries */
+            break;
+        }
+        iov.iov_base = w->local_addr;
+        iov.iov_len = w->length;
+        desc = w->local_desc;
+        /* Zero-length (immediate-only) write: no local buffer, so an MR_LOCAL provider
+         * never looks at a NULL descriptor; the remote side keeps a real address and key
+         * (EFA rejects a zero-length write without them). */
+        msg.iov_count = w->length ? 1 : 0;
+        rma.addr = w->remote_addr;
+        rma.len = w->length;
+        rma.key = w->remote_key;
+        msg.addr = w->peer;
+        msg.context = op;
+        msg.data = w->imm;
+        /* Delivery-complete only when there is data to deliver: shm (1.17) never
+         * completes a zero-length FI_DELIVERY_COMPLETE write and then stalls its queue. */
+        uint64_t flags = w->length ? d->write_flags : FI_COMPLETION;
+        if (w->has_imm)
+            flags |= FI_REMOTE_CQ_DATA;
+        ssize_t ret = fi_writemsg(d->ep, &msg, flags);
+        if (ret) {
+            op_put(d, op);
+            /* -FI_EAGAIN: provider queue full or peer connecting. Never poll here: the
+             * events would have nowhere to go. */
+            rc = ret == -FI_EAGAIN ? AFS_EAGAIN : fail(d, "fi_writemsg", ret);
+            break;
+        }
+    }
+    *posted = i;
+    return rc;
+}
+
+static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t len,
+                         void *desc, uint64_t ctx)
+{
+    if (len > d->max_msg_size) {
+        errf(d->errbuf, sizeof d->errbuf, "send of %llu bytes > %s max %llu",
+             (unsigned long long)len, d->prov_name, (unsigned long long)d->max_msg_size);
+        return AFS_ETOOBIG;
+    }
+    struct ofi_op *op = op_get(d, AFP_EV_SEND_DONE, ctx);
+    if (!op)
+        return AFS_EAGAIN;
+    struct iovec iov = {.iov_base = (void *)(uintptr_t)buf, .iov_len = len};
+    struct fi_msg msg = {
+        .msg_iov = &iov,
+        .desc = &desc,
+        .iov_count = len ? 1 : 0,
+        .addr = peer,
+        .context = op,
+    };
+    ssize_t ret = fi_sendmsg(d->ep, &msg, FI_COMPLETION);
+    if (ret) {
+        op_put(d, op);
+        return ret == -FI_EAGAIN ? AFS_EAGAIN : fail(d, "fi_sendmsg", ret);
+    }
+    return 0;
+}
+
+static int ofi_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uint64_t ctx)
+{
+    struct ofi_op *op = op_get(d, AFP_EV_RECV, ctx);
+    if (!op)
+        return AFS_EAGAIN;
+    struct iovec iov = {.iov_base = buf, .iov_len = len};
+    struct fi_msg msg = {
+        .msg_iov = &iov,
+        .desc = &desc,
+        .iov_count = 1,
+        .addr = FI_ADDR_UNSPEC,
+        .context = op,
+    };
+    ssize_t ret = fi_recvmsg(d->ep, &msg, FI_COMPLETION);
+    if (ret) {
+        op_put(d, op);
+        return ret == -FI_EAGAIN ? AFS_EAGAIN : fail(d, "fi_recvmsg", ret);
+    }
+    if (d->emu_rx_cq_data) {
+        rx_link(d, op);
+        emu_assign(d); /* an immediate may be waiting for exactly this receive */
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Completions                                                                           */
+
+/* One CQ entry -> at most one event; returns whether *ev was filled. */
+static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event *ev)
+{
+    struct ofi_op *op = op_from_ctx(d, e->op_context);
+
+    memset(ev, 0, sizeof *ev);
+    /* A remote write with immediate. Its entry's flags and len differ between providers
+     * and its op_context may be NULL: only FI_REMOTE_CQ_DATA and data are reliable. */
+    if (e->flags & FI_REMOTE_CQ_DATA) {
+        ev->kind = AFP_EV_IMM;
+        ev->imm = (uint32_t)e->data;
+        if (op && op->kind == AFP_EV_RECV && !op->stolen) {
+            /* FI_RX_CQ_DATA: the immediate consumed this receive */
+            emu_rx_done(d, op);
+            ev->ctx = op->user_ctx;
+            op_put(d, op);
+            return true;
+        }
+        if (d->emu_rx_cq_data) {
+            if (!imm_push(d, ev->imm)) {
+                ev->status = AFS_ENOMEM; /* deliver it unpaired rather than lose it */
+                snprintf(ev->errtext, sizeof ev->errtext, "emulated FI_RX_CQ_DATA: no memory");
+                return true;
+            }
+            emu_assign(d);
+            return false; /* reported when the cancel of its receive completes */
+        }
+        return true;
+    }
+    if (!op)
+        return false; /* not ours and no immediate (e.g. an RMA event): nothing to say */
+    ev->kind = op->kind;
+    ev->ctx = op->user_ctx;
+    if (op->kind == AFP_EV_RECV)
+        ev->len = e->len;
+    bool was_stolen = op->stolen;
+    emu_rx_done(d, op);
+    op_put(d, op);
+    if (was_stolen)
+        emu_assign(d); /* the message won the race: its immediate needs another receive */
+    return true;
+}
+
+/* Reads one error entry; returns 1 if *ev was filled, 0 if not, or a negative AFS code. */
+static int on_error(afp_domain *d, afp_event *ev)
+{
+    struct fi_cq_err_entry ee;
+    memset(&ee, 0, sizeof ee); /* err_data_size 0: the provider lends its own buffer */
+    ssize_t ret = fi_cq_readerr(d->cq, &ee, 0);
+    if (ret == -FI_EAGAIN)
+        return 0;
+    if (ret < 0)
+        return fail(d, "fi_cq_readerr", ret);
+
+    struct ofi_op *op = op_from_ctx(d, ee.op_context);
+    memset(ev, 0, sizeof *ev);
+    if (op && op->stolen && ee.err == FI_ECANCELED) {
+        /* Emulated FI_RX_CQ_DATA: the receive is free; the immediate consumed it. */
+        d->stealing--;
+        ev->kind = AFP_EV_IMM;
+        ev->imm = op->stolen_imm;
+        ev->ctx = op->user_ctx;
+        op_put(d, op);
+        return 1;
+    }
+
+    ev->kind = AFP_EV_ERROR;
+    ev->status = map_errno(ee.err);
+    if (op) {
+        ev->ctx = op->user_ctx;
+        ev->op = op->kind;
+    } else {
+        /* target-side failure (e.g. of a remote write): no operation of ours */
+        ev->op = ee.flags & FI_REMOTE_CQ_DATA ? AFP_EV_IMM : 0;
+    }
+    char prov_text[AFP_ERRTEXT_LEN];
+    const char *pt = fi_cq_strerror(d->cq, ee.prov_errno, ee.err_data, prov_text,
+                                    sizeof prov_text);
+    snprintf(ev->errtext, sizeof ev->errtext, "%s: %s: %s", d->prov_name,
+             d->lib->strerror(ee.err), pt ? pt : "");
+    if (op) {
+        bool was_stolen = op->stolen;
+        emu_rx_done(d, op);
+        op_put(d, op);
+        if (was_stolen)
+            emu_assign(d);
+    }
+    return 1;
+}
+
+static int ofi_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
+{
+    struct fi_cq_data_entry ent[OFI_POLL_BATCH];
+    uint32_t got = 0;
+    int rc = 0;
+
+    /* Each entry yields at most one event, so reading no more entries than there are
+     * free event slots means nothing read is ever dropped. */
+    while (got < max) {
+        size_t want = max - got < OFI_POLL_BATCH ? max - got : OFI_POLL_BATCH;
+        ssize_t ret = fi_cq_read(d->cq, ent, want);
+        if (ret > 0) {
+            for (ssize_t i = 0; i < ret; i++)
+                got += on_entry(d, &ent[i], &ev[got]);
+            continue;
+        }
+        if (ret == -FI_EAGAIN)
+            break;
+        if (ret == -FI_EAVAIL) {
+            int r = on_error(d, &ev[got]);
+            if (r < 0) {
+                rc = r;
+                break;
+            }
+            if (r == 0)
+                break; /* advertised error vanished; do not spin on it */
+            got += (uint32_t)r;
+            continue;
+        }
+        rc = fail(d, "fi_cq_read", ret);
+        break;
+    }
+    *n = got;
+    return got ? 0 : rc; /* events first; a persistent error shows on the next call */
+}
+
+static int ofi_trywait(afp_domain *d)
+{
+    /* No fd to sleep on, or emulation work whose events come from our own cancels. */
+    if (d->wait_fd < 0 || d->stealing)
+        return AFS_EAGAIN;
+    struct fid *fid = &d->cq->fid;
+    int ret = fi_trywait(d->fabric, &fid, 1);
+    if (ret == 0)
+        return 0;
+    if (ret != -FI_EAGAIN)
+        fail(d, "fi_trywait", ret); /* keep polling: spinning is always correct */
+    return AFS_EAGAIN;
+}
+
+/* ------------------------------------------------------------------------------------ */
+
+static const struct afp_ops g_ops = {
+    .size = sizeof(struct afp_ops),
+    .major = AFP_ABI_MAJOR,
+    .minor = AFP_ABI_MINOR,
+    .name = "ofi",
+    .list_nics = ofi_list_nics,
+    .open = ofi_open,
+    .close = ofi_close,
+    .errbuf = ofi_errbuf,
+    .caps = ofi_caps,
+    .address = ofi_address,
+    .reg_mr = ofi_reg_mr,
+    .dereg_mr = ofi_dereg_mr,
+    .resolve = ofi_resolve,
+    .forget = ofi_forget,
+    .post_writes = ofi_post_writes,
+    .post_send = ofi_post_send,
+    .post_recv = ofi_post_recv,
+    .poll = ofi_poll,
+    .trywait = ofi_trywait,
+};
+
+__attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)
+{
+    return &g_ops;
+}

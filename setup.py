@@ -1,0 +1,96 @@
+"""Packaging glue that pyproject.toml cannot express.
+
+- ``build_py`` also compiles the native libraries (build_native.py) straight into the
+  build tree, so they land in the wheel as package data: afabric/_lib/libafabric_shim.so
+  and afabric_ofi/libafabric_ofi.so.
+- The wheel is platform-tagged but Python-version independent (``py3-none-linux_x86_64``):
+  the libraries are loaded with ctypes, they are not CPython extensions.
+- ``afabric_ofi`` (the first-party libfabric provider plugin) lives in providers/ofi/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from setuptools import Distribution, find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.errors import CompileError
+
+try:  # setuptools >= 70.1 carries bdist_wheel itself
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # older setuptools: the wheel package's
+    from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
+
+HERE = Path(__file__).resolve().parent
+
+
+def _build_native() -> ModuleType:
+    # Loaded by path: with build isolation the source tree need not be on sys.path.
+    spec = importlib.util.spec_from_file_location("build_native", HERE / "build_native.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["build_native"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class BuildPyWithNative(build_py):
+    """build_py, then compile the shim and the libfabric provider into the build tree."""
+
+    def run(self) -> None:
+        super().run()
+        bn = _build_native()
+        if getattr(self, "editable_mode", False):
+            # `pip install -e .`: the packages are used from the source tree.
+            shim_dir, ofi_dir = bn.DEFAULT_SHIM_OUT, bn.DEFAULT_OFI_OUT
+        else:
+            shim_dir = Path(self.build_lib) / "afabric" / "_lib"
+            ofi_dir = Path(self.build_lib) / "afabric_ofi"
+        try:
+            built = bn.build(shim_dir, ofi_dir, verbose=bool(self.verbose))
+        except bn.BuildError as e:
+            raise CompileError(f"afabric: native build failed: {e}") from e
+        self._native_outputs = [str(p) for p in built.values()]
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        outputs: list[str] = list(super().get_outputs(include_bytecode))
+        return outputs + list(getattr(self, "_native_outputs", []))
+
+
+class PlatformWheel(bdist_wheel):
+    """Platform-specific (it carries .so files), any Python 3: py3-none-<platform>."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
+
+
+class BinaryDistribution(Distribution):
+    """Says it carries native code, so everything installs into platlib."""
+
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+package_data: dict[str, Any] = {
+    "": ["py.typed", "*.cu"],
+    "afabric": ["_lib/*.so"],
+    "afabric_ofi": ["*.so"],
+}
+
+setup(
+    packages=[*find_packages(include=["afabric", "afabric.*"]), "afabric_ofi"],
+    package_dir={"afabric_ofi": "providers/ofi/afabric_ofi"},
+    package_data=package_data,
+    zip_safe=False,
+    distclass=BinaryDistribution,
+    cmdclass={"build_py": BuildPyWithNative, "bdist_wheel": PlatformWheel},
+)

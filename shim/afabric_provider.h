@@ -1,0 +1,148 @@
+/*
+ * afabric provider ABI: the versioned C table a provider library exports.
+ *
+ * A provider library exports one symbol, `afp_get_ops`, returning a pointer to a
+ * static `struct afp_ops`. The table starts with its own size and version; the shim
+ * refuses a table whose major version differs from AFP_ABI_MAJOR, and checks an
+ * optional operation's offset against `size` before calling it (FI_CHECK_OP style),
+ * so a newer shim can load an older provider that lacks trailing operations.
+ *
+ * Threading: every operation on a domain is called from one thread at a time (the
+ * shim's worker for that domain group). `afp_list_nics` may be called from any thread
+ * and must not keep state between calls.
+ *
+ * Return values: 0 on success or a negative AFS_E* code (afabric_shim.h). Detail text
+ * for a failure goes to the buffer given by `afp_errbuf` (per domain) or, for calls
+ * without a domain, to the caller-provided `err` buffer.
+ */
+#ifndef AFABRIC_PROVIDER_H
+#define AFABRIC_PROVIDER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define AFP_ABI_MAJOR 1u
+#define AFP_ABI_MINOR 0u
+#define AFP_ERRTEXT_LEN 256u
+#define AFP_NAME_LEN 64u
+#define AFP_MAX_ADDR_LEN 128u
+
+typedef struct afp_domain afp_domain; /* opaque, owned by the provider */
+typedef struct afp_mr afp_mr;         /* opaque, owned by the provider */
+
+/* Options for open and list_nics; strings may be NULL (= provider default). */
+typedef struct afp_open_args {
+    const char *fabric_provider; /* provider's own name: "tcp", "shm", "efa", "sockets" */
+    const char *nic;             /* NIC/domain name; NULL = the first one usable */
+    const char *bind_addr;       /* interface address to bind (tcp: "127.0.0.1") */
+    uint32_t flags;              /* AFP_OPEN_* */
+    uint32_t rx_depth;           /* receives to keep posted (SEND/RECV and, when needed, immediates) */
+    uint32_t tx_depth;           /* operations in flight at once */
+    uint32_t reserved;
+} afp_open_args;
+
+#define AFP_OPEN_FORCE_EFA_MODES 0x1u /* test switch: behave as if FI_RX_CQ_DATA, FI_MR_LOCAL
+                                         and FI_MR_PROV_KEY were required */
+
+typedef struct afp_nic_info {
+    char name[AFP_NAME_LEN];     /* domain / device name */
+    char fabric[AFP_NAME_LEN];   /* fabric name (network) */
+    char provider[AFP_NAME_LEN]; /* full provider name as the library reports it */
+    char pci[32];                /* PCI address "0000:3b:00.0" or "" */
+    uint64_t link_speed_bps;     /* 0 if unknown */
+    int32_t numa_node;           /* -1 if unknown */
+    uint32_t reserved;
+} afp_nic_info;
+
+#define AFP_CAP_IMM_NEEDS_RECV 0x1u  /* remote immediates consume posted receives */
+#define AFP_CAP_DEVICE_MEM 0x2u      /* CUDA memory can be registered */
+#define AFP_CAP_MR_LOCAL 0x4u        /* local descriptors required for local buffers */
+#define AFP_CAP_VIRT_ADDR 0x8u       /* remote addresses are virtual addresses */
+#define AFP_CAP_PROV_KEY 0x10u       /* the provider chooses keys */
+#define AFP_CAP_DELIVERY_COMPLETE 0x20u /* write completion means data is at the target */
+
+typedef struct afp_caps {
+    char provider[AFP_NAME_LEN]; /* e.g. "tcp;ofi_rxm" */
+    uint32_t flags;              /* AFP_CAP_* */
+    uint32_t imm_size;           /* bytes of immediate data (4 for every provider we serve) */
+    uint64_t max_msg_size;       /* largest single write or send */
+    uint64_t inject_size;
+    uint32_t addr_len;           /* length of this domain's address */
+    int32_t wait_fd;             /* fd readable when the domain may have events, or -1 */
+} afp_caps;
+
+/* One write work request. `ctx` comes back in the completion. */
+typedef struct afp_write {
+    void *local_addr;
+    void *local_desc; /* from reg_mr (may be NULL for zero-length writes) */
+    uint64_t length;
+    uint64_t peer;        /* from resolve */
+    uint64_t remote_addr; /* already translated by the shim (virtual or offset) */
+    uint64_t remote_key;
+    uint64_t ctx;
+    uint32_t imm;
+    uint32_t has_imm;
+} afp_write;
+
+enum afp_event_kind {
+    AFP_EV_WRITE_DONE = 1, /* ctx, status */
+    AFP_EV_SEND_DONE = 2,  /* ctx, status */
+    AFP_EV_RECV = 3,       /* ctx = the receive's ctx, len, status */
+    AFP_EV_IMM = 4,        /* imm; ctx = the receive consumed when IMM_NEEDS_RECV, else 0 */
+    AFP_EV_ERROR = 5       /* ctx of the failed operation (write/send/recv), status, errtext */
+};
+
+typedef struct afp_event {
+    uint32_t kind;
+    int32_t status;      /* 0 or negative AFS_E* code */
+    uint64_t ctx;
+    uint64_t len;
+    uint32_t imm;
+    uint32_t op;         /* for AFP_EV_ERROR: the kind of operation that failed (AFP_EV_*) */
+    char errtext[AFP_ERRTEXT_LEN]; /* the provider's own error text, for errors */
+} afp_event;
+
+#define AFP_MR_REMOTE 0x1u /* remote peers may write into the region */
+#define AFP_MR_DEVICE 0x2u /* CUDA device memory (device id in `device`) */
+
+struct afp_ops {
+    uint32_t size;  /* sizeof(struct afp_ops) as the provider was built */
+    uint16_t major; /* AFP_ABI_MAJOR */
+    uint16_t minor; /* AFP_ABI_MINOR */
+    const char *name;
+
+    /* Fill up to `max` NICs usable with `args`; *n gets how many exist. */
+    int (*list_nics)(const afp_open_args *args, afp_nic_info *out, uint32_t max, uint32_t *n,
+                     char *err, size_t errlen);
+    int (*open)(const afp_open_args *args, afp_domain **out, char *err, size_t errlen);
+    void (*close)(afp_domain *dom);
+    const char *(*errbuf)(afp_domain *dom);
+    int (*caps)(afp_domain *dom, afp_caps *out);
+    int (*address)(afp_domain *dom, void *buf, size_t *len);
+
+    int (*reg_mr)(afp_domain *dom, void *addr, uint64_t len, uint32_t flags, int32_t device,
+                  uint64_t requested_key, afp_mr **mr, void **local_desc, uint64_t *rkey,
+                  uint64_t *remote_base);
+    int (*dereg_mr)(afp_domain *dom, afp_mr *mr);
+    int (*resolve)(afp_domain *dom, const void *addr, size_t len, uint64_t *peer);
+    int (*forget)(afp_domain *dom, uint64_t peer);
+
+    /* Post up to n writes; *posted gets how many were accepted (a prefix). Returns 0,
+     * AFS_EAGAIN when the queue is full (after posting *posted), or an error. */
+    int (*post_writes)(afp_domain *dom, const afp_write *wr, uint32_t n, uint32_t *posted);
+    int (*post_send)(afp_domain *dom, uint64_t peer, const void *buf, uint64_t len, void *desc,
+                     uint64_t ctx);
+    int (*post_recv)(afp_domain *dom, void *buf, uint64_t len, void *desc, uint64_t ctx);
+    int (*poll)(afp_domain *dom, afp_event *ev, uint32_t max, uint32_t *n);
+    /* Before sleeping on wait_fd: returns 0 if it is safe to sleep, AFS_EAGAIN if events
+     * may be pending (poll again first). */
+    int (*trywait)(afp_domain *dom);
+};
+
+typedef const struct afp_ops *(*afp_get_ops_fn)(void);
+
+#define AFP_HAS_OP(ops, member)                                                                \
+    ((ops)->size >= offsetof(struct afp_ops, member) + sizeof((ops)->member) &&              \
+     (ops)->member != NULL)
+
+#endif

@@ -1,0 +1,168 @@
+/*
+ * afabric shim: the whole ABI that Python's ctypes sees (afabric/_native.py).
+ *
+ * Rules: fixed-width types, structs only by pointer, no inline functions, every
+ * exported name starts with `afs_`. Functions return 0 or a negative AFS_E* code;
+ * results go through out-parameters placed last; the detail of a failure is in a
+ * per-thread buffer read with afs_last_error() right after the failing call.
+ */
+#ifndef AFABRIC_SHIM_H
+#define AFABRIC_SHIM_H
+
+#include <stdint.h>
+
+#define AFS_ABI_VERSION 1u
+
+#if defined(__GNUC__)
+#define AFS_API __attribute__((visibility("default")))
+#else
+#define AFS_API
+#endif
+
+/* The one error table: C uses the enum, Python reads names/texts through
+ * afs_error_info() and maps names to exception classes. */
+#define AFS_ERROR_TABLE(X)                                                                      \
+    X(OK, 0, "success")                                                                         \
+    X(EAGAIN, -1, "resource temporarily unavailable, try again")                               \
+    X(EINVAL, -2, "invalid argument")                                                           \
+    X(ERANGE, -3, "offset or length outside the memory region")                                 \
+    X(ECLOSED, -4, "engine is closed")                                                          \
+    X(ENOMEM, -5, "out of memory")                                                              \
+    X(EBADDESC, -6, "malformed, truncated or forged descriptor or address")                     \
+    X(ESTALE, -7, "memory region was deregistered")                                             \
+    X(ETOOBIG, -8, "message larger than the maximum size")                                      \
+    X(ETIMEDOUT, -9, "operation timed out")                                                     \
+    X(EPEER, -10, "peer unreachable or connection lost")                                        \
+    X(EKEY, -11, "remote key rejected")                                                         \
+    X(EIO, -12, "transport error")                                                              \
+    X(EPROVIDER, -13, "provider library could not be loaded or is incompatible")                \
+    X(EUNSUPPORTED, -14, "operation not supported by this provider")                            \
+    X(ECANCELED, -15, "operation canceled")                                                     \
+    X(EBUSY, -16, "resource busy")                                                              \
+    X(ENODEV, -17, "no usable NIC or domain")                                                   \
+    X(EWRONGPROV, -18, "descriptor or address belongs to another provider")                     \
+    X(EREG, -19, "memory registration failed")
+
+#define AFS_ENUM_ITEM(name, value, text) AFS_##name = (value),
+enum afs_error { AFS_ERROR_TABLE(AFS_ENUM_ITEM) };
+#undef AFS_ENUM_ITEM
+
+typedef struct afs_engine afs_engine; /* opaque */
+
+/* Engine configuration (passed by pointer; `size` = sizeof as the caller knows it). */
+typedef struct afs_config {
+    uint32_t size;
+    uint32_t flags;             /* AFS_CFG_* */
+    const char *provider_lib;   /* path of the provider's native library */
+    const char *provider_name;  /* the afabric provider name ("tcp"), for messages */
+    const char *fabric_provider;/* the name the provider library is given ("tcp") */
+    const char *nic;            /* NIC name, or NULL for the first usable */
+    const char *bind_addr;      /* interface address to bind, or NULL */
+    int32_t cpu;                /* core to pin the worker to, or -1 */
+    uint32_t poll_mode;         /* AFS_POLL_ADAPTIVE or AFS_POLL_SPIN */
+    uint32_t spin_us;           /* adaptive: spin this long after activity before sleeping */
+    uint32_t max_msg_size;      /* largest SEND/RECV message (receive buffer size) */
+    uint32_t rx_depth;          /* receives kept posted */
+    uint32_t tx_depth;          /* writes/sends in flight per domain */
+    uint64_t op_timeout_ns;     /* a write or send not completed by then fails (0: never) */
+} afs_config;
+
+#define AFS_CFG_FORCE_EFA_MODES 0x1u
+#define AFS_POLL_ADAPTIVE 0u
+#define AFS_POLL_SPIN 1u
+
+typedef struct afs_engine_facts {
+    int32_t event_fd;          /* readable when afs_drain has something */
+    uint32_t caps;             /* provider AFP_CAP_* flags */
+    uint64_t incarnation;      /* random per engine: descriptors and addresses carry it */
+    uint64_t max_write_size;   /* provider's max message size */
+    uint32_t max_msg_size;     /* SEND/RECV limit */
+    uint32_t nics;
+    char provider[64];         /* provider as the library reports it ("tcp;ofi_rxm") */
+} afs_engine_facts;
+
+/* Decoded descriptor (afs_desc_decode). */
+typedef struct afs_desc_info {
+    uint64_t incarnation;
+    uint64_t base;       /* owner's virtual address of the region */
+    uint64_t length;
+    int32_t device;      /* -1 host, else CUDA device */
+    uint32_t nics;
+    char provider[32];
+} afs_desc_info;
+
+/* One record drained from the completion ring. */
+enum afs_completion_kind {
+    AFS_C_DONE = 1,    /* id completed with status; text = error text (free with afs_text_free) */
+    AFS_C_RELEASE = 2, /* id's buffers are no longer touched (after a failed DONE) */
+    AFS_C_RECV = 3     /* message: data/len valid until released with afs_recv_release(slot) */
+};
+
+typedef struct afs_completion {
+    uint64_t id;
+    int32_t status;
+    uint32_t kind;
+    uint64_t data; /* RECV: address of the message; DONE with error: char* text or 0 */
+    uint64_t len;
+    uint32_t slot;
+    uint32_t reserved;
+} afs_completion;
+
+#define AFS_NO_IMM (-1)
+
+AFS_API uint32_t afs_abi_version(void);
+AFS_API int32_t afs_error_count(void);
+AFS_API int32_t afs_error_info(int32_t index, int32_t *code, const char **name, const char **text);
+AFS_API const char *afs_last_error(void);
+AFS_API void afs_text_free(uint64_t text);
+
+/* Provider probing (no engine): NICs that the provider library sees. */
+AFS_API int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32_t max,
+                                   uint32_t *count, char *name_out, uint32_t name_len);
+
+AFS_API int32_t afs_engine_create(const afs_config *cfg, afs_engine **out);
+AFS_API int32_t afs_engine_destroy(afs_engine *eng);
+AFS_API int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out);
+AFS_API int32_t afs_engine_address(afs_engine *eng, uint8_t *buf, uint32_t cap, uint32_t *len);
+
+AFS_API int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t flags,
+                                int32_t device, uint64_t *mr_id, uint8_t *desc, uint32_t cap,
+                                uint32_t *desc_len);
+AFS_API int32_t afs_mr_deregister(afs_engine *eng, uint64_t mr_id);
+
+AFS_API int32_t afs_desc_decode(const uint8_t *buf, uint32_t len, afs_desc_info *out);
+AFS_API int32_t afs_address_check(const uint8_t *buf, uint32_t len, uint64_t *incarnation,
+                                  uint32_t *nics);
+AFS_API int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len,
+                                  uint64_t *remote_id);
+AFS_API int32_t afs_remote_release(afs_engine *eng, uint64_t remote_id);
+AFS_API int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len,
+                                 uint64_t *peer_id);
+
+AFS_API int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                          uint64_t src_offset, uint64_t dst_offset, int64_t imm,
+                          uint64_t *xfer_id);
+AFS_API int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                                uint64_t page_len, uint64_t count, const int64_t *src_idx,
+                                uint64_t src_stride, uint64_t src_offset, const int64_t *dst_idx,
+                                uint64_t dst_stride, uint64_t dst_offset, int64_t imm,
+                                uint64_t *xfer_id);
+AFS_API int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len,
+                         uint64_t *xfer_id);
+AFS_API int32_t afs_expect_imm(afs_engine *eng, uint32_t imm, uint64_t count, uint64_t *xfer_id);
+AFS_API int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id);
+
+AFS_API int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count);
+AFS_API int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count);
+
+/* Raw benchmark loops: the same submit path driven from C, no Python per operation.
+ * `window` operations in flight; returns elapsed nanoseconds for `iters` operations. */
+AFS_API int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                                uint64_t length, uint32_t window, uint64_t iters,
+                                uint64_t *elapsed_ns);
+AFS_API int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                                uint64_t page_len, uint64_t count, const int64_t *src_idx,
+                                const int64_t *dst_idx, uint32_t window, uint64_t iters,
+                                uint64_t *elapsed_ns);
+
+#endif

@@ -1,0 +1,408 @@
+/*
+ * Submitting operations. Everything a caller can get wrong is checked here, on the
+ * caller's thread, before a request reaches the worker: a bad argument fails the call
+ * itself with a typed code and nothing is posted.
+ */
+#include <sched.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define MAX_CHUNK (1ull << 30) /* largest single work request of a contiguous write */
+
+typedef struct mr_copy {
+    uint64_t addr, len;
+    void *desc[AFS_MAX_NICS];
+} mr_copy;
+
+static int load_mr(afs_engine *eng, uint64_t id, mr_copy *out)
+{
+    afs_mr_entry *m = afs_slots_lookup(&eng->mrs, id);
+    if (m) {
+        out->addr = m->addr;
+        out->len = m->len;
+        memcpy(out->desc, m->desc, sizeof(out->desc));
+        if (afs_slots_still(&eng->mrs, id))
+            return 0;
+    }
+    return afs_fail(AFS_ESTALE, "local memory region is not registered with this engine "
+                                "(deregistered, or from another engine)");
+}
+
+static int load_remote(afs_engine *eng, uint64_t id, afs_remote_entry *out)
+{
+    afs_remote_entry *r = afs_slots_lookup(&eng->remotes, id);
+    if (r) {
+        out->peer_id = r->peer_id;
+        out->length = r->length;
+        memcpy(out->fi_addr, r->fi_addr, sizeof(out->fi_addr));
+        memcpy(out->rbase, r->rbase, sizeof(out->rbase));
+        memcpy(out->key, r->key, sizeof(out->key));
+        if (afs_slots_still(&eng->remotes, id))
+            return 0;
+    }
+    return afs_fail(AFS_ESTALE, "remote descriptor handle is not live on this engine");
+}
+
+static bool range_ok(uint64_t off, uint64_t len, uint64_t size)
+{
+    return off <= size && len <= size - off;
+}
+
+static int check_imm(int64_t imm, bool *has, uint32_t *value)
+{
+    if (imm == AFS_NO_IMM) {
+        *has = false;
+        *value = 0;
+        return 0;
+    }
+    if (imm < 0 || imm > (int64_t)UINT32_MAX)
+        return afs_fail(AFS_EINVAL, "immediate %lld outside 0..4294967295", (long long)imm);
+    *has = true;
+    *value = (uint32_t)imm;
+    return 0;
+}
+
+static void fill_targets(afs_engine *eng, afs_xfer *x, const mr_copy *m,
+                         const afs_remote_entry *r)
+{
+    x->local_addr = m->addr;
+    for (uint32_t k = 0; k < eng->nnics; k++) {
+        x->local_desc[k] = m->desc[k];
+        x->fi_addr[k] = r->fi_addr[k];
+        x->rbase[k] = r->rbase[k];
+        x->rkey[k] = r->key[k];
+    }
+}
+
+static int build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                       uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    bool has_imm = false;
+    uint32_t imm_value = 0;
+    mr_copy m;
+    afs_remote_entry r;
+    if ((rc = check_imm(imm, &has_imm, &imm_value)) || (rc = load_mr(eng, mr_id, &m)) ||
+        (rc = load_remote(eng, remote_id, &r)))
+        return rc;
+    if (!range_ok(src_offset, length, m.len))
+        return afs_fail(AFS_ERANGE,
+                        "source [%llu, +%llu) outside the local region of %llu bytes",
+                        (unsigned long long)src_offset, (unsigned long long)length,
+                        (unsigned long long)m.len);
+    if (!range_ok(dst_offset, length, r.length))
+        return afs_fail(AFS_ERANGE,
+                        "destination [%llu, +%llu) outside the remote region of %llu bytes",
+                        (unsigned long long)dst_offset, (unsigned long long)length,
+                        (unsigned long long)r.length);
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_WRITE);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "write: out of memory");
+    fill_targets(eng, x, &m, &r);
+    x->local_addr = m.addr + src_offset;
+    x->length = length;
+    x->dst_addr = dst_offset;
+    x->has_imm = has_imm;
+    x->imm = imm_value;
+    uint64_t maxw = eng->nics[0].caps.max_msg_size;
+    x->chunk = (maxw && maxw < MAX_CHUNK) ? maxw : MAX_CHUNK;
+    *out = x;
+    return 0;
+}
+
+static int check_pages(const int64_t *idx, uint64_t count, uint64_t stride, uint64_t offset,
+                       uint64_t page_len, uint64_t size, const char *side)
+{
+    if (!idx)
+        return afs_fail(AFS_EINVAL, "%s page indices: NULL", side);
+    if (page_len > size || offset > size - page_len)
+        return afs_fail(AFS_ERANGE, "%s pages: offset %llu + page %llu outside %llu bytes", side,
+                        (unsigned long long)offset, (unsigned long long)page_len,
+                        (unsigned long long)size);
+    /* page i spans [offset + idx*stride, +page_len): idx <= (size - page_len - offset)/stride */
+    uint64_t room = size - page_len - offset;
+    uint64_t max_idx = stride ? room / stride : UINT64_MAX;
+    for (uint64_t i = 0; i < count; i++) {
+        if (idx[i] < 0 || (uint64_t)idx[i] > max_idx)
+            return afs_fail(AFS_ERANGE,
+                            "%s page %llu: index %lld puts the page outside the region of "
+                            "%llu bytes (stride %llu, offset %llu)",
+                            side, (unsigned long long)i, (long long)idx[i],
+                            (unsigned long long)size, (unsigned long long)stride,
+                            (unsigned long long)offset);
+    }
+    return 0;
+}
+
+static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
+                       uint64_t count, const int64_t *src_idx, uint64_t src_stride,
+                       uint64_t src_offset, const int64_t *dst_idx, uint64_t dst_stride,
+                       uint64_t dst_offset, int64_t imm, afs_xfer **out)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    bool has_imm = false;
+    uint32_t imm_value = 0;
+    mr_copy m;
+    afs_remote_entry r;
+    if ((rc = check_imm(imm, &has_imm, &imm_value)) || (rc = load_mr(eng, mr_id, &m)) ||
+        (rc = load_remote(eng, remote_id, &r)))
+        return rc;
+    if (page_len > eng->nics[0].caps.max_msg_size)
+        return afs_fail(AFS_ETOOBIG, "page of %llu bytes exceeds the provider's %llu",
+                        (unsigned long long)page_len,
+                        (unsigned long long)eng->nics[0].caps.max_msg_size);
+    if (count > (1ull << 31))
+        return afs_fail(AFS_EINVAL, "too many pages in one request (%llu)",
+                        (unsigned long long)count);
+    if ((rc = check_pages(src_idx, count, src_stride, src_offset, page_len, m.len, "source")) ||
+        (rc = check_pages(dst_idx, count, dst_stride, dst_offset, page_len, r.length,
+                          "destination")))
+        return rc;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PAGED);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "paged write: out of memory");
+    size_t bytes = (size_t)(count ? count : 1) * sizeof(int64_t);
+    x->src_idx = malloc(bytes);
+    x->dst_idx = malloc(bytes);
+    if (!x->src_idx || !x->dst_idx) {
+        afs_xfer_free(x);
+        return afs_fail(AFS_ENOMEM, "paged write: out of memory for %llu pages",
+                        (unsigned long long)count);
+    }
+    memcpy(x->src_idx, src_idx, (size_t)count * sizeof(int64_t));
+    memcpy(x->dst_idx, dst_idx, (size_t)count * sizeof(int64_t));
+    fill_targets(eng, x, &m, &r);
+    x->count = count;
+    x->length = page_len;
+    x->src_stride = src_stride;
+    x->src_offset = src_offset;
+    x->dst_stride = dst_stride;
+    x->dst_offset = dst_offset;
+    x->has_imm = has_imm;
+    x->imm = imm_value;
+    *out = x;
+    return 0;
+}
+
+int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                  uint64_t src_offset, uint64_t dst_offset, int64_t imm, uint64_t *xfer_id)
+{
+    afs_xfer *x;
+    if (!xfer_id)
+        return afs_fail(AFS_EINVAL, "write: NULL output");
+    int rc = build_write(eng, mr_id, remote_id, length, src_offset, dst_offset, imm, &x);
+    if (rc)
+        return rc;
+    *xfer_id = x->id;
+    afs_submit(eng, x);
+    return 0;
+}
+
+int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
+                        uint64_t count, const int64_t *src_idx, uint64_t src_stride,
+                        uint64_t src_offset, const int64_t *dst_idx, uint64_t dst_stride,
+                        uint64_t dst_offset, int64_t imm, uint64_t *xfer_id)
+{
+    afs_xfer *x;
+    if (!xfer_id)
+        return afs_fail(AFS_EINVAL, "paged write: NULL output");
+    int rc = build_paged(eng, mr_id, remote_id, page_len, count, src_idx, src_stride,
+                         src_offset, dst_idx, dst_stride, dst_offset, imm, &x);
+    if (rc)
+        return rc;
+    *xfer_id = x->id;
+    afs_submit(eng, x);
+    return 0;
+}
+
+int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len,
+                 uint64_t *xfer_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!xfer_id || (!buf && len))
+        return afs_fail(AFS_EINVAL, "send: NULL argument");
+    if (len > eng->cfg.max_msg_size)
+        return afs_fail(AFS_ETOOBIG, "message of %llu bytes exceeds the maximum of %u",
+                        (unsigned long long)len, eng->cfg.max_msg_size);
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    uint64_t fi_addr = p ? p->fi_addr[0] : 0;
+    if (!p || !afs_slots_still(&eng->peers, peer_id))
+        return afs_fail(AFS_ESTALE, "peer handle is not live on this engine");
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SEND);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "send: out of memory");
+    x->payload = malloc(len ? len : 1);
+    if (!x->payload) {
+        afs_xfer_free(x);
+        return afs_fail(AFS_ENOMEM, "send: out of memory");
+    }
+    if (len)
+        memcpy(x->payload, buf, len);
+    x->length = len;
+    x->peer_fi_addr = fi_addr;
+    *xfer_id = x->id;
+    afs_submit(eng, x);
+    return 0;
+}
+
+int32_t afs_expect_imm(afs_engine *eng, uint32_t imm, uint64_t count, uint64_t *xfer_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!xfer_id)
+        return afs_fail(AFS_EINVAL, "expect_imm: NULL output");
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_EXPECT);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "expect_imm: out of memory");
+    x->imm = imm;
+    x->count = count;
+    x->deadline_ns = 0;
+    *xfer_id = x->id;
+    afs_submit(eng, x);
+    return 0;
+}
+
+int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_CANCEL);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "cancel: out of memory");
+    x->target_id = xfer_id;
+    afs_submit(eng, x);
+    return 0;
+}
+
+int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count)
+{
+    if (!eng || !out || !count)
+        return afs_fail(AFS_EINVAL, "drain: NULL argument");
+    *count = afs_ring_drain(&eng->ring, out, max);
+    return 0;
+}
+
+int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (count == 0)
+        return 0;
+    if (!slots)
+        return afs_fail(AFS_EINVAL, "recv_release: NULL slots");
+    for (uint32_t i = 0; i < count; i++)
+        if (slots[i] >= eng->nnics * eng->cfg.rx_depth)
+            return afs_fail(AFS_EINVAL, "recv_release: slot %u out of range", slots[i]);
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_RECV_RELEASE);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "recv_release: out of memory");
+    x->slots = malloc(sizeof(uint32_t) * count);
+    if (!x->slots) {
+        afs_xfer_free(x);
+        return afs_fail(AFS_ENOMEM, "recv_release: out of memory");
+    }
+    memcpy(x->slots, slots, sizeof(uint32_t) * count);
+    x->n_slots = count;
+    afs_submit(eng, x);
+    return 0;
+}
+
+/* ---- raw benchmark loops ---- */
+
+static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint32_t window,
+                      uint64_t iters, uint64_t *elapsed_ns)
+{
+    afs_bench_counter c;
+    atomic_init(&c.done, 0);
+    atomic_init(&c.status, 0);
+    uint64_t submitted = 0;
+    int rc = 0;
+    if (window == 0)
+        window = 1;
+    uint64_t t0 = afs_now_ns();
+    while (atomic_load(&c.done) < submitted || submitted < iters) {
+        while (submitted < iters && submitted - atomic_load(&c.done) < window &&
+               atomic_load(&c.status) == 0) {
+            afs_xfer *x = afs_xfer_new(eng, proto->kind);
+            if (!x) {
+                rc = afs_fail(AFS_ENOMEM, "bench: out of memory");
+                break;
+            }
+            uint64_t id = x->id, deadline = x->deadline_ns;
+            memcpy(x, proto, sizeof(*x));
+            x->id = id;
+            x->deadline_ns = deadline;
+            x->bench = &c;
+            if (paged) {
+                size_t bytes = (size_t)proto->count * sizeof(int64_t);
+                x->src_idx = malloc(bytes ? bytes : 1);
+                x->dst_idx = malloc(bytes ? bytes : 1);
+                if (!x->src_idx || !x->dst_idx) {
+                    afs_xfer_free(x);
+                    rc = afs_fail(AFS_ENOMEM, "bench: out of memory");
+                    break;
+                }
+                memcpy(x->src_idx, proto->src_idx, bytes);
+                memcpy(x->dst_idx, proto->dst_idx, bytes);
+            }
+            afs_submit(eng, x);
+            submitted++;
+        }
+        if (rc || atomic_load(&c.status) != 0) {
+            if (atomic_load(&c.done) >= submitted)
+                break;
+        }
+        if (atomic_load(&eng->closed))
+            return afs_fail(AFS_ECLOSED, "engine closed during benchmark");
+        sched_yield();
+    }
+    *elapsed_ns = afs_now_ns() - t0;
+    if (rc)
+        return rc;
+    int32_t st = atomic_load(&c.status);
+    if (st)
+        return afs_fail(st, "benchmark write failed: %s", afs_error_name(st));
+    return 0;
+}
+
+int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                        uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+{
+    afs_xfer *proto;
+    if (!elapsed_ns)
+        return afs_fail(AFS_EINVAL, "bench: NULL output");
+    int rc = build_write(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, &proto);
+    if (rc)
+        return rc;
+    rc = bench_loop(eng, proto, false, window, iters, elapsed_ns);
+    afs_xfer_free(proto);
+    return rc;
+}
+
+int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
+                        uint64_t count, const int64_t *src_idx, const int64_t *dst_idx,
+                        uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+{
+    afs_xfer *proto;
+    if (!elapsed_ns)
+        return afs_fail(AFS_EINVAL, "bench: NULL output");
+    int rc = build_paged(eng, mr_id, remote_id, page_len, count, src_idx, page_len, 0, dst_idx,
+                         page_len, 0, AFS_NO_IMM, &proto);
+    if (rc)
+        return rc;
+    rc = bench_loop(eng, proto, true, window, iters, elapsed_ns);
+    afs_xfer_free(proto);
+    return rc;
+}

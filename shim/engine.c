@@ -1,0 +1,538 @@
+/*
+ * Engine lifetime: loading the provider library, opening its NIC domains, the send and
+ * receive buffer pools, the worker thread, and the synchronous control calls (memory
+ * registration, peer and descriptor resolution) that the worker executes for callers.
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define RX_TAG 1u
+
+static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
+
+int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
+{
+    if (!cfg->provider_lib || !cfg->provider_lib[0])
+        return afs_fail(AFS_EPROVIDER, "no provider library path given");
+    void *h = dlopen(cfg->provider_lib, RTLD_NOW | RTLD_LOCAL);
+    if (!h)
+        return afs_fail(AFS_EPROVIDER, "cannot load provider library %s: %s", cfg->provider_lib,
+                        dlerror());
+    afp_get_ops_fn get = NULL;
+    *(void **)(&get) = dlsym(h, "afp_get_ops");
+    if (!get) {
+        dlclose(h);
+        return afs_fail(AFS_EPROVIDER, "%s does not export afp_get_ops (not a provider library)",
+                        cfg->provider_lib);
+    }
+    const struct afp_ops *o = get();
+    if (!o || o->size < offsetof(struct afp_ops, trywait) || o->major != AFP_ABI_MAJOR) {
+        unsigned major = o ? o->major : 0;
+        dlclose(h);
+        return afs_fail(AFS_EPROVIDER,
+                        "%s: provider ABI major version %u, this shim speaks %u",
+                        cfg->provider_lib, major, AFP_ABI_MAJOR);
+    }
+    if (!AFP_HAS_OP(o, list_nics) || !AFP_HAS_OP(o, open) || !AFP_HAS_OP(o, close) ||
+        !AFP_HAS_OP(o, caps) || !AFP_HAS_OP(o, address) || !AFP_HAS_OP(o, reg_mr) ||
+        !AFP_HAS_OP(o, dereg_mr) || !AFP_HAS_OP(o, resolve) || !AFP_HAS_OP(o, post_writes) ||
+        !AFP_HAS_OP(o, post_send) || !AFP_HAS_OP(o, post_recv) || !AFP_HAS_OP(o, poll) ||
+        !AFP_HAS_OP(o, errbuf)) {
+        dlclose(h);
+        return afs_fail(AFS_EPROVIDER, "%s: provider table lacks a required operation",
+                        cfg->provider_lib);
+    }
+    *lib = h;
+    *ops = o;
+    return 0;
+}
+
+static void open_args(const afs_config *cfg, afp_open_args *a)
+{
+    memset(a, 0, sizeof(*a));
+    a->fabric_provider = cfg->fabric_provider;
+    a->nic = cfg->nic;
+    a->bind_addr = cfg->bind_addr;
+    a->flags = (cfg->flags & AFS_CFG_FORCE_EFA_MODES) ? AFP_OPEN_FORCE_EFA_MODES : 0;
+    a->rx_depth = cfg->rx_depth;
+    a->tx_depth = cfg->tx_depth;
+}
+
+int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32_t max, uint32_t *count,
+                           char *name_out, uint32_t name_len)
+{
+    void *lib = NULL;
+    const struct afp_ops *ops = NULL;
+    char err[AFP_ERRTEXT_LEN] = "";
+    if (!cfg || !count)
+        return afs_fail(AFS_EINVAL, "probe: NULL argument");
+    int rc = afs_load_provider(cfg, &lib, &ops);
+    if (rc)
+        return rc;
+    afp_open_args a;
+    open_args(cfg, &a);
+    uint32_t n = 0;
+    rc = ops->list_nics(&a, (afp_nic_info *)nics_out, max, &n, err, sizeof(err));
+    if (rc) {
+        rc = afs_fail(rc, "%s", err[0] ? err : "provider found no NIC");
+        goto out_close;
+    }
+    *count = n;
+    if (name_out && name_len) {
+        snprintf(name_out, name_len, "%s", ops->name ? ops->name : "");
+    }
+out_close:
+    dlclose(lib);
+    return rc;
+}
+
+
+static uint64_t rx_ctx(uint32_t nic, uint32_t slot)
+{
+    return ((uint64_t)slot << 16) | ((uint64_t)nic << 8) | RX_TAG;
+}
+
+int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot)
+{
+    afs_nic *n = &eng->nics[nic];
+    uint64_t sz = eng->cfg.max_msg_size;
+    return eng->ops->post_recv(n->dom, n->rx_buf + (uint64_t)slot * sz, sz, n->rx_desc,
+                               rx_ctx(nic, slot));
+}
+
+static int setup_pools(afs_engine *eng, uint32_t index)
+{
+    afs_nic *n = &eng->nics[index];
+    uint64_t sz = eng->cfg.max_msg_size;
+    uint64_t rx_bytes = sz * eng->cfg.rx_depth, tx_bytes = sz * eng->cfg.tx_depth;
+    uint64_t dummy_base;
+    int rc;
+    n->rx_buf = aligned_alloc(4096, (rx_bytes + 4095) & ~4095ull);
+    n->tx_buf = aligned_alloc(4096, (tx_bytes + 4095) & ~4095ull);
+    n->tx_free = calloc(eng->cfg.tx_depth, sizeof(uint32_t));
+    if (!n->rx_buf || !n->tx_buf || !n->tx_free)
+        return afs_fail(AFS_ENOMEM, "cannot allocate message buffers (%llu bytes)",
+                        (unsigned long long)(rx_bytes + tx_bytes));
+    uint64_t rkey;
+    rc = eng->ops->reg_mr(n->dom, n->rx_buf, rx_bytes, 0, -1, afs_mix64(eng->incarnation + 1),
+                          &n->rx_mr, &n->rx_desc, &rkey, &dummy_base);
+    if (rc)
+        return afs_fail(rc, "registering receive buffers: %s", eng->ops->errbuf(n->dom));
+    rc = eng->ops->reg_mr(n->dom, n->tx_buf, tx_bytes, 0, -1, afs_mix64(eng->incarnation + 2),
+                          &n->tx_mr, &n->tx_desc, &rkey, &dummy_base);
+    if (rc)
+        return afs_fail(rc, "registering send buffers: %s", eng->ops->errbuf(n->dom));
+    for (uint32_t i = 0; i < eng->cfg.tx_depth; i++)
+        n->tx_free[n->tx_free_len++] = eng->cfg.tx_depth - 1 - i;
+    for (uint32_t i = 0; i < eng->cfg.rx_depth; i++) {
+        rc = afs_post_rx(eng, index, i);
+        if (rc)
+            return afs_fail(rc, "posting receive %u: %s", i, eng->ops->errbuf(n->dom));
+    }
+    return 0;
+}
+
+static void close_nic(afs_engine *eng, afs_nic *n)
+{
+    if (!n->dom)
+        goto out_free;
+    if (n->rx_mr)
+        eng->ops->dereg_mr(n->dom, n->rx_mr);
+    if (n->tx_mr)
+        eng->ops->dereg_mr(n->dom, n->tx_mr);
+    eng->ops->close(n->dom);
+out_free:
+    free(n->rx_buf);
+    free(n->tx_buf);
+    free(n->tx_free);
+    memset(n, 0, sizeof(*n));
+}
+
+static int check_config(const afs_config *cfg)
+{
+    if (!cfg || cfg->size != sizeof(afs_config))
+        return afs_fail(AFS_EINVAL, "engine config: size mismatch (shim expects %zu bytes)",
+                        sizeof(afs_config));
+    if (!cfg->provider_name || !cfg->fabric_provider)
+        return afs_fail(AFS_EINVAL, "engine config: provider name missing");
+    if (strlen(cfg->provider_name) > AFS_MAX_PROVNAME)
+        return afs_fail(AFS_EINVAL, "provider name too long");
+    if (cfg->max_msg_size < 64 || cfg->max_msg_size > (64u << 20))
+        return afs_fail(AFS_EINVAL, "max_msg_size %u outside 64 B .. 64 MiB", cfg->max_msg_size);
+    if (cfg->rx_depth < 1 || cfg->rx_depth > 65535 || cfg->tx_depth < 1 ||
+        cfg->tx_depth > 65535)
+        return afs_fail(AFS_EINVAL, "rx_depth/tx_depth must be 1..65535");
+    if (cfg->poll_mode != AFS_POLL_ADAPTIVE && cfg->poll_mode != AFS_POLL_SPIN)
+        return afs_fail(AFS_EINVAL, "unknown poll mode %u", cfg->poll_mode);
+    return 0;
+}
+
+static void engine_free(afs_engine *eng)
+{
+    for (uint32_t i = 0; i < eng->nnics; i++)
+        close_nic(eng, &eng->nics[i]);
+    if (eng->lib)
+        dlclose(eng->lib);
+    afs_ring_destroy(&eng->ring);
+    afs_immtab_destroy(&eng->imm);
+    afs_slots_destroy(&eng->mrs);
+    afs_slots_destroy(&eng->peers);
+    afs_slots_destroy(&eng->remotes);
+    pthread_mutex_destroy(&eng->peer_lock);
+    if (eng->wake_fd >= 0)
+        close(eng->wake_fd);
+    free(eng->provider_lib);
+    free(eng->provider_name);
+    free(eng->fabric_provider);
+    free(eng->nic_name);
+    free(eng->bind_addr);
+    free(eng);
+}
+
+int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
+{
+    int rc = check_config(cfg);
+    if (rc)
+        return rc;
+    if (!out)
+        return afs_fail(AFS_EINVAL, "engine: NULL output");
+    afs_engine *eng = calloc(1, sizeof(*eng));
+    if (!eng)
+        return afs_fail(AFS_ENOMEM, "engine: out of memory");
+    eng->wake_fd = -1;
+    eng->ring.event_fd = -1;
+    eng->cfg = *cfg;
+    eng->provider_lib = dup_or_null(cfg->provider_lib);
+    eng->provider_name = dup_or_null(cfg->provider_name);
+    eng->fabric_provider = dup_or_null(cfg->fabric_provider);
+    eng->nic_name = dup_or_null(cfg->nic);
+    eng->bind_addr = dup_or_null(cfg->bind_addr);
+    eng->cfg.provider_lib = eng->provider_lib;
+    eng->cfg.provider_name = eng->provider_name;
+    eng->cfg.fabric_provider = eng->fabric_provider;
+    eng->cfg.nic = eng->nic_name;
+    eng->cfg.bind_addr = eng->bind_addr;
+    eng->incarnation = afs_random_u64() | 1u;
+    atomic_store(&eng->next_id, 1);
+    if (pthread_mutex_init(&eng->peer_lock, NULL) != 0) {
+        free(eng);
+        return afs_fail(AFS_ENOMEM, "engine: mutex init failed");
+    }
+    if ((rc = afs_slots_init(&eng->mrs, sizeof(afs_mr_entry))) ||
+        (rc = afs_slots_init(&eng->peers, sizeof(afs_peer_entry))) ||
+        (rc = afs_slots_init(&eng->remotes, sizeof(afs_remote_entry))) ||
+        (rc = afs_immtab_init(&eng->imm)) || (rc = afs_ring_init(&eng->ring, 65536)))
+        goto out_free;
+    afs_mpsc_init(&eng->submitq);
+    eng->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (eng->wake_fd < 0) {
+        rc = afs_fail(AFS_EIO, "eventfd: %s", strerror(errno));
+        goto out_free;
+    }
+    if ((rc = afs_load_provider(&eng->cfg, &eng->lib, &eng->ops)))
+        goto out_free;
+
+    /* One domain group with one NIC for now; the arrays are sized for more. */
+    afp_open_args a;
+    open_args(&eng->cfg, &a);
+    char err[AFP_ERRTEXT_LEN] = "";
+    eng->nnics = 1;
+    afs_nic *n = &eng->nics[0];
+    rc = eng->ops->open(&a, &n->dom, err, sizeof(err));
+    if (rc) {
+        n->dom = NULL;
+        rc = afs_fail(rc, "opening %s: %s", eng->provider_name, err);
+        goto out_free;
+    }
+    if ((rc = eng->ops->caps(n->dom, &n->caps))) {
+        rc = afs_fail(rc, "provider caps: %s", eng->ops->errbuf(n->dom));
+        goto out_free;
+    }
+    if (n->caps.imm_size < 4) {
+        rc = afs_fail(AFS_EUNSUPPORTED, "%s carries %u-byte immediates; 4 are needed",
+                      n->caps.provider, n->caps.imm_size);
+        goto out_free;
+    }
+    size_t alen = sizeof(n->addr);
+    if ((rc = eng->ops->address(n->dom, n->addr, &alen))) {
+        rc = afs_fail(rc, "provider address: %s", eng->ops->errbuf(n->dom));
+        goto out_free;
+    }
+    n->addr_len = (uint32_t)alen;
+    snprintf(eng->provider_full, sizeof(eng->provider_full), "%s", n->caps.provider);
+    if ((rc = setup_pools(eng, 0)))
+        goto out_free;
+
+    const uint8_t *addrs[AFS_MAX_NICS];
+    uint32_t lens[AFS_MAX_NICS];
+    for (uint32_t i = 0; i < eng->nnics; i++) {
+        addrs[i] = eng->nics[i].addr;
+        lens[i] = eng->nics[i].addr_len;
+    }
+    if ((rc = afs_addr_encode(eng->provider_name, eng->incarnation, eng->nnics, addrs, lens,
+                              eng->address, sizeof(eng->address), &eng->address_len)))
+        goto out_free;
+
+    if (pthread_create(&eng->worker, NULL, afs_worker_main, eng) != 0) {
+        rc = afs_fail(AFS_ENOMEM, "cannot start the worker thread");
+        goto out_free;
+    }
+    eng->worker_started = true;
+    *out = eng;
+    return 0;
+out_free:
+    engine_free(eng);
+    return rc;
+}
+
+int afs_engine_check_open(afs_engine *eng)
+{
+    if (!eng)
+        return afs_fail(AFS_EINVAL, "NULL engine");
+    if (atomic_load_explicit(&eng->closed, memory_order_acquire))
+        return afs_fail(AFS_ECLOSED, "engine is closed");
+    return 0;
+}
+
+int32_t afs_engine_destroy(afs_engine *eng)
+{
+    if (!eng)
+        return afs_fail(AFS_EINVAL, "NULL engine");
+    atomic_store(&eng->closed, 1);
+    if (eng->worker_started) {
+        atomic_store(&eng->stop, 1);
+        uint64_t one = 1;
+        ssize_t w = write(eng->wake_fd, &one, sizeof(one));
+        (void)w; /* the worker also wakes on its sleep timeout */
+        pthread_join(eng->worker, NULL);
+    }
+    /* deregister what the application left registered before closing the domains */
+    for (uint32_t i = 0; i < eng->mrs.n_alloc; i++) {
+        afs_mr_entry *m = afs_slots_at(&eng->mrs, i);
+        if (!m || !(atomic_load(&m->hdr.gen) & 1u))
+            continue;
+        for (uint32_t k = 0; k < eng->nnics; k++)
+            if (m->mr[k])
+                eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
+    }
+    engine_free(eng);
+    return 0;
+}
+
+int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out)
+{
+    if (!eng || !out)
+        return afs_fail(AFS_EINVAL, "NULL argument");
+    memset(out, 0, sizeof(*out));
+    out->event_fd = eng->ring.event_fd;
+    out->caps = eng->nics[0].caps.flags;
+    out->incarnation = eng->incarnation;
+    out->max_write_size = eng->nics[0].caps.max_msg_size;
+    out->max_msg_size = eng->cfg.max_msg_size;
+    out->nics = eng->nnics;
+    snprintf(out->provider, sizeof(out->provider), "%s", eng->provider_full);
+    return 0;
+}
+
+int32_t afs_engine_address(afs_engine *eng, uint8_t *buf, uint32_t cap, uint32_t *len)
+{
+    if (!eng || !buf || !len)
+        return afs_fail(AFS_EINVAL, "NULL argument");
+    if (cap < eng->address_len)
+        return afs_fail(AFS_ERANGE, "address needs %u bytes", eng->address_len);
+    memcpy(buf, eng->address, eng->address_len);
+    *len = eng->address_len;
+    return 0;
+}
+
+/* ---- synchronous control calls, executed by the worker ---- */
+
+int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t flags,
+                        int32_t device, uint64_t *mr_id, uint8_t *desc, uint32_t cap,
+                        uint32_t *desc_len)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!mr_id || !desc_len)
+        return afs_fail(AFS_EINVAL, "register: NULL output");
+    if (len == 0 || addr == 0)
+        return afs_fail(AFS_EINVAL, "register: empty region or NULL address");
+    if (len > UINT64_MAX - addr)
+        return afs_fail(AFS_EINVAL, "register: region wraps the address space");
+    if (flags & ~(AFP_MR_REMOTE | AFP_MR_DEVICE))
+        return afs_fail(AFS_EINVAL, "register: unknown flags 0x%x", flags);
+    if ((flags & AFP_MR_DEVICE) && device < 0)
+        return afs_fail(AFS_EINVAL, "register: device memory needs a device id");
+    uint32_t index;
+    afs_mr_entry *m;
+    if ((rc = afs_slots_alloc(&eng->mrs, &index, (void **)&m)))
+        return rc;
+    m->addr = addr;
+    m->len = len;
+    m->flags = flags;
+    m->device = (flags & AFP_MR_DEVICE) ? device : -1;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_CTRL);
+    if (!x) {
+        rc = afs_fail(AFS_ENOMEM, "register: out of memory");
+        goto out_slot;
+    }
+    x->ctrl_op = AFS_CTRL_REG;
+    x->ctrl_mr = m;
+    rc = afs_ctrl_call(eng, x);
+    afs_xfer_free(x);
+    if (rc)
+        goto out_slot;
+    *desc_len = 0;
+    if (flags & AFP_MR_REMOTE) {
+        rc = afs_desc_encode(eng->address, eng->address_len, addr, len, m->device, eng->nnics,
+                             m->rbase, m->rkey, desc, cap, desc_len);
+        if (rc) {
+            afs_xfer *d = afs_xfer_new(eng, AFS_REQ_CTRL);
+            if (d) {
+                d->ctrl_op = AFS_CTRL_DEREG;
+                d->ctrl_mr = m;
+                (void)afs_ctrl_call(eng, d);
+                afs_xfer_free(d);
+            }
+            goto out_slot;
+        }
+    }
+    *mr_id = afs_slots_publish(&eng->mrs, index);
+    return 0;
+out_slot:
+    afs_slots_release(&eng->mrs, index);
+    return rc;
+}
+
+int32_t afs_mr_deregister(afs_engine *eng, uint64_t mr_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    afs_mr_entry *m = afs_slots_lookup(&eng->mrs, mr_id);
+    if (!m)
+        return afs_fail(AFS_ESTALE, "memory region is not registered (already deregistered?)");
+    /* Stale first: no new operation can start on it, then revoke at the provider. */
+    afs_slots_release(&eng->mrs, (uint32_t)mr_id);
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_CTRL);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "deregister: out of memory");
+    x->ctrl_op = AFS_CTRL_DEREG;
+    x->ctrl_mr = m;
+    rc = afs_ctrl_call(eng, x);
+    afs_xfer_free(x);
+    return rc;
+}
+
+static int find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
+                                uint32_t blob_len, uint64_t *peer_id)
+{
+    int rc = 0;
+    if (strcmp(v->provider, eng->provider_name) != 0)
+        return afs_fail(AFS_EWRONGPROV, "peer uses provider %s, this engine %s", v->provider,
+                        eng->provider_name);
+    if (v->nics != eng->nnics)
+        return afs_fail(AFS_EINVAL, "peer has %u NICs per group, this engine %u", v->nics,
+                        eng->nnics);
+    if (blob_len > sizeof(((afs_peer_entry *)0)->addr))
+        return afs_fail(AFS_EBADDESC, "peer address too long (%u bytes)", blob_len);
+    pthread_mutex_lock(&eng->peer_lock);
+    for (uint32_t i = 0; i < eng->peers.n_alloc; i++) {
+        afs_peer_entry *p = afs_slots_at(&eng->peers, i);
+        uint32_t gen = p ? atomic_load(&p->hdr.gen) : 0;
+        if ((gen & 1u) && p->addr_len == blob_len && memcmp(p->addr, blob, blob_len) == 0) {
+            *peer_id = ((uint64_t)gen << 32) | i;
+            goto out_unlock;
+        }
+    }
+    uint32_t index;
+    afs_peer_entry *p;
+    if ((rc = afs_slots_alloc(&eng->peers, &index, (void **)&p)))
+        goto out_unlock;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_CTRL);
+    if (!x) {
+        afs_slots_release(&eng->peers, index);
+        rc = afs_fail(AFS_ENOMEM, "resolve: out of memory");
+        goto out_unlock;
+    }
+    x->ctrl_op = AFS_CTRL_RESOLVE;
+    for (uint32_t k = 0; k < v->nics; k++) {
+        x->ctrl_addr[k] = v->nic_addr[k];
+        x->ctrl_addr_len[k] = v->nic_addr_len[k];
+    }
+    rc = afs_ctrl_call(eng, x);
+    if (rc == 0) {
+        memcpy(p->fi_addr, x->ctrl_fi_addr, sizeof(p->fi_addr));
+        p->incarnation = v->incarnation;
+        p->addr_len = blob_len;
+        memcpy(p->addr, blob, blob_len);
+        *peer_id = afs_slots_publish(&eng->peers, index);
+    } else {
+        afs_slots_release(&eng->peers, index);
+    }
+    afs_xfer_free(x);
+out_unlock:
+    pthread_mutex_unlock(&eng->peer_lock);
+    return rc;
+}
+
+int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len, uint64_t *peer_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!peer_id)
+        return afs_fail(AFS_EINVAL, "resolve: NULL output");
+    afs_addr_view v;
+    if ((rc = afs_addr_parse(addr, len, &v)))
+        return rc;
+    return find_or_resolve_peer(eng, &v, addr, len, peer_id);
+}
+
+int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len, uint64_t *remote_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!remote_id)
+        return afs_fail(AFS_EINVAL, "import: NULL output");
+    afs_desc_view d;
+    if ((rc = afs_desc_parse(desc, len, &d)))
+        return rc;
+    uint64_t peer_id;
+    if ((rc = find_or_resolve_peer(eng, &d.owner, d.addr_blob, d.addr_blob_len, &peer_id)))
+        return rc;
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p)
+        return afs_fail(AFS_ESTALE, "peer was forgotten during import");
+    uint32_t index;
+    afs_remote_entry *r;
+    if ((rc = afs_slots_alloc(&eng->remotes, &index, (void **)&r)))
+        return rc;
+    r->peer_id = peer_id;
+    memcpy(r->fi_addr, p->fi_addr, sizeof(r->fi_addr));
+    r->length = d.length;
+    memcpy(r->rbase, d.remote_base, sizeof(r->rbase));
+    memcpy(r->key, d.key, sizeof(r->key));
+    *remote_id = afs_slots_publish(&eng->remotes, index);
+    return 0;
+}
+
+int32_t afs_remote_release(afs_engine *eng, uint64_t remote_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!afs_slots_lookup(&eng->remotes, remote_id))
+        return afs_fail(AFS_ESTALE, "remote descriptor handle is not live");
+    afs_slots_release(&eng->remotes, (uint32_t)remote_id);
+    return 0;
+}

@@ -1,0 +1,321 @@
+/* Private declarations shared by the shim's source files (never seen by ctypes). */
+#ifndef AFABRIC_INTERNAL_H
+#define AFABRIC_INTERNAL_H
+
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "afabric_provider.h"
+#include "afabric_shim.h"
+
+#define AFS_MAX_NICS 8u
+#define AFS_ADDR_MAGIC "AFA1"
+#define AFS_DESC_MAGIC "AFD1"
+#define AFS_MAX_PROVNAME 31u
+/* Work requests posted for one transfer per progress round: the paper's release posts
+ * at most 32 per round because EFA's small-message rate collapses otherwise. */
+#define AFS_POST_ROUND 32u
+#define AFS_POLL_BATCH 64u
+
+/* ---- errors.c ---- */
+int afs_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void afs_clear_error(void);
+char *afs_strdup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+const char *afs_error_name(int code);
+
+/* ---- util.c ---- */
+uint64_t afs_now_ns(void);
+uint64_t afs_random_u64(void);
+uint64_t afs_mix64(uint64_t x);
+uint32_t afs_crc32(const uint8_t *buf, size_t len);
+
+/* ---- mpsc.c: Vyukov's intrusive multi-producer single-consumer queue ---- */
+typedef struct afs_qnode {
+    _Atomic(struct afs_qnode *) next;
+} afs_qnode;
+
+typedef struct afs_mpsc {
+    _Atomic(afs_qnode *) head; /* producers swap here */
+    afs_qnode *tail;           /* consumer only */
+    afs_qnode stub;
+} afs_mpsc;
+
+void afs_mpsc_init(afs_mpsc *q);
+void afs_mpsc_push(afs_mpsc *q, afs_qnode *n);
+/* Returns NULL when empty or when a producer is between its two steps (retry later). */
+afs_qnode *afs_mpsc_pop(afs_mpsc *q);
+bool afs_mpsc_empty(afs_mpsc *q);
+
+/* ---- ring.c: completion ring (worker -> Python) with an eventfd ---- */
+typedef struct afs_ring {
+    afs_completion *slots;
+    uint32_t mask;
+    _Atomic uint64_t head; /* consumer position */
+    _Atomic uint64_t tail; /* producer position */
+    _Atomic int consumer_waiting;
+    int event_fd;
+    /* producer-only overflow for when the ring is full: records are never dropped */
+    afs_completion *overflow;
+    size_t overflow_len, overflow_cap;
+    bool pushed_since_notify;
+} afs_ring;
+
+int afs_ring_init(afs_ring *r, uint32_t capacity);
+void afs_ring_destroy(afs_ring *r);
+void afs_ring_push(afs_ring *r, const afs_completion *c); /* worker */
+void afs_ring_flush(afs_ring *r);                         /* worker: overflow + eventfd */
+uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max); /* consumer */
+
+/* ---- immtab.c: immediate counters ---- */
+typedef struct afs_imm_entry {
+    uint32_t imm;
+    uint32_t used;
+    uint64_t arrived;  /* counted and not yet consumed */
+    uint64_t expected; /* 0 = no expectation */
+    struct afs_xfer *waiter;
+} afs_imm_entry;
+
+typedef struct afs_immtab {
+    afs_imm_entry *e;
+    uint32_t cap; /* power of two */
+    uint32_t len;
+} afs_immtab;
+
+int afs_immtab_init(afs_immtab *t);
+void afs_immtab_destroy(afs_immtab *t);
+afs_imm_entry *afs_immtab_get(afs_immtab *t, uint32_t imm, bool create);
+void afs_immtab_maybe_remove(afs_immtab *t, afs_imm_entry *e);
+
+/* ---- slots.c: stable tables with generations, read lock-free from submitting threads ---- */
+#define AFS_SLOT_CHUNK 1024u
+#define AFS_SLOT_CHUNKS 4096u
+
+typedef struct afs_slot_hdr {
+    _Atomic uint32_t gen; /* odd = live; changes on every free */
+    uint32_t next_free;
+} afs_slot_hdr;
+
+typedef struct afs_slots {
+    size_t elem_size; /* starts with afs_slot_hdr */
+    _Atomic(uint8_t *) chunks[AFS_SLOT_CHUNKS];
+    uint32_t n_alloc;   /* slots handed out so far (guarded by lock) */
+    uint32_t free_head; /* UINT32_MAX = none */
+    pthread_mutex_t lock; /* allocation only, never on the data path */
+} afs_slots;
+
+int afs_slots_init(afs_slots *s, size_t elem_size);
+void afs_slots_destroy(afs_slots *s);
+/* Allocates a slot; the element is zeroed except the header. Publish with afs_slots_publish. */
+int afs_slots_alloc(afs_slots *s, uint32_t *index, void **elem);
+uint64_t afs_slots_publish(afs_slots *s, uint32_t index); /* returns the id (gen<<32 | index) */
+void afs_slots_release(afs_slots *s, uint32_t index);     /* gen bumps: ids become stale */
+/* Element for an id if it is live now (caller must re-validate with afs_slots_still). */
+void *afs_slots_lookup(afs_slots *s, uint64_t id);
+bool afs_slots_still(afs_slots *s, uint64_t id);
+void *afs_slots_at(afs_slots *s, uint32_t index); /* raw, NULL if never allocated */
+
+/* ---- codec.c: address and descriptor blobs ---- */
+typedef struct afs_addr_view {
+    uint64_t incarnation;
+    uint32_t nics;
+    char provider[AFS_MAX_PROVNAME + 1];
+    const uint8_t *nic_addr[AFS_MAX_NICS];
+    uint32_t nic_addr_len[AFS_MAX_NICS];
+} afs_addr_view;
+
+typedef struct afs_desc_view {
+    afs_addr_view owner;
+    const uint8_t *addr_blob;
+    uint32_t addr_blob_len;
+    uint64_t base;
+    uint64_t length;
+    int32_t device;
+    uint64_t remote_base[AFS_MAX_NICS];
+    uint64_t key[AFS_MAX_NICS];
+} afs_desc_view;
+
+int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics,
+                    const uint8_t *const *addrs, const uint32_t *lens, uint8_t *out,
+                    uint32_t cap, uint32_t *len);
+int afs_addr_parse(const uint8_t *buf, uint32_t len, afs_addr_view *out);
+int afs_desc_encode(const uint8_t *addr_blob, uint32_t addr_len, uint64_t base, uint64_t length,
+                    int32_t device, uint32_t nics, const uint64_t *remote_base,
+                    const uint64_t *key, uint8_t *out, uint32_t cap, uint32_t *len);
+int afs_desc_parse(const uint8_t *buf, uint32_t len, afs_desc_view *out);
+
+/* ---- engine objects ---- */
+typedef struct afs_nic {
+    afp_domain *dom;
+    afp_caps caps;
+    uint8_t addr[AFP_MAX_ADDR_LEN];
+    uint32_t addr_len;
+    /* send/receive buffer pools, registered on this NIC */
+    uint8_t *rx_buf, *tx_buf;
+    afp_mr *rx_mr, *tx_mr;
+    void *rx_desc, *tx_desc;
+    uint32_t *tx_free; /* stack of free tx slots */
+    uint32_t tx_free_len;
+    uint64_t key_counter;
+} afs_nic;
+
+typedef struct afs_mr_entry {
+    afs_slot_hdr hdr;
+    uint64_t addr, len;
+    uint32_t flags;
+    int32_t device;
+    afp_mr *mr[AFS_MAX_NICS];
+    void *desc[AFS_MAX_NICS];
+    uint64_t rkey[AFS_MAX_NICS];
+    uint64_t rbase[AFS_MAX_NICS];
+} afs_mr_entry;
+
+typedef struct afs_peer_entry {
+    afs_slot_hdr hdr;
+    uint64_t fi_addr[AFS_MAX_NICS];
+    uint64_t incarnation;
+    uint32_t addr_len;
+    uint8_t addr[512];
+} afs_peer_entry;
+
+typedef struct afs_remote_entry {
+    afs_slot_hdr hdr;
+    uint64_t peer_id;
+    uint64_t fi_addr[AFS_MAX_NICS];
+    uint64_t length;
+    uint64_t rbase[AFS_MAX_NICS];
+    uint64_t key[AFS_MAX_NICS];
+} afs_remote_entry;
+
+/* Request kinds travelling through the submit queue. */
+enum afs_req_kind {
+    AFS_REQ_CTRL = 1,
+    AFS_REQ_WRITE,
+    AFS_REQ_PAGED,
+    AFS_REQ_SEND,
+    AFS_REQ_EXPECT,
+    AFS_REQ_CANCEL,
+    AFS_REQ_RECV_RELEASE
+};
+
+enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE, AFS_CTRL_FORGET };
+
+typedef struct afs_bench_counter {
+    _Atomic uint64_t done;
+    _Atomic int32_t status;
+} afs_bench_counter;
+
+typedef struct afs_xfer {
+    afs_qnode qn; /* first: the queue node */
+    uint32_t kind;
+    uint32_t state;
+    uint64_t id;
+    struct afs_xfer *prev, *next; /* active/zombie/expect list links (worker) */
+    struct afs_xfer *pnext;       /* post queue link (worker) */
+    bool in_postq;
+    uint64_t deadline_ns;
+    int32_t status;
+    bool reported;
+    char *errtext;
+    afs_bench_counter *bench; /* raw benchmark: count here, no completion record */
+
+    /* work-request generation */
+    uint64_t total_wr;  /* data WRs to post */
+    uint64_t posted_wr;
+    uint64_t done_wr;
+    bool imm_pending;   /* contiguous multi-WR write: immediate goes after the data */
+    bool has_imm;
+    uint32_t imm;
+
+    /* write / paged */
+    uint64_t local_addr;
+    void *local_desc[AFS_MAX_NICS];
+    uint64_t fi_addr[AFS_MAX_NICS];
+    uint64_t rbase[AFS_MAX_NICS];
+    uint64_t rkey[AFS_MAX_NICS];
+    uint64_t length;     /* contiguous: bytes; paged: page length */
+    uint64_t dst_addr;   /* contiguous: remote offset already added to rbase */
+    uint64_t chunk;
+    int64_t *src_idx, *dst_idx;
+    uint64_t src_stride, src_offset, dst_stride, dst_offset;
+
+    /* send */
+    uint64_t peer_fi_addr;
+    uint8_t *payload;
+    uint32_t tx_slot;
+
+    /* expect / cancel */
+    uint64_t count;
+    uint64_t target_id;
+
+    /* recv release */
+    uint32_t *slots;
+    uint32_t n_slots;
+
+    /* control (synchronous) */
+    uint32_t ctrl_op;
+    int32_t ctrl_rc;
+    char ctrl_err[AFP_ERRTEXT_LEN];
+    sem_t ctrl_done;
+    afs_mr_entry *ctrl_mr;
+    const uint8_t *ctrl_addr[AFS_MAX_NICS];
+    uint32_t ctrl_addr_len[AFS_MAX_NICS];
+    uint64_t ctrl_fi_addr[AFS_MAX_NICS];
+} afs_xfer;
+
+typedef struct afs_xfer_list {
+    afs_xfer *head, *tail;
+    size_t len;
+} afs_xfer_list;
+
+struct afs_engine {
+    afs_config cfg;
+    char *provider_lib, *provider_name, *fabric_provider, *nic_name, *bind_addr;
+    void *lib;
+    const struct afp_ops *ops;
+    uint32_t nnics;
+    afs_nic nics[AFS_MAX_NICS];
+    uint64_t incarnation;
+    uint8_t address[1024];
+    uint32_t address_len;
+    char provider_full[64];
+
+    pthread_t worker;
+    bool worker_started;
+    _Atomic int stop;
+    _Atomic int closed;
+    _Atomic int worker_sleeping;
+    int wake_fd; /* eventfd: submitters wake a sleeping worker */
+    afs_mpsc submitq;
+    _Atomic uint64_t next_id;
+
+    afs_ring ring;
+    afs_slots mrs, peers, remotes;
+    pthread_mutex_t peer_lock; /* guards peer lookup by address (control path only) */
+
+    /* worker-owned */
+    afs_immtab imm;
+    afs_xfer_list active;  /* posting or waiting for completions, in deadline order */
+    afs_xfer_list zombies; /* reported failed, waiting for the provider to let go */
+    afs_xfer_list expects; /* expect_imm requests waiting for arrivals */
+    afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
+    uint64_t last_deadline_check;
+    uint32_t rx_slots;
+};
+
+/* worker.c */
+void *afs_worker_main(void *arg);
+void afs_submit(afs_engine *eng, afs_xfer *x);
+int afs_ctrl_call(afs_engine *eng, afs_xfer *x); /* synchronous control request */
+afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind);
+void afs_xfer_free(afs_xfer *x);
+
+/* engine.c */
+int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);
+int afs_engine_check_open(afs_engine *eng);
+int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot);
+
+#endif

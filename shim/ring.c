@@ -1,0 +1,141 @@
+/*
+ * Completion ring: the worker produces, the Python thread consumes (one ctypes call
+ * drains many records). The worker writes the eventfd only when the consumer said it
+ * is about to wait, so a busy stream costs no syscall per completion.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+int afs_ring_init(afs_ring *r, uint32_t capacity)
+{
+    uint32_t cap = 1024;
+    while (cap < capacity && cap < (1u << 24))
+        cap <<= 1;
+    memset(r, 0, sizeof(*r));
+    r->event_fd = -1;
+    r->slots = calloc(cap, sizeof(afs_completion));
+    if (!r->slots)
+        return afs_fail(AFS_ENOMEM, "completion ring: cannot allocate %u records", cap);
+    r->mask = cap - 1;
+    r->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (r->event_fd < 0) {
+        free(r->slots);
+        r->slots = NULL;
+        return afs_fail(AFS_EIO, "eventfd: %s", strerror(errno));
+    }
+    atomic_store(&r->consumer_waiting, 1);
+    return 0;
+}
+
+void afs_ring_destroy(afs_ring *r)
+{
+    /* error texts of records never drained */
+    uint64_t head = atomic_load(&r->head), tail = atomic_load(&r->tail);
+    for (uint64_t i = head; i < tail; i++) {
+        afs_completion *c = &r->slots[i & r->mask];
+        if (c->kind == AFS_C_DONE && c->data)
+            free((void *)(uintptr_t)c->data);
+    }
+    for (size_t i = 0; i < r->overflow_len; i++)
+        if (r->overflow[i].kind == AFS_C_DONE && r->overflow[i].data)
+            free((void *)(uintptr_t)r->overflow[i].data);
+    free(r->overflow);
+    free(r->slots);
+    if (r->event_fd >= 0)
+        close(r->event_fd);
+    memset(r, 0, sizeof(*r));
+    r->event_fd = -1;
+}
+
+static bool ring_try_push(afs_ring *r, const afs_completion *c)
+{
+    uint64_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed);
+    uint64_t head = atomic_load_explicit(&r->head, memory_order_acquire);
+    if (tail - head > r->mask)
+        return false;
+    r->slots[tail & r->mask] = *c;
+    atomic_store_explicit(&r->tail, tail + 1, memory_order_release);
+    r->pushed_since_notify = true;
+    return true;
+}
+
+static void ring_move_overflow(afs_ring *r)
+{
+    size_t i = 0;
+    while (i < r->overflow_len && ring_try_push(r, &r->overflow[i]))
+        i++;
+    if (i) {
+        memmove(r->overflow, r->overflow + i, (r->overflow_len - i) * sizeof(afs_completion));
+        r->overflow_len -= i;
+    }
+}
+
+void afs_ring_push(afs_ring *r, const afs_completion *c)
+{
+    if (r->overflow_len == 0 && ring_try_push(r, c))
+        return;
+    if (r->overflow_len == r->overflow_cap) {
+        size_t cap = r->overflow_cap ? r->overflow_cap * 2 : 1024;
+        afs_completion *n = realloc(r->overflow, cap * sizeof(*n));
+        if (!n) {
+            /* Cannot grow: wait for the consumer rather than drop a completion. */
+            while (!ring_try_push(r, c)) {
+                afs_ring_flush(r);
+                usleep(100);
+            }
+            return;
+        }
+        r->overflow = n;
+        r->overflow_cap = cap;
+    }
+    r->overflow[r->overflow_len++] = *c;
+}
+
+void afs_ring_flush(afs_ring *r)
+{
+    if (r->overflow_len)
+        ring_move_overflow(r);
+    if (!r->pushed_since_notify)
+        return;
+    /* seq_cst pairs with the consumer's store of consumer_waiting then re-check */
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_exchange(&r->consumer_waiting, 0)) {
+        uint64_t one = 1;
+        ssize_t n;
+        do {
+            n = write(r->event_fd, &one, sizeof(one));
+        } while (n < 0 && errno == EINTR);
+        /* EAGAIN means the counter is already huge: the fd is readable anyway */
+    }
+    r->pushed_since_notify = false;
+}
+
+uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max)
+{
+    uint64_t junk;
+    while (read(r->event_fd, &junk, sizeof(junk)) > 0) {
+    }
+    uint32_t n = 0;
+    for (int pass = 0; pass < 2 && n < max; pass++) {
+        uint64_t head = atomic_load_explicit(&r->head, memory_order_relaxed);
+        uint64_t tail = atomic_load_explicit(&r->tail, memory_order_acquire);
+        while (head < tail && n < max) {
+            out[n++] = r->slots[head & r->mask];
+            head++;
+        }
+        atomic_store_explicit(&r->head, head, memory_order_release);
+        if (n == max)
+            return n;
+        if (pass == 0) {
+            /* About to report "empty": ask for a wakeup, then look once more. */
+            atomic_store(&r->consumer_waiting, 1);
+            atomic_thread_fence(memory_order_seq_cst);
+        }
+    }
+    return n;
+}

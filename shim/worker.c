@@ -1,0 +1,775 @@
+/*
+ * The worker thread of a domain group. Its loop, in order: take new requests, progress
+ * partially posted transfers, poll the completion queues, fail transfers past their
+ * deadline, then publish completions. It never takes the GIL and never calls Python.
+ *
+ * Transfers: a request that becomes many work requests (chunks, pages) completes once,
+ * with the first error; a contiguous write of several chunks sends its immediate only
+ * after every data chunk completed, so the target sees it after the data (the transport
+ * is unordered). A transfer that fails while work requests are still with the provider
+ * is reported at once and kept as a zombie until the provider lets go of its buffers,
+ * then a RELEASE record tells Python that the buffers may be reused.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define RX_TAG 1u
+#define DEADLINE_CHECK_NS 2000000ull /* 2 ms */
+#define SLEEP_MIN_NS 20000ull
+#define SLEEP_MAX_NS 1000000ull /* without a wait object the target still progresses each ms */
+#define SLEEP_WAITFD_MS 20
+
+afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
+{
+    afs_xfer *x = calloc(1, sizeof(*x));
+    if (!x)
+        return NULL;
+    x->kind = kind;
+    x->id = atomic_fetch_add_explicit(&eng->next_id, 1, memory_order_relaxed);
+    if (eng->cfg.op_timeout_ns)
+        x->deadline_ns = afs_now_ns() + eng->cfg.op_timeout_ns;
+    return x;
+}
+
+void afs_xfer_free(afs_xfer *x)
+{
+    if (!x)
+        return;
+    free(x->src_idx);
+    free(x->dst_idx);
+    free(x->payload);
+    free(x->slots);
+    free(x->errtext);
+    free(x);
+}
+
+void afs_submit(afs_engine *eng, afs_xfer *x)
+{
+    afs_mpsc_push(&eng->submitq, &x->qn);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&eng->worker_sleeping, memory_order_relaxed)) {
+        uint64_t one = 1;
+        ssize_t n = write(eng->wake_fd, &one, sizeof(one));
+        (void)n; /* EAGAIN: counter saturated, the fd is readable anyway */
+    }
+}
+
+int afs_ctrl_call(afs_engine *eng, afs_xfer *x)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (sem_init(&x->ctrl_done, 0, 0) != 0)
+        return afs_fail(AFS_ENOMEM, "sem_init failed");
+    afs_submit(eng, x);
+    while (sem_wait(&x->ctrl_done) != 0 && errno == EINTR) {
+    }
+    sem_destroy(&x->ctrl_done);
+    if (x->ctrl_rc)
+        return afs_fail(x->ctrl_rc, "%s", x->ctrl_err);
+    return 0;
+}
+
+/* ---- lists ---- */
+
+static void list_append(afs_xfer_list *l, afs_xfer *x)
+{
+    x->next = NULL;
+    x->prev = l->tail;
+    if (l->tail)
+        l->tail->next = x;
+    else
+        l->head = x;
+    l->tail = x;
+    l->len++;
+}
+
+static void list_remove(afs_xfer_list *l, afs_xfer *x)
+{
+    if (x->prev)
+        x->prev->next = x->next;
+    else
+        l->head = x->next;
+    if (x->next)
+        x->next->prev = x->prev;
+    else
+        l->tail = x->prev;
+    x->prev = x->next = NULL;
+    l->len--;
+}
+
+static void postq_push(afs_engine *eng, afs_xfer *x)
+{
+    if (x->in_postq)
+        return;
+    x->in_postq = true;
+    x->pnext = NULL;
+    if (eng->postq_tail)
+        eng->postq_tail->pnext = x;
+    else
+        eng->postq_head = x;
+    eng->postq_tail = x;
+}
+
+/* ---- completion reporting ---- */
+
+static void set_error(afs_xfer *x, int status, const char *fmt, const char *text)
+{
+    if (x->status)
+        return; /* first error wins */
+    x->status = status ? status : AFS_EIO;
+    free(x->errtext);
+    x->errtext = afs_strdup_printf(fmt, text);
+}
+
+static void push_done(afs_engine *eng, afs_xfer *x, bool release_later)
+{
+    afs_completion c = {0};
+    c.id = x->id;
+    c.kind = AFS_C_DONE;
+    c.status = x->status;
+    c.data = (uint64_t)(uintptr_t)x->errtext;
+    c.slot = release_later ? 1u : 0u;
+    x->errtext = NULL; /* ownership moves to the record */
+    afs_ring_push(&eng->ring, &c);
+}
+
+static void postq_remove(afs_engine *eng, afs_xfer *x)
+{
+    afs_xfer *prev = NULL;
+    for (afs_xfer *c = eng->postq_head; c; prev = c, c = c->pnext) {
+        if (c != x)
+            continue;
+        if (prev)
+            prev->pnext = c->pnext;
+        else
+            eng->postq_head = c->pnext;
+        if (eng->postq_tail == c)
+            eng->postq_tail = prev;
+        break;
+    }
+    x->in_postq = false;
+    x->pnext = NULL;
+}
+
+static void finish(afs_engine *eng, afs_xfer *x)
+{
+    if (x->in_postq) /* failed before everything was posted (rare: scan is fine) */
+        postq_remove(eng, x);
+    bool outstanding = x->done_wr < x->posted_wr;
+    if (x->bench) {
+        if (x->status)
+            atomic_store(&x->bench->status, x->status);
+        if (!outstanding)
+            atomic_fetch_add(&x->bench->done, 1);
+    } else if (!x->reported) {
+        push_done(eng, x, outstanding);
+    }
+    x->reported = true;
+    list_remove(&eng->active, x);
+    if (outstanding) {
+        list_append(&eng->zombies, x); /* freed when the provider completes the rest */
+        return;
+    }
+    afs_xfer_free(x);
+}
+
+static void zombie_done(afs_engine *eng, afs_xfer *x)
+{
+    if (x->done_wr < x->posted_wr)
+        return;
+    list_remove(&eng->zombies, x);
+    if (x->bench) {
+        atomic_fetch_add(&x->bench->done, 1);
+    } else {
+        afs_completion c = {0};
+        c.id = x->id;
+        c.kind = AFS_C_RELEASE;
+        afs_ring_push(&eng->ring, &c);
+    }
+    afs_xfer_free(x);
+}
+
+/* Called whenever a transfer's counters change. */
+static void check_xfer(afs_engine *eng, afs_xfer *x)
+{
+    if (x->reported) {
+        zombie_done(eng, x);
+        return;
+    }
+    if (x->done_wr < x->posted_wr)
+        return;
+    if (x->status == 0 && x->posted_wr < x->total_wr)
+        return; /* more to post; it is in the post queue */
+    if (x->status == 0 && x->imm_pending) {
+        x->imm_pending = false;
+        x->total_wr++; /* the immediate-only write, now that the data is delivered */
+        postq_push(eng, x);
+        return;
+    }
+    finish(eng, x);
+}
+
+/* ---- work-request generation ---- */
+
+static uint64_t n_data_wrs(const afs_xfer *x)
+{
+    if (x->kind == AFS_REQ_PAGED)
+        return x->count;
+    if (x->length == 0)
+        return x->has_imm ? 1 : 0;
+    return (x->length + x->chunk - 1) / x->chunk;
+}
+
+static void gen_wr(const afs_xfer *x, uint64_t k, uint32_t nic, afp_write *w)
+{
+    memset(w, 0, sizeof(*w));
+    w->local_desc = x->local_desc[nic];
+    w->peer = x->fi_addr[nic];
+    w->remote_key = x->rkey[nic];
+    w->ctx = (uint64_t)(uintptr_t)x;
+    if (x->kind == AFS_REQ_PAGED) {
+        uint64_t s = x->src_offset + (uint64_t)x->src_idx[k] * x->src_stride;
+        uint64_t d = x->dst_offset + (uint64_t)x->dst_idx[k] * x->dst_stride;
+        w->local_addr = (void *)(uintptr_t)(x->local_addr + s);
+        w->length = x->length;
+        w->remote_addr = x->rbase[nic] + d;
+        w->has_imm = x->has_imm;
+        w->imm = x->imm;
+        return;
+    }
+    uint64_t ndata = n_data_wrs(x);
+    if (k >= ndata) { /* the deferred immediate: zero bytes, valid remote iov (EFA) */
+        w->local_addr = (void *)(uintptr_t)x->local_addr;
+        w->length = 0;
+        w->remote_addr = x->rbase[nic] + x->dst_addr;
+        w->has_imm = 1;
+        w->imm = x->imm;
+        return;
+    }
+    uint64_t off = k * x->chunk;
+    uint64_t len = x->length - off < x->chunk ? x->length - off : x->chunk;
+    w->local_addr = (void *)(uintptr_t)(x->local_addr + off);
+    w->length = len;
+    w->remote_addr = x->rbase[nic] + x->dst_addr + off;
+    if (x->has_imm && ndata == 1) {
+        w->has_imm = 1;
+        w->imm = x->imm;
+    }
+}
+
+/* Post up to one round of x's work requests. Returns AFS_EAGAIN when the provider's
+ * queue is full (stop posting anything this round). */
+static int post_round(afs_engine *eng, afs_xfer *x)
+{
+    afp_write wr[AFS_POST_ROUND];
+    uint32_t n = 0;
+    uint32_t nic = 0;
+    while (n < AFS_POST_ROUND && x->posted_wr + n < x->total_wr) {
+        gen_wr(x, x->posted_wr + n, nic, &wr[n]);
+        n++;
+    }
+    if (n == 0)
+        return 0;
+    uint32_t posted = 0;
+    int rc = eng->ops->post_writes(eng->nics[nic].dom, wr, n, &posted);
+    x->posted_wr += posted;
+    if (rc == AFS_EAGAIN)
+        return AFS_EAGAIN;
+    if (rc) {
+        set_error(x, rc, "posting write: %s", eng->ops->errbuf(eng->nics[nic].dom));
+        x->total_wr = x->posted_wr; /* nothing more will be posted */
+        x->imm_pending = false;
+    }
+    return 0;
+}
+
+static int post_send(afs_engine *eng, afs_xfer *x)
+{
+    afs_nic *n = &eng->nics[0]; /* SEND/RECV uses the first NIC of the group */
+    if (n->tx_free_len == 0)
+        return AFS_EAGAIN;
+    uint32_t slot = n->tx_free[n->tx_free_len - 1];
+    uint8_t *buf = n->tx_buf + (uint64_t)slot * eng->cfg.max_msg_size;
+    memcpy(buf, x->payload, x->length);
+    int rc = eng->ops->post_send(n->dom, x->peer_fi_addr, buf, x->length, n->tx_desc,
+                                 (uint64_t)(uintptr_t)x);
+    if (rc == AFS_EAGAIN)
+        return AFS_EAGAIN;
+    if (rc) {
+        set_error(x, rc, "posting send: %s", eng->ops->errbuf(n->dom));
+        x->total_wr = x->posted_wr;
+        return 0;
+    }
+    n->tx_free_len--;
+    x->tx_slot = slot;
+    x->posted_wr = 1;
+    return 0;
+}
+
+static bool progress_posts(afs_engine *eng)
+{
+    bool did = false;
+    afs_xfer *x = eng->postq_head;
+    afs_xfer *keep_head = NULL, *keep_tail = NULL;
+    bool full = false;
+    while (x) {
+        afs_xfer *next = x->pnext;
+        x->pnext = NULL;
+        if (!full && x->status == 0 && !x->reported && x->posted_wr < x->total_wr) {
+            uint64_t before = x->posted_wr;
+            int rc = x->kind == AFS_REQ_SEND ? post_send(eng, x) : post_round(eng, x);
+            did |= x->posted_wr != before;
+            if (rc == AFS_EAGAIN)
+                full = true;
+        }
+        bool more = x->status == 0 && !x->reported && x->posted_wr < x->total_wr;
+        if (more) {
+            if (keep_tail)
+                keep_tail->pnext = x;
+            else
+                keep_head = x;
+            keep_tail = x;
+        } else {
+            x->in_postq = false;
+            check_xfer(eng, x); /* an error while posting may complete it */
+        }
+        x = next;
+    }
+    eng->postq_head = keep_head;
+    eng->postq_tail = keep_tail;
+    return did;
+}
+
+/* ---- immediates and expectations ---- */
+
+static void complete_expect(afs_engine *eng, afs_xfer *x, int status, const char *text)
+{
+    if (status)
+        set_error(x, status, "%s", text);
+    list_remove(&eng->expects, x);
+    push_done(eng, x, false);
+    afs_xfer_free(x);
+}
+
+static void imm_arrived(afs_engine *eng, uint32_t imm)
+{
+    afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
+    if (!e)
+        return; /* out of memory: the counter cannot grow; nothing else to do */
+    e->arrived++;
+    if (e->expected && e->arrived >= e->expected) {
+        afs_xfer *x = e->waiter;
+        e->arrived -= e->expected;
+        e->expected = 0;
+        e->waiter = NULL;
+        afs_immtab_maybe_remove(&eng->imm, e);
+        complete_expect(eng, x, 0, NULL);
+    }
+}
+
+static void start_expect(afs_engine *eng, afs_xfer *x)
+{
+    list_append(&eng->expects, x); /* complete_expect removes it */
+    if (x->count == 0) {
+        complete_expect(eng, x, 0, NULL);
+        return;
+    }
+    afs_imm_entry *e = afs_immtab_get(&eng->imm, x->imm, true);
+    if (!e) {
+        complete_expect(eng, x, AFS_ENOMEM, "immediate table: out of memory");
+        return;
+    }
+    if (e->expected) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "an expectation for immediate %u is already pending", x->imm);
+        complete_expect(eng, x, AFS_EBUSY, msg);
+        return;
+    }
+    if (e->arrived >= x->count) {
+        e->arrived -= x->count;
+        afs_immtab_maybe_remove(&eng->imm, e);
+        complete_expect(eng, x, 0, NULL);
+        return;
+    }
+    e->expected = x->count;
+    e->waiter = x;
+}
+
+static void cancel_expect(afs_engine *eng, uint64_t id)
+{
+    for (afs_xfer *x = eng->expects.head; x; x = x->next) {
+        if (x->id != id)
+            continue;
+        afs_imm_entry *e = afs_immtab_get(&eng->imm, x->imm, false);
+        if (e && e->waiter == x) {
+            e->expected = 0;
+            e->waiter = NULL;
+            afs_immtab_maybe_remove(&eng->imm, e);
+        }
+        complete_expect(eng, x, AFS_ECANCELED, "expectation canceled");
+        return;
+    }
+}
+
+/* ---- control requests ---- */
+
+static void ctrl_reg(afs_engine *eng, afs_xfer *x)
+{
+    afs_mr_entry *m = x->ctrl_mr;
+    uint32_t k;
+    for (k = 0; k < eng->nnics; k++) {
+        afs_nic *n = &eng->nics[k];
+        uint64_t key = afs_mix64(eng->incarnation ^ (++n->key_counter << 8) ^ k);
+        int rc = eng->ops->reg_mr(n->dom, (void *)(uintptr_t)m->addr, m->len, m->flags, m->device,
+                                  key, &m->mr[k], &m->desc[k], &m->rkey[k], &m->rbase[k]);
+        if (rc) {
+            x->ctrl_rc = rc;
+            snprintf(x->ctrl_err, sizeof(x->ctrl_err), "registering %llu bytes on %s: %s",
+                     (unsigned long long)m->len, n->caps.provider, eng->ops->errbuf(n->dom));
+            goto out_undo;
+        }
+    }
+    return;
+out_undo:
+    while (k-- > 0) {
+        eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
+        m->mr[k] = NULL;
+    }
+}
+
+static void ctrl_dereg(afs_engine *eng, afs_xfer *x)
+{
+    afs_mr_entry *m = x->ctrl_mr;
+    for (uint32_t k = 0; k < eng->nnics; k++) {
+        if (!m->mr[k])
+            continue;
+        int rc = eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
+        m->mr[k] = NULL;
+        if (rc && !x->ctrl_rc) {
+            x->ctrl_rc = rc;
+            snprintf(x->ctrl_err, sizeof(x->ctrl_err), "deregistering: %s",
+                     eng->ops->errbuf(eng->nics[k].dom));
+        }
+    }
+}
+
+static void ctrl_resolve(afs_engine *eng, afs_xfer *x)
+{
+    for (uint32_t k = 0; k < eng->nnics; k++) {
+        int rc = eng->ops->resolve(eng->nics[k].dom, x->ctrl_addr[k], x->ctrl_addr_len[k],
+                                   &x->ctrl_fi_addr[k]);
+        if (rc) {
+            x->ctrl_rc = rc;
+            snprintf(x->ctrl_err, sizeof(x->ctrl_err), "resolving peer address: %s",
+                     eng->ops->errbuf(eng->nics[k].dom));
+            return;
+        }
+    }
+}
+
+static void run_ctrl(afs_engine *eng, afs_xfer *x)
+{
+    switch (x->ctrl_op) {
+    case AFS_CTRL_REG:
+        ctrl_reg(eng, x);
+        break;
+    case AFS_CTRL_DEREG:
+        ctrl_dereg(eng, x);
+        break;
+    case AFS_CTRL_RESOLVE:
+        ctrl_resolve(eng, x);
+        break;
+    default:
+        x->ctrl_rc = AFS_EINVAL;
+        snprintf(x->ctrl_err, sizeof(x->ctrl_err), "unknown control request %u", x->ctrl_op);
+    }
+    sem_post(&x->ctrl_done); /* the caller owns x */
+}
+
+/* ---- intake ---- */
+
+static void release_rx(afs_engine *eng, afs_xfer *x)
+{
+    for (uint32_t i = 0; i < x->n_slots; i++) {
+        uint32_t nic = x->slots[i] / eng->cfg.rx_depth, slot = x->slots[i] % eng->cfg.rx_depth;
+        if (nic < eng->nnics && afs_post_rx(eng, nic, slot) != 0) {
+            /* The receive queue refused: the slot is lost to this engine until close.
+             * (Only happens when the provider is failing; keep the engine going.) */
+        }
+    }
+    afs_xfer_free(x);
+}
+
+static bool take_requests(afs_engine *eng)
+{
+    bool did = false;
+    afs_qnode *qn;
+    while ((qn = afs_mpsc_pop(&eng->submitq)) != NULL) {
+        afs_xfer *x = (afs_xfer *)qn;
+        did = true;
+        switch (x->kind) {
+        case AFS_REQ_CTRL:
+            run_ctrl(eng, x);
+            break;
+        case AFS_REQ_WRITE:
+        case AFS_REQ_PAGED:
+            x->total_wr = n_data_wrs(x);
+            x->imm_pending = x->kind == AFS_REQ_WRITE && x->has_imm && x->total_wr > 1;
+            list_append(&eng->active, x);
+            if (x->total_wr == 0)
+                finish(eng, x);
+            else
+                postq_push(eng, x);
+            break;
+        case AFS_REQ_SEND:
+            x->total_wr = 1;
+            list_append(&eng->active, x);
+            postq_push(eng, x);
+            break;
+        case AFS_REQ_EXPECT:
+            start_expect(eng, x);
+            break;
+        case AFS_REQ_CANCEL:
+            cancel_expect(eng, x->target_id);
+            afs_xfer_free(x);
+            break;
+        case AFS_REQ_RECV_RELEASE:
+            release_rx(eng, x);
+            break;
+        default:
+            afs_xfer_free(x);
+        }
+    }
+    return did;
+}
+
+/* ---- completions ---- */
+
+static void on_op_done(afs_engine *eng, const afp_event *ev)
+{
+    afs_xfer *x = (afs_xfer *)(uintptr_t)ev->ctx;
+    if (!x)
+        return;
+    if (x->kind == AFS_REQ_SEND && x->posted_wr) {
+        afs_nic *n = &eng->nics[0];
+        n->tx_free[n->tx_free_len++] = x->tx_slot;
+    }
+    /* The shim never cancels a write or send, so a provider's "canceled" means it gave up
+     * on the operation (tcp;ofi_rxm reports a target's refusal of a remote access so). */
+    int status = ev->status == AFS_ECANCELED ? AFS_EIO : ev->status;
+    if (status)
+        set_error(x, status, "%s", ev->errtext[0] ? ev->errtext : afs_error_name(status));
+    x->done_wr++;
+    check_xfer(eng, x);
+}
+
+static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev)
+{
+    uint32_t slot = (uint32_t)(ev->ctx >> 16);
+    if (ev->kind == AFP_EV_ERROR || ev->status) {
+        /* truncated (oversize) or failed receive: nothing to deliver, reuse the buffer */
+        if (!atomic_load(&eng->stop))
+            (void)afs_post_rx(eng, nic, slot);
+        return;
+    }
+    afs_completion c = {0};
+    c.kind = AFS_C_RECV;
+    c.data = (uint64_t)(uintptr_t)(eng->nics[nic].rx_buf + (uint64_t)slot * eng->cfg.max_msg_size);
+    c.len = ev->len;
+    c.slot = nic * eng->cfg.rx_depth + slot;
+    afs_ring_push(&eng->ring, &c);
+}
+
+static bool poll_nic(afs_engine *eng, uint32_t nic)
+{
+    afp_event ev[AFS_POLL_BATCH];
+    uint32_t n = 0;
+    int rc = eng->ops->poll(eng->nics[nic].dom, ev, AFS_POLL_BATCH, &n);
+    if (rc && rc != AFS_EAGAIN)
+        return false; /* a failing CQ; errors of operations arrive as events */
+    for (uint32_t i = 0; i < n; i++) {
+        const afp_event *e = &ev[i];
+        bool is_rx = (e->ctx & 0xffu) == RX_TAG;
+        switch (e->kind) {
+        case AFP_EV_IMM:
+            if (is_rx && !atomic_load(&eng->stop))
+                (void)afs_post_rx(eng, nic, (uint32_t)(e->ctx >> 16));
+            imm_arrived(eng, e->imm);
+            break;
+        case AFP_EV_RECV:
+            on_recv(eng, nic, e);
+            break;
+        case AFP_EV_WRITE_DONE:
+        case AFP_EV_SEND_DONE:
+            on_op_done(eng, e);
+            break;
+        case AFP_EV_ERROR:
+            if (is_rx)
+                on_recv(eng, nic, e);
+            else
+                on_op_done(eng, e);
+            break;
+        default:
+            break;
+        }
+    }
+    return n > 0;
+}
+
+static void check_deadlines(afs_engine *eng, uint64_t now)
+{
+    afs_xfer *x = eng->active.head;
+    while (x) {
+        afs_xfer *next = x->next;
+        if (x->deadline_ns > now)
+            break; /* submitted later than everything before it: not due either */
+        if (!x->reported) {
+            char msg[128];
+            snprintf(msg, sizeof(msg),
+                     "no completion after %.1f s (peer dead, unreachable or not progressing)",
+                     (double)eng->cfg.op_timeout_ns / 1e9);
+            set_error(x, AFS_ETIMEDOUT, "%s", msg);
+            x->total_wr = x->posted_wr;
+            x->imm_pending = false;
+            finish(eng, x);
+        }
+        x = next;
+    }
+}
+
+/* ---- sleeping ---- */
+
+static void worker_sleep(afs_engine *eng, uint64_t *sleep_ns)
+{
+    atomic_store(&eng->worker_sleeping, 1);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (!afs_mpsc_empty(&eng->submitq) || atomic_load(&eng->stop)) {
+        atomic_store(&eng->worker_sleeping, 0);
+        return;
+    }
+    struct pollfd fds[1 + AFS_MAX_NICS];
+    nfds_t nfds = 0;
+    fds[nfds].fd = eng->wake_fd;
+    fds[nfds].events = POLLIN;
+    nfds++;
+    bool all_fds = true;
+    for (uint32_t k = 0; k < eng->nnics; k++) {
+        afs_nic *n = &eng->nics[k];
+        if (n->caps.wait_fd < 0 || !AFP_HAS_OP(eng->ops, trywait) ||
+            eng->ops->trywait(n->dom) != 0) {
+            all_fds = false;
+            break;
+        }
+        fds[nfds].fd = n->caps.wait_fd;
+        fds[nfds].events = POLLIN;
+        nfds++;
+    }
+    struct timespec ts;
+    if (all_fds) {
+        ts.tv_sec = 0;
+        ts.tv_nsec = SLEEP_WAITFD_MS * 1000000L;
+    } else {
+        nfds = 1;
+        ts.tv_sec = 0;
+        ts.tv_nsec = (long)*sleep_ns;
+        *sleep_ns = *sleep_ns * 2 > SLEEP_MAX_NS ? SLEEP_MAX_NS : *sleep_ns * 2;
+    }
+    int rc = ppoll(fds, nfds, &ts, NULL);
+    if (rc > 0 && (fds[0].revents & POLLIN)) {
+        uint64_t junk;
+        ssize_t r = read(eng->wake_fd, &junk, sizeof(junk));
+        (void)r;
+    }
+    atomic_store(&eng->worker_sleeping, 0);
+}
+
+static void pin_self(int cpu)
+{
+    if (cpu < 0)
+        return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    /* Pinning is a request: a core outside our cpuset just leaves the thread unpinned. */
+    (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+static void fail_queued(afs_engine *eng)
+{
+    afs_qnode *qn;
+    for (int spins = 0; spins < 1000; spins++) {
+        while ((qn = afs_mpsc_pop(&eng->submitq)) != NULL) {
+            afs_xfer *x = (afs_xfer *)qn;
+            if (x->kind == AFS_REQ_CTRL) {
+                x->ctrl_rc = AFS_ECLOSED;
+                snprintf(x->ctrl_err, sizeof(x->ctrl_err), "engine is closed");
+                sem_post(&x->ctrl_done);
+            } else {
+                afs_xfer_free(x);
+            }
+        }
+        if (afs_mpsc_empty(&eng->submitq))
+            break;
+        sched_yield();
+    }
+    afs_xfer *x;
+    while ((x = eng->active.head) != NULL) {
+        list_remove(&eng->active, x);
+        if (x->bench)
+            atomic_store(&x->bench->status, AFS_ECLOSED);
+        afs_xfer_free(x);
+    }
+    while ((x = eng->zombies.head) != NULL) {
+        list_remove(&eng->zombies, x);
+        afs_xfer_free(x);
+    }
+    while ((x = eng->expects.head) != NULL) {
+        list_remove(&eng->expects, x);
+        afs_xfer_free(x);
+    }
+    eng->postq_head = eng->postq_tail = NULL;
+}
+
+void *afs_worker_main(void *arg)
+{
+    afs_engine *eng = arg;
+    pin_self(eng->cfg.cpu);
+    uint64_t idle_since = afs_now_ns();
+    uint64_t sleep_ns = SLEEP_MIN_NS;
+    const uint64_t spin_ns = (uint64_t)eng->cfg.spin_us * 1000ull;
+    while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
+        bool did = take_requests(eng);
+        if (eng->postq_head)
+            did |= progress_posts(eng);
+        for (uint32_t k = 0; k < eng->nnics; k++)
+            did |= poll_nic(eng, k);
+        uint64_t now = afs_now_ns();
+        if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
+            eng->last_deadline_check = now;
+            if (eng->cfg.op_timeout_ns)
+                check_deadlines(eng, now);
+        }
+        afs_ring_flush(&eng->ring);
+        if (did) {
+            idle_since = now;
+            sleep_ns = SLEEP_MIN_NS;
+        } else if (eng->cfg.poll_mode == AFS_POLL_ADAPTIVE && now - idle_since > spin_ns &&
+                   !eng->postq_head) {
+            worker_sleep(eng, &sleep_ns);
+        }
+    }
+    fail_queued(eng);
+    return NULL;
+}

@@ -1,0 +1,91 @@
+"""Shared fixtures: providers and loops to run over, peer processes, and the house rules
+(an unhandled loop exception or a leaked /dev/shm file fails the test)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a test dependency
+    uvloop = None
+
+PROVIDERS = ["tcp", "shm"]
+
+
+def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Any]:
+    """Tests marked `both_loops` run on asyncio's loop and on uvloop; the rest on asyncio."""
+    loops: dict[str, Any] = {"asyncio": asyncio.new_event_loop}
+    if item.get_closest_marker("both_loops") and uvloop is not None:
+        loops["uvloop"] = uvloop.new_event_loop
+    return loops
+
+
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line("markers", "both_loops: run on asyncio and on uvloop")
+    config.addinivalue_line("markers", "slow: long-running test")
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request: Any) -> str:
+    return str(request.param)
+
+
+def loop_name() -> str:
+    """Which loop the running test uses ("asyncio" or "uvloop"), for child processes."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
+@pytest.fixture(autouse=True)
+async def _loop_exceptions() -> Any:
+    """Fail a test when its loop reports an unhandled exception."""
+    seen: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: seen.append(ctx))
+    yield seen
+    assert not seen, f"unhandled exceptions in the event loop: {seen}"
+
+
+def _shm_files() -> set[str]:
+    d = Path("/dev/shm")
+    return {p.name for p in d.iterdir()} if d.is_dir() else set()
+
+
+@pytest.fixture(autouse=True)
+def _no_shm_leaks() -> Iterator[None]:
+    """A test must leave no /dev/shm file behind (libfabric's shm provider leaves them
+    when a process dies uncleanly; tests that kill peers clean up with `shm_cleanup`)."""
+    before = _shm_files()
+    yield
+    leaked = _shm_files() - before
+    for name in leaked:  # remove them so one failure does not cascade
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            pass
+    assert not leaked, f"/dev/shm files left behind: {sorted(leaked)}"
+
+
+@pytest.fixture
+def shm_cleanup() -> Iterator[None]:
+    """For tests that SIGKILL a peer: remove the files the dead process could not."""
+    before = _shm_files()
+    yield
+    for name in _shm_files() - before:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def peers() -> Iterator[list[Any]]:
+    """Peer processes started by a test; all are killed at teardown."""
+    started: list[Any] = []
+    yield started
+    for p in started:
+        p.close()

@@ -1,0 +1,107 @@
+"""Real peer processes for tests: each runs an async function in its own process with its
+own event loop and engine, and talks to the test over a pipe (addresses, descriptors,
+"go"/"done" messages). Nothing here touches the transport: the engines do."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, Awaitable, Callable
+
+_CTX = mp.get_context("spawn")
+
+
+class Ctl:
+    """The child's end of the control pipe, usable from async code."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def put(self, obj: Any) -> None:
+        self.conn.send(obj)
+
+    async def get(self, timeout: float = 60.0) -> Any:
+        loop = asyncio.get_running_loop()
+        ready = await loop.run_in_executor(None, self.conn.poll, timeout)
+        if not ready:
+            raise TimeoutError("no control message from the test")
+        return self.conn.recv()
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def _child(fn: Callable[..., Awaitable[Any]], conn: Connection, loop_kind: str, args: tuple[Any, ...]) -> None:
+    ctl = Ctl(conn)
+    loop = _new_loop(loop_kind)
+    try:
+        result = loop.run_until_complete(fn(ctl, *args))
+        conn.send(("__result__", result))
+    except BaseException as e:  # noqa: BLE001 - report everything to the test
+        conn.send(("__error__", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        loop.close()
+        conn.close()
+
+
+class Peer:
+    """The test's handle on a child process."""
+
+    def __init__(self, fn: Callable[..., Awaitable[Any]], *args: Any, loop: str = "asyncio") -> None:
+        self.conn, child_conn = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_child, args=(fn, child_conn, loop, args), daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self._result: Any = None
+        self._done = False
+
+    def put(self, obj: Any) -> None:
+        self.conn.send(obj)
+
+    async def get(self, timeout: float = 60.0) -> Any:
+        loop = asyncio.get_running_loop()
+        ready = await loop.run_in_executor(None, self.conn.poll, timeout)
+        if not ready:
+            raise TimeoutError(f"peer {self.proc.pid} sent nothing in {timeout} s")
+        msg = self.conn.recv()
+        if isinstance(msg, tuple) and msg and msg[0] == "__error__":
+            self._done = True
+            raise AssertionError(f"peer failed:\n{msg[1]}")
+        if isinstance(msg, tuple) and msg and msg[0] == "__result__":
+            self._done = True
+            self._result = msg[1]
+            raise AssertionError(f"peer finished early with {msg[1]!r}")
+        return msg
+
+    async def result(self, timeout: float = 60.0) -> Any:
+        """Wait for the child's function to return; raise if it failed."""
+        loop = asyncio.get_running_loop()
+        ready = await loop.run_in_executor(None, self.conn.poll, timeout)
+        if not ready:
+            raise TimeoutError(f"peer {self.proc.pid} did not finish in {timeout} s")
+        msg = self.conn.recv()
+        if msg[0] == "__error__":
+            raise AssertionError(f"peer failed:\n{msg[1]}")
+        if msg[0] != "__result__":
+            raise AssertionError(f"unexpected message from peer: {msg!r}")
+        await loop.run_in_executor(None, self.proc.join, timeout)
+        return msg[1]
+
+    def kill(self) -> None:
+        if self.proc.is_alive() and self.proc.pid is not None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.kill()
+        self.conn.close()

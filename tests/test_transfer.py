@@ -1,0 +1,244 @@
+"""Multi-process transfers over real providers (tcp, shm): bytes land where they should,
+immediates are counted, nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+import afabric
+from afabric import errors
+
+from .conftest import loop_name
+from .procs import Ctl, Peer
+
+MiB = 1 << 20
+
+
+def pattern(nwords: int, seed: int) -> np.ndarray:
+    return (np.arange(nwords, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(seed)
+
+
+# ---- child processes ----
+
+
+async def target_region(ctl: Ctl, provider: str, nbytes: int, use_imm: bool, expected: int, seed: int) -> bool:
+    """Register `nbytes`, publish the descriptor (and an immediate), then verify."""
+    async with afabric.Engine(provider) as eng:
+        buf = np.zeros(nbytes // 8, dtype=np.uint64)
+        mr = eng.register(buf)
+        imm = eng.alloc_imm()
+        ctl.put((bytes(mr.descriptor), imm, bytes(eng.address)))
+        if use_imm:
+            await eng.expect_imm(imm, expected, timeout=60)
+        else:
+            assert await ctl.get() == "verify"
+        want = pattern(nbytes // 8, seed)
+        bad = np.flatnonzero(buf != want)
+        assert bad.size == 0, f"{bad.size} words differ, first at word {bad[:5]}"
+        return True
+
+
+async def paged_target(ctl: Ctl, provider: str, npages: int, page_len: int, seed: int) -> bool:
+    async with afabric.Engine(provider) as eng:
+        buf = np.zeros(npages * page_len, dtype=np.uint8)
+        mr = eng.register(buf)
+        imm = eng.alloc_imm()
+        ctl.put((bytes(mr.descriptor), imm))
+        await eng.expect_imm(imm, npages, timeout=60)
+        src_idx, dst_idx = ctl_pages(npages, seed)
+        src = source_pages(npages, page_len)
+        got = buf.reshape(npages, page_len)
+        assert np.array_equal(got[dst_idx], src.reshape(npages, page_len)[src_idx])
+        return True
+
+
+def ctl_pages(npages: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(npages).astype(np.int64), rng.permutation(npages).astype(np.int64)
+
+
+def source_pages(npages: int, page_len: int) -> np.ndarray:
+    return np.random.default_rng(1234).integers(0, 256, npages * page_len, dtype=np.uint8)
+
+
+async def early_target(ctl: Ctl, provider: str, n: int) -> int:
+    async with afabric.Engine(provider) as eng:
+        buf = np.zeros(4096, dtype=np.uint8)
+        mr = eng.register(buf)
+        imm = eng.alloc_imm()
+        ctl.put((bytes(mr.descriptor), imm))
+        assert await ctl.get() == "all written"  # every arrival is already counted
+        await eng.expect_imm(imm, n, timeout=10)
+        # the arrivals were consumed: one more expectation must not be satisfied
+        with pytest.raises(errors.OperationTimeout):
+            await eng.expect_imm(imm, 1, timeout=0.5)
+        return n
+
+
+def frame(reply_to: afabric.Address, body: bytes) -> bytes:
+    a = bytes(reply_to)
+    return len(a).to_bytes(2, "little") + a + body
+
+
+def unframe(msg: bytes) -> tuple[afabric.Address, bytes]:
+    n = int.from_bytes(msg[:2], "little")
+    return afabric.Address.from_bytes(msg[2 : 2 + n]), msg[2 + n :]
+
+
+async def echo_server(ctl: Ctl, provider: str, rounds: int) -> int:
+    """Answer each message with its body reversed, to the address it names."""
+    async with afabric.Engine(provider) as eng:
+        ctl.put(bytes(eng.address))
+        for _ in range(rounds):
+            reply_to, body = unframe(await eng.recv())
+            await eng.send(reply_to, body[::-1])
+        return rounds
+
+
+# ---- tests ----
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("use_imm", [False, True], ids=["plain", "imm"])
+async def test_64mib_in_chunks(provider: str, use_imm: bool, peers: list[Peer]) -> None:
+    total, chunk = 64 * MiB, 1 * MiB
+    nchunks = total // chunk
+    p = Peer(target_region, provider, total, use_imm, nchunks, 7, loop=loop_name())
+    peers.append(p)
+    desc_b, imm, _addr = await p.get()
+    desc = afabric.MrDesc.from_bytes(desc_b)
+    assert desc.length == total
+    async with afabric.Engine(provider) as eng:
+        src = pattern(total // 8, 7)
+        mr = eng.register(src)
+        await asyncio.gather(
+            *(
+                eng.write(mr, desc, chunk, src_offset=i * chunk, dst_offset=i * chunk, imm=imm if use_imm else None)
+                for i in range(nchunks)
+            )
+        )
+        if not use_imm:
+            p.put("verify")
+        assert await p.result() is True
+
+
+@pytest.mark.both_loops
+async def test_10000_shuffled_pages(provider: str, peers: list[Peer]) -> None:
+    npages, page_len, seed = 10_000, 256, 99
+    p = Peer(paged_target, provider, npages, page_len, seed, loop=loop_name())
+    peers.append(p)
+    desc_b, imm = await p.get()
+    async with afabric.Engine(provider) as eng:
+        src = source_pages(npages, page_len)
+        mr = eng.register(src)
+        src_idx, dst_idx = ctl_pages(npages, seed)
+        await eng.write_paged(
+            mr,
+            afabric.MrDesc.from_bytes(desc_b),
+            page_len=page_len,
+            src_pages=afabric.Pages(src_idx, page_len),
+            dst_pages=afabric.Pages(dst_idx, page_len),
+            imm=imm,
+        )
+        assert await p.result() is True
+
+
+async def test_early_arrivals_are_kept(provider: str, peers: list[Peer]) -> None:
+    n = 50
+    p = Peer(early_target, provider, n)
+    peers.append(p)
+    desc_b, imm = await p.get()
+    desc = afabric.MrDesc.from_bytes(desc_b)
+    async with afabric.Engine(provider) as eng:
+        src = np.arange(4096, dtype=np.uint8)
+        mr = eng.register(src)
+        # a mix of immediate-only and data-carrying writes, all before the expectation
+        await asyncio.gather(*(eng.write(mr, desc, (i % 2) * 64, imm=imm) for i in range(n)))
+        p.put("all written")
+        assert await p.result() == n
+
+
+@pytest.mark.both_loops
+async def test_send_recv_round_trips(provider: str, peers: list[Peer]) -> None:
+    async with afabric.Engine(provider) as eng:
+        header = len(frame(eng.address, b""))
+        sizes = [0, 1, 100, 4096, eng.max_message_size - header]
+        p = Peer(echo_server, provider, len(sizes) * 3, loop=loop_name())
+        peers.append(p)
+        server = afabric.Address.from_bytes(await p.get())
+        rng = np.random.default_rng(5)
+        for _ in range(3):
+            for n in sizes:
+                body = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+                await eng.send(server, frame(eng.address, body))
+                assert await asyncio.wait_for(eng.recv(), 30) == body[::-1]
+        # one byte over the maximum fails before anything is sent
+        with pytest.raises(errors.MessageTooLarge):
+            await eng.send(server, bytes(eng.max_message_size + 1))
+        assert await p.result() == len(sizes) * 3
+
+
+async def sink(ctl: Ctl, provider: str, nbytes: int) -> None:
+    """A target that only registers memory and waits to be killed."""
+    async with afabric.Engine(provider) as eng:
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        mr = eng.register(buf)
+        ctl.put(bytes(mr.descriptor))
+        await asyncio.sleep(3600)
+
+
+async def test_killed_target_fails_futures_and_engine_lives_on(
+    provider: str, peers: list[Peer], shm_cleanup: None
+) -> None:
+    chunk = 256 * 1024
+    victim = Peer(sink, provider, 16 * chunk)
+    other = Peer(target_region, provider, 4 * MiB, True, 4, 3)
+    peers += [victim, other]
+    victim_desc = afabric.MrDesc.from_bytes(await victim.get())
+    other_desc_b, other_imm, _ = await other.get()
+    loop = asyncio.get_running_loop()
+    async with afabric.Engine(provider, op_timeout=5.0) as eng:
+        src = np.full(4 * MiB, 0xAB, dtype=np.uint8)
+        mr = eng.register(src)
+        ok = 0
+        failures: list[BaseException] = []
+        inflight: set[asyncio.Task[None]] = set()
+        killed_at: float | None = None
+        i = 0
+        while not failures and (killed_at is None or loop.time() - killed_at < 30):
+            while len(inflight) < 8:
+                t = asyncio.ensure_future(eng.write(mr, victim_desc, chunk, dst_offset=(i % 16) * chunk))
+                inflight.add(t)
+                i += 1
+            done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t.exception() is None:
+                    ok += 1
+                else:
+                    failures.append(t.exception())  # type: ignore[arg-type]
+            if killed_at is None and ok >= 20:
+                victim.kill()
+                killed_at = loop.time()
+        assert killed_at is not None and failures, "writes to a killed peer kept succeeding"
+        if inflight:
+            done, pending = await asyncio.wait(inflight, timeout=30)
+            assert not pending, "futures still pending 30 s after the peer died"
+            failures += [t.exception() for t in done if t.exception() is not None]  # type: ignore[misc]
+        assert loop.time() - killed_at < 35
+        for f in failures:
+            assert isinstance(f, errors.TransportError), repr(f)
+        # a fresh write to the dead peer fails too, within the bound
+        with pytest.raises(errors.TransportError):
+            await asyncio.wait_for(eng.write(mr, victim_desc, 64), 30)
+        # the engine still talks to the living
+        other_desc = afabric.MrDesc.from_bytes(other_desc_b)
+        data = pattern(4 * MiB // 8, 3)
+        mr2 = eng.register(data)
+        await asyncio.gather(
+            *(eng.write(mr2, other_desc, MiB, src_offset=k * MiB, dst_offset=k * MiB, imm=other_imm) for k in range(4))
+        )
+        assert await other.result() is True
