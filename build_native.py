@@ -70,8 +70,11 @@ class Library:
     needs_libfabric: bool
 
     def sources(self) -> list[Path]:
-        # test_*.c are standalone test programs (e.g. providers/ofi/test_ofi.c), not library code.
-        return sorted(p for p in self.src_dir.glob("*.c") if not p.name.startswith("test_"))
+        # test_*.c and fuzz_*.c are standalone programs (providers/ofi/test_ofi.c,
+        # shim/fuzz_desc.c), not library code.
+        return sorted(
+            p for p in self.src_dir.glob("*.c") if not p.name.startswith(("test_", "fuzz_"))
+        )
 
     def headers(self) -> list[Path]:
         return sorted(self.src_dir.glob("*.h"))

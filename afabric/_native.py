@@ -14,9 +14,19 @@ import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from . import errors
+
+if TYPE_CHECKING:
+    from ctypes import _CDataType
+
+    import numpy as np
+    import numpy.typing as npt
+    from typing_extensions import Buffer
+
+    # typings/afabric_shim.pyi: the shim's functions as typed callables (no run-time module).
+    from afabric_shim import ShimLib
 
 ABI_VERSION = 1
 SHIM_NAME = "libafabric_shim.so"
@@ -32,7 +42,25 @@ class EngineHandle(ctypes.c_void_p):
     """Opaque `afs_engine *` (its own type so no other pointer can be passed for it)."""
 
 
+# The annotations in the structures below give mypy the field types (ctypes itself only
+# reads _fields_); tests/test_stubs.py checks that both list the same fields.
+
+
 class Config(ctypes.Structure):
+    size: int
+    flags: int
+    provider_lib: bytes | None
+    provider_name: bytes | None
+    fabric_provider: bytes | None
+    nic: bytes | None
+    bind_addr: bytes | None
+    cpu: int
+    poll_mode: int
+    spin_us: int
+    max_msg_size: int
+    rx_depth: int
+    tx_depth: int
+    op_timeout_ns: int
     _fields_ = [
         ("size", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
@@ -52,6 +80,13 @@ class Config(ctypes.Structure):
 
 
 class EngineFacts(ctypes.Structure):
+    event_fd: int
+    caps: int
+    incarnation: int
+    max_write_size: int
+    max_msg_size: int
+    nics: int
+    provider: bytes
     _fields_ = [
         ("event_fd", ctypes.c_int32),
         ("caps", ctypes.c_uint32),
@@ -64,6 +99,12 @@ class EngineFacts(ctypes.Structure):
 
 
 class DescInfo(ctypes.Structure):
+    incarnation: int
+    base: int
+    length: int
+    device: int
+    nics: int
+    provider: bytes
     _fields_ = [
         ("incarnation", ctypes.c_uint64),
         ("base", ctypes.c_uint64),
@@ -75,6 +116,13 @@ class DescInfo(ctypes.Structure):
 
 
 class Completion(ctypes.Structure):
+    id: int
+    status: int
+    kind: int
+    data: int
+    len: int
+    slot: int
+    reserved: int
     _fields_ = [
         ("id", ctypes.c_uint64),
         ("status", ctypes.c_int32),
@@ -87,6 +135,13 @@ class Completion(ctypes.Structure):
 
 
 class NicInfoStruct(ctypes.Structure):
+    name: bytes
+    fabric: bytes
+    provider: bytes
+    pci: bytes
+    link_speed_bps: int
+    numa_node: int
+    reserved: int
     _fields_ = [
         ("name", ctypes.c_char * 64),
         ("fabric", ctypes.c_char * 64),
@@ -114,7 +169,7 @@ CAP_DELIVERY_COMPLETE = 0x20
 _E = EngineHandle
 # name -> (restype, argtypes). The stub typings/afabric_shim.pyi lists the same names and
 # a test keeps the two in step.
-FUNCTIONS: dict[str, tuple[Any, list[Any]]] = {
+FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_abi_version": (ctypes.c_uint32, []),
     "afs_error_count": (ctypes.c_int32, []),
     "afs_error_info": (
@@ -133,7 +188,10 @@ FUNCTIONS: dict[str, tuple[Any, list[Any]]] = {
     "afs_engine_address": (ctypes.c_int32, [_E, _u8p, ctypes.c_uint32, _u32p]),
     "afs_mr_register": (
         ctypes.c_int32,
-        [_E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, _u64p, _u8p, ctypes.c_uint32, _u32p],
+        [
+            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32,
+            _u64p, _u8p, ctypes.c_uint32, _u32p,
+        ],
     ),
     "afs_mr_deregister": (ctypes.c_int32, [_E, ctypes.c_uint64]),
     "afs_desc_decode": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_uint32, ctypes.POINTER(DescInfo)]),
@@ -143,7 +201,10 @@ FUNCTIONS: dict[str, tuple[Any, list[Any]]] = {
     "afs_peer_resolve": (ctypes.c_int32, [_E, ctypes.c_char_p, ctypes.c_uint32, _u64p]),
     "afs_write": (
         ctypes.c_int32,
-        [_E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, _u64p],
+        [
+            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+            ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, _u64p,
+        ],
     ),
     "afs_write_paged": (
         ctypes.c_int32,
@@ -194,20 +255,21 @@ class Shim:
             fn = getattr(lib, name)
             fn.restype = restype
             fn.argtypes = argtypes
+        # From here on every call goes through the signatures of typings/afabric_shim.pyi.
+        self.f = cast("ShimLib", lib)
         self.codes: dict[int, tuple[str, str]] = {}
         code = ctypes.c_int32()
         name_p = ctypes.c_char_p()
         text_p = ctypes.c_char_p()
-        for i in range(lib.afs_error_count()):
-            lib.afs_error_info(i, ctypes.byref(code), ctypes.byref(name_p), ctypes.byref(text_p))
+        for i in range(self.f.afs_error_count()):
+            self.f.afs_error_info(i, ctypes.byref(code), ctypes.byref(name_p), ctypes.byref(text_p))
             self.codes[code.value] = ((name_p.value or b"").decode(), (text_p.value or b"").decode())
-        self.f: Any = lib
 
     def check(self, rc: int, what: str, provider: str = "") -> None:
         """Raise the typed error for a negative return code, with the shim's detail."""
         if rc == 0:
             return
-        detail = (self.lib.afs_last_error() or b"").decode(errors="replace")
+        detail = (self.f.afs_last_error() or b"").decode(errors="replace")
         name, text = self.codes.get(rc, (f"E{rc}", "unknown error code"))
         raise errors.from_code(name, rc, what, detail or text, provider)
 
@@ -254,7 +316,7 @@ def shim() -> Shim:
             if not hasattr(lib, "afs_abi_version"):
                 tried.append(f"{path} ({origin}): not an afabric shim (no afs_abi_version)")
                 continue
-            version = ctypes.CFUNCTYPE(ctypes.c_uint32)(("afs_abi_version", lib))()
+            version = int(ctypes.CFUNCTYPE(ctypes.c_uint32)(("afs_abi_version", lib))())
             if version != ABI_VERSION:
                 tried.append(f"{path} ({origin}): ABI version {version}, need {ABI_VERSION}")
                 continue
@@ -347,7 +409,7 @@ def check_address(blob: bytes) -> tuple[int, int]:
     return inc.value, nics.value
 
 
-def buffer_address(obj: Any) -> tuple[int, int]:
+def buffer_address(obj: Buffer) -> tuple[int, int]:
     """(address, length in bytes) of a writable, C-contiguous buffer-protocol object."""
     mv = memoryview(obj)
     if mv.readonly:
@@ -391,7 +453,8 @@ class NativeEngine:
         self._s = shim()
         self.provider = provider
         h = EngineHandle()
-        self._s.check(self._s.f.afs_engine_create(ctypes.byref(cfg), ctypes.byref(h)), "creating engine", provider)
+        rc = self._s.f.afs_engine_create(ctypes.byref(cfg), ctypes.byref(h))
+        self._s.check(rc, "creating engine", provider)
         self._h: EngineHandle | None = h
         self._out = ctypes.c_uint64()
         self._out_ref = ctypes.byref(self._out)
@@ -418,15 +481,15 @@ class NativeEngine:
 
     def facts(self) -> EngineFacts:
         out = EngineFacts()
-        self._s.check(self._s.f.afs_engine_info(self._handle(), ctypes.byref(out)), "engine info", self.provider)
+        rc = self._s.f.afs_engine_info(self._handle(), ctypes.byref(out))
+        self._s.check(rc, "engine info", self.provider)
         return out
 
     def address(self) -> bytes:
         buf = (ctypes.c_uint8 * 2048)()
         n = ctypes.c_uint32()
-        self._s.check(
-            self._s.f.afs_engine_address(self._handle(), buf, 2048, ctypes.byref(n)), "engine address", self.provider
-        )
+        rc = self._s.f.afs_engine_address(self._handle(), buf, 2048, ctypes.byref(n))
+        self._s.check(rc, "engine address", self.provider)
         return bytes(buf[: n.value])
 
     def register(self, address: int, length: int, flags: int, device: int) -> tuple[int, bytes]:
@@ -448,7 +511,8 @@ class NativeEngine:
         return self._out.value
 
     def release_remote(self, remote_id: int) -> None:
-        self._s.check(self._s.f.afs_remote_release(self._handle(), remote_id), "releasing descriptor", self.provider)
+        rc = self._s.f.afs_remote_release(self._handle(), remote_id)
+        self._s.check(rc, "releasing descriptor", self.provider)
 
     def resolve_peer(self, address: bytes) -> int:
         rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), self._out_ref)
@@ -467,10 +531,10 @@ class NativeEngine:
         mr_id: int,
         remote_id: int,
         page_len: int,
-        src_idx: Any,
+        src_idx: npt.NDArray[np.int64],
         src_stride: int,
         src_offset: int,
-        dst_idx: Any,
+        dst_idx: npt.NDArray[np.int64],
         dst_stride: int,
         dst_offset: int,
         imm: int,
@@ -528,17 +592,26 @@ class NativeEngine:
                 break
         if release:
             arr = (ctypes.c_uint32 * len(release))(*release)
-            self._s.check(self._s.f.afs_recv_release(h, arr, len(release)), "releasing receive buffers", self.provider)
+            rc = self._s.f.afs_recv_release(h, arr, len(release))
+            self._s.check(rc, "releasing receive buffers", self.provider)
         return out
 
     def bench_write(self, mr_id: int, remote_id: int, length: int, window: int, iters: int) -> int:
         ns = ctypes.c_uint64()
-        rc = self._s.f.afs_bench_write(self._handle(), mr_id, remote_id, length, window, iters, ctypes.byref(ns))
+        h = self._handle()
+        rc = self._s.f.afs_bench_write(h, mr_id, remote_id, length, window, iters, ctypes.byref(ns))
         self._s.check(rc, "raw benchmark", self.provider)
         return ns.value
 
     def bench_paged(
-        self, mr_id: int, remote_id: int, page_len: int, src_idx: Any, dst_idx: Any, window: int, iters: int
+        self,
+        mr_id: int,
+        remote_id: int,
+        page_len: int,
+        src_idx: npt.NDArray[np.int64],
+        dst_idx: npt.NDArray[np.int64],
+        window: int,
+        iters: int,
     ) -> int:
         ns = ctypes.c_uint64()
         rc = self._s.f.afs_bench_paged(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from . import _native
 
@@ -41,5 +41,5 @@ class Address:
     def __hash__(self) -> int:
         return hash(self._blob)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[[bytes], Address], tuple[bytes]]:
         return (Address.from_bytes, (self._blob,))

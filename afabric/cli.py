@@ -19,15 +19,80 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from . import _native, registry
 from .errors import AfabricError
 
 __all__ = ["main", "parse_size"]
+
+
+# ---- what `afabric info --json` prints (the keys are an interface: scripts read them) ----
+
+
+class GpuJson(TypedDict):
+    index: int
+    name: str
+    pci: str
+    numa_node: int
+
+
+class NumaJson(TypedDict):
+    node: int
+    cpus: str
+    mem_bytes: int
+
+
+class _ShimJsonBase(TypedDict):
+    loaded: bool
+
+
+class ShimJson(_ShimJsonBase, total=False):
+    path: str  # when loaded
+    error: str  # when not
+
+
+class NicJson(TypedDict):
+    name: str
+    fabric: str
+    provider: str
+    pci: str
+    link_speed_bps: int
+    numa_node: int
+
+
+class ProviderJson(TypedDict):
+    name: str
+    distribution: str
+    available: bool
+    reason: str
+    provider: str
+    priority: int | None
+    library: str | None
+    fabric_provider: str | None
+    bind_addr: str | None
+    hint: str
+    description: str
+    options: dict[str, str]
+    nics: list[NicJson]
+
+
+class AutoJson(TypedDict):
+    provider: str | None
+    why: str
+
+
+class InfoJson(TypedDict):
+    afabric: str
+    python: str
+    shim: ShimJson
+    providers: list[ProviderJson]
+    auto: AutoJson
+    gpus: list[GpuJson]
+    numa: list[NumaJson]
+
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
 
@@ -74,9 +139,9 @@ def _pci_numa(bus: str) -> int:
         return -1
 
 
-def gpus() -> list[dict[str, Any]]:
+def gpus() -> list[GpuJson]:
     """NVIDIA GPUs from /proc/driver/nvidia/gpus (nvidia-smi when /proc lacks them)."""
-    out: list[dict[str, Any]] = []
+    out: list[GpuJson] = []
     root = Path("/proc/driver/nvidia/gpus")
     if root.is_dir():
         for d in sorted(root.iterdir()):
@@ -113,9 +178,9 @@ def gpus() -> list[dict[str, Any]]:
     return out
 
 
-def numa_nodes() -> list[dict[str, Any]]:
+def numa_nodes() -> list[NumaJson]:
     """NUMA nodes from /sys/devices/system/node: id, CPU list, memory."""
-    out: list[dict[str, Any]] = []
+    out: list[NumaJson] = []
     root = Path("/sys/devices/system/node")
     if not root.is_dir():
         return out
@@ -139,7 +204,7 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _shim_state() -> dict[str, Any]:
+def _shim_state() -> ShimJson:
     try:
         s = _native.shim()
     except AfabricError as e:
@@ -147,7 +212,18 @@ def _shim_state() -> dict[str, Any]:
     return {"loaded": True, "path": s.path}
 
 
-def _availability_json(a: registry.Availability) -> dict[str, Any]:
+def _nic_json(n: _native.NicInfo) -> NicJson:
+    return {
+        "name": n.name,
+        "fabric": n.fabric,
+        "provider": n.provider,
+        "pci": n.pci,
+        "link_speed_bps": n.link_speed_bps,
+        "numa_node": n.numa_node,
+    }
+
+
+def _availability_json(a: registry.Availability) -> ProviderJson:
     spec = a.spec
     return {
         "name": a.name,
@@ -162,14 +238,14 @@ def _availability_json(a: registry.Availability) -> dict[str, Any]:
         "hint": spec.hint if spec is not None else "",
         "description": spec.description if spec is not None else "",
         "options": dict(spec.options) if spec is not None else {},
-        "nics": [asdict(n) for n in a.nics],
+        "nics": [_nic_json(n) for n in a.nics],
     }
 
 
-def collect_info() -> dict[str, Any]:
+def collect_info() -> InfoJson:
     """Everything ``afabric info`` shows, as plain data."""
     providers = registry.probe_all()
-    auto: dict[str, Any]
+    auto: AutoJson
     try:
         spec, sentence = registry.resolve("auto")
         auto = {"provider": spec.name, "why": sentence}
@@ -186,7 +262,7 @@ def collect_info() -> dict[str, Any]:
     }
 
 
-def _print_info(info: dict[str, Any]) -> None:
+def _print_info(info: InfoJson) -> None:
     print(f"afabric {info['afabric']} (Python {info['python']})")
     shim = info["shim"]
     print(f"shim: {shim['path']}" if shim["loaded"] else f"shim: NOT LOADED: {shim['error']}")
@@ -219,8 +295,8 @@ def _print_info(info: dict[str, Any]) -> None:
         numa = g["numa_node"] if g["numa_node"] >= 0 else "?"
         print(f"  GPU {g['index']}: {g['name']}, pci {g['pci']}, numa {numa}")
     print("NUMA nodes:" + ("" if info["numa"] else " none (no /sys/devices/system/node)"))
-    for n in info["numa"]:
-        print(f"  node {n['node']}: cpus {n['cpus']}, memory {n['mem_bytes'] / 2**30:.1f} GiB")
+    for node in info["numa"]:
+        print(f"  node {node['node']}: cpus {node['cpus']}, memory {node['mem_bytes'] / 2**30:.1f} GiB")
 
 
 def _cmd_info(ns: argparse.Namespace) -> int:
@@ -275,7 +351,8 @@ def _parser() -> argparse.ArgumentParser:
     p2p.add_argument("--repeat", type=int, default=None, metavar="N",
                      help="repetitions per measurement (default: the benchmark's own)")
     p2p.add_argument("--polling", choices=("adaptive", "spin"), default=None,
-                     help="worker polling: adaptive (default; spin briefly, then sleep) or spin (a core per worker)")
+                     help="worker polling: adaptive (default; spin briefly, then sleep) "
+                          "or spin (a core per worker)")
     p2p.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
                      help="event loop (default: uvloop if installed, else asyncio)")
     p2p.set_defaults(func=_cmd_bench_p2p)

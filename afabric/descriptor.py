@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from . import _native
 
@@ -15,7 +15,7 @@ class MrDesc:
     :class:`afabric.errors.BadDescriptor` here, long before anything is posted.
     """
 
-    __slots__ = ("_blob", "length", "base", "device", "incarnation", "provider", "nics")
+    __slots__ = ("_blob", "base", "device", "incarnation", "length", "nics", "provider")
 
     def __init__(self, blob: bytes) -> None:
         blob = bytes(blob)
@@ -50,5 +50,5 @@ class MrDesc:
     def __hash__(self) -> int:
         return hash(self._blob)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[[bytes], MrDesc], tuple[bytes]]:
         return (MrDesc.from_bytes, (self._blob,))

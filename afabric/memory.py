@@ -86,9 +86,11 @@ class MemoryRegion:
     """Memory registered with one engine. Remote regions have a :attr:`descriptor` to hand
     to peers; local-only ones (``register(buf, remote=False)``) can only be sources."""
 
-    __slots__ = ("_engine", "id", "address", "length", "device", "remote", "_desc", "_owner", "__weakref__")
+    __slots__ = ("__weakref__", "_desc", "_engine", "_owner", "address", "device", "id", "length", "remote")
 
-    def __init__(self, engine: Engine, mr_id: int, span: BufferSpan, remote: bool, desc: MrDesc | None) -> None:
+    def __init__(
+        self, engine: Engine, mr_id: int, span: BufferSpan, remote: bool, desc: MrDesc | None
+    ) -> None:
         self._engine: weakref.ref[Engine] = weakref.ref(engine)
         self.id: int | None = mr_id
         self.address = span.address

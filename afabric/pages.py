@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import numpy.typing as npt
 
@@ -14,9 +12,9 @@ class Pages:
     """Where the pages of a paged write are. The indices go to the shim as one int64 array,
     so 10,000 pages are one call, not 10,000."""
 
-    __slots__ = ("indices", "stride", "offset")
+    __slots__ = ("indices", "offset", "stride")
 
-    def __init__(self, indices: Any, stride: int, offset: int = 0) -> None:
+    def __init__(self, indices: npt.ArrayLike, stride: int, offset: int = 0) -> None:
         try:
             raw = np.asarray(indices)
         except (TypeError, ValueError) as e:

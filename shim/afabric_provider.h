@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #define AFP_ABI_MAJOR 1u
-#define AFP_ABI_MINOR 0u
+#define AFP_ABI_MINOR 1u /* 1: AFP_EV_ACTIVITY */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
@@ -89,7 +89,9 @@ enum afp_event_kind {
     AFP_EV_SEND_DONE = 2,  /* ctx, status */
     AFP_EV_RECV = 3,       /* ctx = the receive's ctx, len, status */
     AFP_EV_IMM = 4,        /* imm; ctx = the receive consumed when IMM_NEEDS_RECV, else 0 */
-    AFP_EV_ERROR = 5       /* ctx of the failed operation (write/send/recv), status, errtext */
+    AFP_EV_ERROR = 5,      /* ctx of the failed operation (write/send/recv), status, errtext */
+    AFP_EV_ACTIVITY = 6    /* len remote writes landed without an event of their own: tells an
+                              adaptive worker that it is still making progress as a target */
 };
 
 typedef struct afp_event {

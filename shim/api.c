@@ -3,8 +3,12 @@
  * caller's thread, before a request reaches the worker: a bad argument fails the call
  * itself with a typed code and nothing is posted.
  */
+#include <linux/futex.h>
 #include <sched.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -321,19 +325,44 @@ int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
 
 /* ---- raw benchmark loops ---- */
 
-static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint32_t window,
+/* Worker side: count a finished benchmark operation and wake the loop if it sleeps. */
+void afs_bench_count(afs_bench_counter *c)
+{
+    atomic_fetch_add(&c->done, 1);
+    if (atomic_load(&c->waiting))
+        syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+/* Caller side: sleep until `done` moves past `seen` (or 1 ms passes). */
+static void bench_wait(afs_bench_counter *c, uint32_t seen)
+{
+    struct timespec ts = {0, 1000000};
+    atomic_store(&c->waiting, 1);
+    if (atomic_load(&c->done) == seen)
+        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+    atomic_store(&c->waiting, 0);
+}
+
+/* Submits `iters` copies of `proto` keeping `window` in flight. Contiguous writes rotate
+ * through `span` slots of their length, as the Python benchmark does, so neither side
+ * measures one cache-resident buffer. */
+static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t span, uint32_t window,
                       uint64_t iters, uint64_t *elapsed_ns)
 {
     afs_bench_counter c;
     atomic_init(&c.done, 0);
+    atomic_init(&c.waiting, 0);
     atomic_init(&c.status, 0);
     uint64_t submitted = 0;
     int rc = 0;
     if (window == 0)
         window = 1;
+    if (span == 0)
+        span = 1;
     uint64_t t0 = afs_now_ns();
-    while (atomic_load(&c.done) < submitted || submitted < iters) {
-        while (submitted < iters && submitted - atomic_load(&c.done) < window &&
+    for (;;) {
+        uint32_t done = atomic_load(&c.done);
+        while (rc == 0 && submitted < iters && submitted - done < window &&
                atomic_load(&c.status) == 0) {
             afs_xfer *x = afs_xfer_new(eng, proto->kind);
             if (!x) {
@@ -356,17 +385,20 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint32_t win
                 }
                 memcpy(x->src_idx, proto->src_idx, bytes);
                 memcpy(x->dst_idx, proto->dst_idx, bytes);
+            } else {
+                uint64_t off = (submitted % span) * proto->length;
+                x->local_addr += off;
+                x->dst_addr += off;
             }
             afs_submit(eng, x);
             submitted++;
         }
-        if (rc || atomic_load(&c.status) != 0) {
-            if (atomic_load(&c.done) >= submitted)
-                break;
-        }
+        done = atomic_load(&c.done);
+        if (done >= submitted && (submitted >= iters || rc || atomic_load(&c.status)))
+            break;
         if (atomic_load(&eng->closed))
             return afs_fail(AFS_ECLOSED, "engine closed during benchmark");
-        sched_yield();
+        bench_wait(&c, done);
     }
     *elapsed_ns = afs_now_ns() - t0;
     if (rc)
@@ -386,7 +418,12 @@ int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     int rc = build_write(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, &proto);
     if (rc)
         return rc;
-    rc = bench_loop(eng, proto, false, window, iters, elapsed_ns);
+    mr_copy m;
+    afs_remote_entry r;
+    uint64_t span = 1;
+    if (length && load_mr(eng, mr_id, &m) == 0 && load_remote(eng, remote_id, &r) == 0)
+        span = (m.len < r.length ? m.len : r.length) / length;
+    rc = bench_loop(eng, proto, false, span, window, iters, elapsed_ns);
     afs_xfer_free(proto);
     return rc;
 }
@@ -402,7 +439,7 @@ int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
                          page_len, 0, AFS_NO_IMM, &proto);
     if (rc)
         return rc;
-    rc = bench_loop(eng, proto, true, window, iters, elapsed_ns);
+    rc = bench_loop(eng, proto, true, 1, window, iters, elapsed_ns);
     afs_xfer_free(proto);
     return rc;
 }

@@ -204,9 +204,12 @@ enum afs_req_kind {
 enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE, AFS_CTRL_FORGET };
 
 typedef struct afs_bench_counter {
-    _Atomic uint64_t done;
+    _Atomic uint32_t done; /* a futex word: the raw loop sleeps on it like Python on its fd */
+    _Atomic uint32_t waiting;
     _Atomic int32_t status;
 } afs_bench_counter;
+
+void afs_bench_count(afs_bench_counter *c);
 
 typedef struct afs_xfer {
     afs_qnode qn; /* first: the queue node */

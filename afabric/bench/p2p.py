@@ -18,14 +18,14 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Awaitable, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import Engine, MrDesc, Pages
-from .. import _native
+from .. import Engine, MemoryRegion, MrDesc, Pages, _native
 
 KiB, MiB = 1 << 10, 1 << 20
 CONTIG_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -74,12 +74,15 @@ def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
     _run(run(), loop)
 
 
-def _run(coro: Awaitable[Any], loop: str) -> Any:
+_T = TypeVar("_T")
+
+
+def _run(coro: Coroutine[Any, Any, _T], loop: str) -> _T:
     if loop == "uvloop":
         import uvloop
 
-        return uvloop.run(coro)  # type: ignore[arg-type]
-    return asyncio.run(coro)  # type: ignore[arg-type]
+        return uvloop.run(coro)
+    return asyncio.run(coro)
 
 
 def _iters_for(nbytes: int, quick: bool) -> int:
@@ -91,7 +94,9 @@ def _window_for(nbytes: int) -> int:
     return 64 if nbytes <= 64 * KiB else 16 if nbytes <= 1 * MiB else 4
 
 
-async def _py_writes(eng: Engine, mr: Any, desc: MrDesc, nbytes: int, window: int, iters: int) -> float:
+async def _py_writes(
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int
+) -> float:
     per = max(1, iters // window)
     span = max(1, REGION // max(nbytes, 1))
 
@@ -105,7 +110,9 @@ async def _py_writes(eng: Engine, mr: Any, desc: MrDesc, nbytes: int, window: in
     return (time.perf_counter() - t0) / (per * window)
 
 
-async def _py_paged(eng: Engine, mr: Any, desc: MrDesc, page: int, src: Pages, dst: Pages, window: int, iters: int) -> float:
+async def _py_paged(
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, page: int, src: Pages, dst: Pages, window: int, iters: int
+) -> float:
     per = max(1, iters // window)
 
     async def lane() -> None:
@@ -117,8 +124,9 @@ async def _py_paged(eng: Engine, mr: Any, desc: MrDesc, page: int, src: Pages, d
     return (time.perf_counter() - t0) / (per * window)
 
 
-def _raw(eng: Engine, fn: Callable[[], int], count: int) -> float:
-    return fn() / 1e9 / count
+def _raw(elapsed_ns: int, count: int) -> float:
+    """Seconds per operation from a raw C loop's elapsed nanoseconds."""
+    return elapsed_ns / 1e9 / count
 
 
 async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row], list[Latency], Engine]:
@@ -139,7 +147,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             raw: list[float] = []
             for _ in range(args.repeat):
                 py.append(await _py_writes(eng, mr, desc, size, window, iters))
-                raw.append(_raw(eng, lambda: n.bench_write(mr_id, rid, size, window, iters), iters))
+                raw.append(_raw(n.bench_write(mr_id, rid, size, window, iters), iters))
             _fill(row, py, raw, size)
             rows.append(row)
             _progress(args, row)
@@ -156,7 +164,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             py, raw = [], []
             for _ in range(args.repeat):
                 py.append(await _py_paged(eng, mr, desc, page, sp, dp, window, iters))
-                raw.append(_raw(eng, lambda: n.bench_paged(mr_id, rid, page, s_idx, d_idx, window, iters), iters))
+                raw.append(_raw(n.bench_paged(mr_id, rid, page, s_idx, d_idx, window, iters), iters))
             _fill(row, py, raw, page * count, per_call=count)
             rows.append(row)
             _progress(args, row)
@@ -167,7 +175,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
         raise
 
 
-async def _latency(eng: Engine, mr: Any, desc: MrDesc, size: int, quick: bool) -> Latency:
+async def _latency(eng: Engine, mr: MemoryRegion, desc: MrDesc, size: int, quick: bool) -> Latency:
     n = 2000 if quick else 20000
     for _ in range(200):
         await eng.write(mr, desc, size)
@@ -181,7 +189,8 @@ async def _latency(eng: Engine, mr: Any, desc: MrDesc, size: int, quick: bool) -
     mr_id = mr.check(eng)
     rid, _ = eng._remote(desc)
     raw = eng._n.bench_write(mr_id, rid, size, 1, n) / n
-    return Latency(size, samples[len(samples) // 2] / 1e3, samples[int(len(samples) * 0.99)] / 1e3, raw / 1e3, n)
+    p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+    return Latency(size, p50 / 1e3, p99 / 1e3, raw / 1e3, n)
 
 
 def _fill(row: Row, py: list[float], raw: list[float], nbytes: int, per_call: int = 1) -> None:
@@ -207,7 +216,10 @@ def _progress(args: argparse.Namespace, row: Row) -> None:
 
 def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     out = [header, ""]
-    out.append(f"{'op':<6} {'size':>8} {'win':>4} {'py GB/s':>9} {'raw GB/s':>9} {'py/raw':>7} {'py op/s':>11} {'raw op/s':>11}")
+    out.append(
+        f"{'op':<6} {'size':>8} {'win':>4} {'py GB/s':>9} {'raw GB/s':>9} {'py/raw':>7} "
+        f"{'py op/s':>11} {'raw op/s':>11}"
+    )
     for r in rows:
         size = _fmt_size(r.size) + ("/pg" if r.kind == "paged" else "")
         out.append(
@@ -219,7 +231,7 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
             f"\nawaited {x.size} B write, one at a time: p50 {x.p50_us:.1f} µs, p99 {x.p99_us:.1f} µs "
             f"(raw C loop: {x.raw_p50_us:.1f} µs mean; {x.samples} samples)"
         )
-    out.append("paged rows: size is per page, op/s counts pages, {} pages per call".format(PAGES_PER_OP))
+    out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
     return "\n".join(out)
 
 

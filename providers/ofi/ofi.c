@@ -78,6 +78,8 @@ struct afp_domain {
     struct fid_av *av;
     struct fid_cq *cq;
     struct fid_ep *ep;
+    struct fid_cntr *rw_cntr; /* remote writes landed (FI_RMA_EVENT), or NULL */
+    uint64_t rw_seen;
     int wait_fd; /* -1: CQ has no wait fd */
 
     /* What the provider asks for (or, with FORCE_EFA_MODES, what we pretend it does). */
@@ -90,6 +92,7 @@ struct afp_domain {
     bool mr_endpoint;
     bool hmem;
     bool delivery_complete;
+    bool rma_event;
     uint64_t write_flags; /* fixed fi_writemsg flags (FI_COMPLETION [| FI_DELIVERY_COMPLETE]) */
     uint64_t next_key;
     uint64_t max_msg_size;
@@ -328,7 +331,7 @@ static bool info_usable(const struct fi_info *fi, const afp_open_args *a)
 }
 
 static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args *a, bool dc,
-                                  bool hmem)
+                                  bool hmem, bool rma_event)
 {
     struct fi_info *h = lib->dupinfo(NULL); /* = fi_allocinfo() */
     if (!h)
@@ -337,6 +340,8 @@ static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args
     h->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     if (hmem)
         h->caps |= FI_HMEM;
+    if (rma_event)
+        h->caps |= FI_RMA_EVENT;
     /* Offer every mode we can honour; the provider keeps in info->mode the ones it needs. */
     h->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
     h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
@@ -357,10 +362,10 @@ static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args
 
 /* fi_getinfo with our hints; returns libfabric's code (-FI_ENODATA: nothing matched). */
 static int query(const struct ofi_lib *lib, const afp_open_args *a, const char *node, bool dc,
-                 bool hmem, struct fi_info **list)
+                 bool hmem, bool rma_event, struct fi_info **list)
 {
     *list = NULL;
-    struct fi_info *hints = make_hints(lib, a, dc, hmem);
+    struct fi_info *hints = make_hints(lib, a, dc, hmem, rma_event);
     if (!hints)
         return -FI_ENOMEM;
     int ret = lib->getinfo(OFI_API_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, list);
@@ -445,7 +450,7 @@ static int ofi_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max
     /* The plainest hints: a NIC is listed if it can be opened at all. Only an explicit
      * bind address narrows the query (no loopback default: we want every interface). */
     const char *node = a->bind_addr && *a->bind_addr ? a->bind_addr : NULL;
-    int ret = query(lib, a, node, false, false, &list);
+    int ret = query(lib, a, node, false, false, false, &list);
     if (ret == -FI_ENODATA)
         goto out; /* no NIC is not an error here */
     if (ret) {
@@ -486,12 +491,15 @@ static bool cuda_present(void)
 }
 
 /* Picks the fi_info to open: the richest set of attributes the provider accepts first
- * (FI_HMEM for device memory, FI_DELIVERY_COMPLETE for writes), then less. */
+ * (FI_HMEM for device memory, FI_DELIVERY_COMPLETE for writes, FI_RMA_EVENT so a target
+ * can see remote writes land), then less. */
 static int select_info(afp_domain *d, const afp_open_args *a)
 {
     static const struct {
-        bool hmem, dc;
-    } rungs[] = {{true, true}, {true, false}, {false, true}, {false, false}};
+        bool hmem, dc, rma_event;
+    } rungs[] = {{true, true, true},   {true, true, false},  {true, false, true},
+                 {true, false, false}, {false, true, true},  {false, true, false},
+                 {false, false, true}, {false, false, false}};
     const char *node = open_node(a);
     bool try_hmem = cuda_present();
     int ret = -FI_ENODATA;
@@ -500,7 +508,7 @@ static int select_info(afp_domain *d, const afp_open_args *a)
         struct fi_info *list = NULL;
         if (rungs[r].hmem && !try_hmem)
             continue;
-        ret = query(d->lib, a, node, rungs[r].dc, rungs[r].hmem, &list);
+        ret = query(d->lib, a, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event, &list);
         if (ret == -FI_ENODATA)
             continue;
         if (ret)
@@ -510,6 +518,7 @@ static int select_info(afp_domain *d, const afp_open_args *a)
                 d->info_list = list;
                 d->info = fi;
                 d->delivery_complete = rungs[r].dc;
+                d->rma_event = rungs[r].rma_event;
                 return 0;
             }
         }
@@ -532,7 +541,8 @@ static void ofi_close(afp_domain *d)
         return;
     /* Reverse order of creation. A failing fi_close cannot be acted upon by anyone (the
      * domain is going away), so teardown continues regardless. */
-    struct fid *fids[] = {d->ep ? &d->ep->fid : NULL, d->cq ? &d->cq->fid : NULL,
+    struct fid *fids[] = {d->ep ? &d->ep->fid : NULL, d->rw_cntr ? &d->rw_cntr->fid : NULL,
+                          d->cq ? &d->cq->fid : NULL,
                           d->av ? &d->av->fid : NULL, d->domain ? &d->domain->fid : NULL,
                           d->fabric ? &d->fabric->fid : NULL};
     for (size_t i = 0; i < sizeof fids / sizeof fids[0]; i++) {
@@ -665,6 +675,22 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
         rc = fail(d, "fi_ep_bind(cq)", ret);
         goto out_close;
     }
+    if (d->rma_event) {
+        /* Counts remote writes landing here: a target's only sign of progress when the
+         * writes carry no immediate (its CQ stays empty), so adaptive polling stays awake
+         * while a peer streams into it instead of sleeping on a provider with no wait fd. */
+        struct fi_cntr_attr cattr = {.events = FI_CNTR_EVENTS_COMP, .wait_obj = FI_WAIT_NONE};
+        ret = fi_cntr_open(d->domain, &cattr, &d->rw_cntr, NULL);
+        if (ret) {
+            rc = fail(d, "fi_cntr_open", ret);
+            goto out_close;
+        }
+        ret = fi_ep_bind(d->ep, &d->rw_cntr->fid, FI_REMOTE_WRITE);
+        if (ret) {
+            rc = fail(d, "fi_ep_bind(cntr)", ret);
+            goto out_close;
+        }
+    }
     ret = fi_enable(d->ep);
     if (ret) {
         rc = fail(d, "fi_enable", ret);
@@ -730,14 +756,18 @@ static int ofi_address(afp_domain *d, void *buf, size_t *len)
 
 static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *peer)
 {
-    /* The provider reads addr_len bytes whatever we say: never give it less. */
-    if (len != d->addr_len) {
-        errf(d->errbuf, sizeof d->errbuf, "resolve: address of %zu bytes, %s expects %zu",
-             len, d->prov_name, d->addr_len);
+    /* The provider reads its own address length whatever we say, and lengths differ
+     * between peers (shm names grow with the pid and the endpoint counter): hand it a
+     * zero-padded copy that is never shorter than what it reads. */
+    uint8_t padded[AFP_MAX_ADDR_LEN + 8] = {0};
+    if (len == 0 || len > AFP_MAX_ADDR_LEN || d->addr_len > sizeof padded) {
+        errf(d->errbuf, sizeof d->errbuf, "resolve: address of %zu bytes (1..%u allowed)", len,
+             AFP_MAX_ADDR_LEN);
         return AFS_EBADDESC;
     }
+    memcpy(padded, addr, len);
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
-    int ret = fi_av_insert(d->av, addr, 1, &fa, 0, NULL);
+    int ret = fi_av_insert(d->av, padded, 1, &fa, 0, NULL);
     if (ret != 1)
         return fail(d, "fi_av_insert", ret < 0 ? ret : -FI_EINVAL);
     *peer = fa;
@@ -959,8 +989,12 @@ static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event 
 
     memset(ev, 0, sizeof *ev);
     /* A remote write with immediate. Its entry's flags and len differ between providers
-     * and its op_context may be NULL: only FI_REMOTE_CQ_DATA and data are reliable. */
-    if (e->flags & FI_REMOTE_CQ_DATA) {
+     * and its op_context may be NULL: only FI_REMOTE_CQ_DATA and data are reliable.
+     * But 1.17's sockets provider also sets FI_REMOTE_CQ_DATA on the sender's own
+     * completion of a write with immediate: an entry for one of our writes or sends is
+     * never an arrival. */
+    bool local = op && (op->kind == AFP_EV_WRITE_DONE || op->kind == AFP_EV_SEND_DONE);
+    if ((e->flags & FI_REMOTE_CQ_DATA) && !local) {
         ev->kind = AFP_EV_IMM;
         ev->imm = (uint32_t)e->data;
         if (op && op->kind == AFP_EV_RECV && !op->stolen) {
@@ -1073,6 +1107,16 @@ static int ofi_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
         }
         rc = fail(d, "fi_cq_read", ret);
         break;
+    }
+    if (d->rw_cntr && got < max) {
+        uint64_t c = fi_cntr_read(d->rw_cntr);
+        if (c != d->rw_seen) {
+            memset(&ev[got], 0, sizeof ev[got]);
+            ev[got].kind = AFP_EV_ACTIVITY;
+            ev[got].len = c - d->rw_seen;
+            d->rw_seen = c;
+            got++;
+        }
     }
     *n = got;
     return got ? 0 : rc; /* events first; a persistent error shows on the next call */

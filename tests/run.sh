@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh Debian/Ubuntu machine, as root: installs everything it
+# needs (apt packages, a virtual environment with the package and its test dependencies),
+# then runs pytest. This is the README's test command, and .ci/run runs exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
+[ -f /usr/include/rdma/fabric.h ] || need_apt+=(libfabric-dev)
+ldconfig -p | grep -q 'libfabric.so.1 ' || need_apt+=(libfabric1)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+py=.venv/bin/python
+$py -m pip install -q --upgrade pip
+# torch: the CPU build (tests register CPU tensors); examples/plugin_sockets: a third-party
+# provider plugin the tests discover exactly as users would install one.
+$py -m pip install -q -e ".[test]" "torch==2.13.0"
+$py -m pip install -q ./examples/plugin_sockets
+
+# The 2.x libfabric run must not be skipped silently here (tests/libfabric2.py).
+export AFABRIC_REQUIRE_LIBFABRIC2=1
+exec $py -m pytest -q -ra "$@"

@@ -1,0 +1,198 @@
+"""The C shim as Python's ctypes sees it, once afabric._native has applied its table.
+
+This stub documents the ABI of ``shim/afabric_shim.h`` in Python terms: one signature per
+entry of ``afabric._native.FUNCTIONS`` (same names, same parameter count and order), with
+the Python values ctypes accepts for each C parameter and what it returns:
+
+- ``uint32_t`` / ``int32_t`` / ``uint64_t`` / ``int64_t`` -> ``int`` (ctypes truncates
+  silently, so afabric checks ranges before calling);
+- ``const uint8_t *`` / ``const char *`` in-buffers (argtype ``c_char_p``) -> ``bytes``;
+- ``char *`` out-buffers -> a ``ctypes.Array[c_char]`` (``create_string_buffer``): never
+  ``bytes``, which C must not write into;
+- ``T *`` (argtype ``POINTER(T)``) -> ``ctypes.byref(t)``, a pointer or an array of ``T``;
+- ``afs_engine *`` -> :class:`afabric._native.EngineHandle` only (its own type, so no other
+  pointer can be passed for it: ctypes rejects it at run time, mypy before);
+- ``void *`` (argtype ``c_void_p``) -> an address as ``int``, an array or a ``byref``;
+- ``const char *`` results (restype ``c_char_p``) -> ``bytes | None``.
+
+There is no ``afabric_shim`` module at run time: ``afabric._native`` imports
+:class:`ShimLib` under ``TYPE_CHECKING`` only and casts its loaded ``ctypes.CDLL`` to it,
+so every call into the shim is checked by ``mypy --strict``.
+tests/test_stubs.py keeps this file, ``FUNCTIONS`` and the header in step.
+"""
+
+from ctypes import (
+    Array,
+    _CArgObject,
+    _CVoidPLike,
+    _Pointer,
+    c_char,
+    c_char_p,
+    c_int32,
+    c_uint8,
+    c_uint32,
+    c_uint64,
+)
+from typing import TypeAlias, TypeVar
+
+from afabric._native import Completion, Config, DescInfo, EngineFacts, EngineHandle
+
+_T = TypeVar("_T")
+
+# What ctypes accepts for a `POINTER(T)` argtype.
+_Ref: TypeAlias = _Pointer[_T] | Array[_T] | _CArgObject
+
+class ShimLib:
+    """``ctypes.CDLL("libafabric_shim.so")`` after ``afabric._native.FUNCTIONS`` is applied.
+
+    Attributes of a ``CDLL`` are foreign functions, not methods: hence ``staticmethod``.
+    """
+
+    # ---- version and the error table ----
+
+    @staticmethod
+    def afs_abi_version() -> int:
+        """uint32_t afs_abi_version(void): AFS_ABI_VERSION the library was built with."""
+
+    @staticmethod
+    def afs_error_count() -> int:
+        """int32_t afs_error_count(void): entries in AFS_ERROR_TABLE."""
+
+    @staticmethod
+    def afs_error_info(index: int, code: _Ref[c_int32], name: _Ref[c_char_p], text: _Ref[c_char_p]) -> int:
+        """Entry ``index`` of AFS_ERROR_TABLE: its code, name ("EINVAL") and text (static)."""
+
+    @staticmethod
+    def afs_last_error() -> bytes | None:
+        """This thread's detail text of the last failing call (read it right after)."""
+
+    @staticmethod
+    def afs_text_free(text: int) -> None:
+        """Free the error text of a DONE completion (``afs_completion.data``)."""
+
+    # ---- providers and engines ----
+
+    @staticmethod
+    def afs_provider_probe(
+        cfg: _Ref[Config],
+        nics_out: _CVoidPLike | None,
+        max: int,
+        count: _Ref[c_uint32],
+        name_out: Array[c_char],
+        name_len: int,
+    ) -> int:
+        """NICs the provider library of ``cfg`` sees, as ``NicInfoStruct[max]``, without an engine."""
+
+    @staticmethod
+    def afs_engine_create(cfg: _Ref[Config], out: _Ref[EngineHandle]) -> int: ...
+    @staticmethod
+    def afs_engine_destroy(eng: EngineHandle) -> int: ...
+    @staticmethod
+    def afs_engine_info(eng: EngineHandle, out: _Ref[EngineFacts]) -> int: ...
+    @staticmethod
+    def afs_engine_address(eng: EngineHandle, buf: _Ref[c_uint8], cap: int, len: _Ref[c_uint32]) -> int:
+        """The engine's address bytes (all its NICs) into ``buf[cap]``; ``*len`` = size."""
+
+    # ---- memory, descriptors, peers ----
+
+    @staticmethod
+    def afs_mr_register(
+        eng: EngineHandle,
+        addr: int,
+        len: int,
+        flags: int,
+        device: int,
+        mr_id: _Ref[c_uint64],
+        desc: _Ref[c_uint8],
+        cap: int,
+        desc_len: _Ref[c_uint32],
+    ) -> int:
+        """Register ``[addr, addr+len)`` (MR_REMOTE/MR_DEVICE flags; device -1 = host)."""
+
+    @staticmethod
+    def afs_mr_deregister(eng: EngineHandle, mr_id: int) -> int: ...
+    @staticmethod
+    def afs_desc_decode(buf: bytes, len: int, out: _Ref[DescInfo]) -> int: ...
+    @staticmethod
+    def afs_address_check(buf: bytes, len: int, incarnation: _Ref[c_uint64], nics: _Ref[c_uint32]) -> int: ...
+    @staticmethod
+    def afs_remote_import(eng: EngineHandle, desc: bytes, len: int, remote_id: _Ref[c_uint64]) -> int: ...
+    @staticmethod
+    def afs_remote_release(eng: EngineHandle, remote_id: int) -> int: ...
+    @staticmethod
+    def afs_peer_resolve(eng: EngineHandle, addr: bytes, len: int, peer_id: _Ref[c_uint64]) -> int: ...
+
+    # ---- operations (each one enqueue; the result arrives through afs_drain) ----
+
+    @staticmethod
+    def afs_write(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        length: int,
+        src_offset: int,
+        dst_offset: int,
+        imm: int,
+        xfer_id: _Ref[c_uint64],
+    ) -> int:
+        """One write; ``imm`` = AFS_NO_IMM (-1) for none, else a 32-bit immediate."""
+
+    @staticmethod
+    def afs_write_paged(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        page_len: int,
+        count: int,
+        src_idx: _CVoidPLike | None,
+        src_stride: int,
+        src_offset: int,
+        dst_idx: _CVoidPLike | None,
+        dst_stride: int,
+        dst_offset: int,
+        imm: int,
+        xfer_id: _Ref[c_uint64],
+    ) -> int:
+        """``count`` pages; ``src_idx``/``dst_idx`` address ``int64_t[count]`` (numpy ``.ctypes.data``)."""
+
+    @staticmethod
+    def afs_send(eng: EngineHandle, peer_id: int, buf: bytes, len: int, xfer_id: _Ref[c_uint64]) -> int: ...
+    @staticmethod
+    def afs_expect_imm(eng: EngineHandle, imm: int, count: int, xfer_id: _Ref[c_uint64]) -> int: ...
+    @staticmethod
+    def afs_cancel(eng: EngineHandle, xfer_id: int) -> int: ...
+
+    # ---- completions ----
+
+    @staticmethod
+    def afs_drain(eng: EngineHandle, out: _Ref[Completion], max: int, count: _Ref[c_uint32]) -> int:
+        """Up to ``max`` completion records into ``out``; ``*count`` = how many."""
+
+    @staticmethod
+    def afs_recv_release(eng: EngineHandle, slots: _Ref[c_uint32], count: int) -> int: ...
+
+    # ---- raw benchmark loops (no Python per operation) ----
+
+    @staticmethod
+    def afs_bench_write(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        length: int,
+        window: int,
+        iters: int,
+        elapsed_ns: _Ref[c_uint64],
+    ) -> int: ...
+    @staticmethod
+    def afs_bench_paged(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        page_len: int,
+        count: int,
+        src_idx: _CVoidPLike | None,
+        dst_idx: _CVoidPLike | None,
+        window: int,
+        iters: int,
+        elapsed_ns: _Ref[c_uint64],
+    ) -> int: ...
