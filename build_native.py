@@ -42,8 +42,17 @@ OFI_NAME = "libafabric_ofi.so"
 DEFAULT_SHIM_OUT = ROOT / "afabric" / "_lib"
 DEFAULT_OFI_OUT = OFI_DIR / "afabric_ofi"
 
-BASE_FLAGS = ["-std=c11", "-D_GNU_SOURCE", "-g", "-fPIC", "-shared", "-fvisibility=hidden",
-              "-Wall", "-Wextra", "-Werror"]
+BASE_FLAGS = [
+    "-std=c11",
+    "-D_GNU_SOURCE",
+    "-g",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+]
 RELEASE_OPT = ["-O2"]
 DEBUG_OPT = ["-O0", "-g3"]
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"]
@@ -72,9 +81,7 @@ class Library:
     def sources(self) -> list[Path]:
         # test_*.c and fuzz_*.c are standalone programs (providers/ofi/test_ofi.c,
         # shim/fuzz_desc.c), not library code.
-        return sorted(
-            p for p in self.src_dir.glob("*.c") if not p.name.startswith(("test_", "fuzz_"))
-        )
+        return sorted(p for p in self.src_dir.glob("*.c") if not p.name.startswith(("test_", "fuzz_")))
 
     def headers(self) -> list[Path]:
         return sorted(self.src_dir.glob("*.h"))
@@ -88,9 +95,7 @@ def compiler() -> list[str]:
     """The C compiler command: $CC (split like a shell would) or cc; BuildError if absent."""
     cmd = shlex.split(os.environ.get("CC", "")) or ["cc"]
     if shutil.which(cmd[0]) is None:
-        raise BuildError(
-            f"no C compiler: {cmd[0]!r} not found (set CC, or apt-get install gcc)"
-        )
+        raise BuildError(f"no C compiler: {cmd[0]!r} not found (set CC, or apt-get install gcc)")
     return cmd
 
 
@@ -112,15 +117,32 @@ def flags(*, sanitize: bool = False, debug: bool = False) -> list[str]:
 
 def check_libfabric_headers(cc: Sequence[str] | None = None) -> None:
     """Raise BuildError naming the package to install if <rdma/fabric.h> cannot be included."""
-    cmd = [*(cc or compiler()), *_env_flags("CPPFLAGS"), *_env_flags("CFLAGS"),
-           "-E", "-x", "c", "-o", os.devnull, "-"]
-    proc = subprocess.run(cmd, check=False, input="#include <rdma/fabric.h>\n", capture_output=True, text=True)
+    cmd = [
+        *(cc or compiler()),
+        *_env_flags("CPPFLAGS"),
+        *_env_flags("CFLAGS"),
+        "-E",
+        "-x",
+        "c",
+        "-o",
+        os.devnull,
+        "-",
+    ]
+    proc = subprocess.run(
+        cmd, check=False, input="#include <rdma/fabric.h>\n", capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise BuildError(f"{LIBFABRIC_HINT}\n(compiler said: {proc.stderr.strip()})")
 
 
-def build_library(lib: Library, out_dir: str | os.PathLike[str] | None = None, *,
-                  sanitize: bool = False, debug: bool = False, verbose: bool = False) -> Path:
+def build_library(
+    lib: Library,
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    sanitize: bool = False,
+    debug: bool = False,
+    verbose: bool = False,
+) -> Path:
     """Compile one library into out_dir (default: its place in the source tree).
 
     The result is written under a temporary name and renamed, so a process loading the
@@ -138,8 +160,18 @@ def build_library(lib: Library, out_dir: str | os.PathLike[str] | None = None, *
     fd, tmp_name = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=dest_dir)
     os.close(fd)
     tmp = Path(tmp_name)
-    cmd = [*cc, *_env_flags("CPPFLAGS"), *flags(sanitize=sanitize, debug=debug), *_env_flags("CFLAGS"),
-           f"-I{SHIM_DIR}", *(str(s) for s in srcs), "-o", str(tmp), *_env_flags("LDFLAGS"), *LIBS]
+    cmd = [
+        *cc,
+        *_env_flags("CPPFLAGS"),
+        *flags(sanitize=sanitize, debug=debug),
+        *_env_flags("CFLAGS"),
+        f"-I{SHIM_DIR}",
+        *(str(s) for s in srcs),
+        "-o",
+        str(tmp),
+        *_env_flags("LDFLAGS"),
+        *LIBS,
+    ]
     if verbose:
         print(shlex.join(cmd), file=sys.stderr)
     try:
@@ -158,10 +190,15 @@ def build_library(lib: Library, out_dir: str | os.PathLike[str] | None = None, *
     return dest
 
 
-def build(out_dir_shim: str | os.PathLike[str] | None = None,
-          out_dir_ofi: str | os.PathLike[str] | None = None, *,
-          sanitize: bool = False, debug: bool = False, verbose: bool = False,
-          only: Sequence[str] = ("shim", "ofi")) -> dict[str, Path]:
+def build(
+    out_dir_shim: str | os.PathLike[str] | None = None,
+    out_dir_ofi: str | os.PathLike[str] | None = None,
+    *,
+    sanitize: bool = False,
+    debug: bool = False,
+    verbose: bool = False,
+    only: Sequence[str] = ("shim", "ofi"),
+) -> dict[str, Path]:
     """Build the shim and/or the libfabric provider; returns {"shim": path, "ofi": path}.
 
     Directories default to the libraries' places in the source tree. Serial on purpose
@@ -177,8 +214,9 @@ def build(out_dir_shim: str | os.PathLike[str] | None = None,
     return out
 
 
-def sanitizer_env(shim_path: str | os.PathLike[str], ofi_path: str | os.PathLike[str] | None = None
-                  ) -> dict[str, str]:
+def sanitizer_env(
+    shim_path: str | os.PathLike[str], ofi_path: str | os.PathLike[str] | None = None
+) -> dict[str, str]:
     """Environment for running Python against a sanitizer build.
 
     Python itself is not built with ASan, so the runtime must be preloaded. Leak detection
@@ -203,20 +241,37 @@ def sanitizer_env(shim_path: str | os.PathLike[str], ofi_path: str | os.PathLike
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build afabric's native libraries (shim and libfabric provider).")
-    ap.add_argument("--out", metavar="DIR", help="put both libraries in DIR (default: their source-tree places)")
+    ap = argparse.ArgumentParser(
+        description="Build afabric's native libraries (shim and libfabric provider)."
+    )
+    ap.add_argument(
+        "--out", metavar="DIR", help="put both libraries in DIR (default: their source-tree places)"
+    )
     ap.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan build (-O1)")
     ap.add_argument("--debug", action="store_true", help="-O0 -g3")
-    ap.add_argument("--only", choices=("shim", "ofi"), action="append",
-                    help="build just this library (repeatable; default: both)")
-    ap.add_argument("--print-env", action="store_true",
-                    help="print shell exports to use the built libraries (AFABRIC_SHIM, AFABRIC_OFI_LIB,"
-                         " and LD_PRELOAD for --sanitize)")
+    ap.add_argument(
+        "--only",
+        choices=("shim", "ofi"),
+        action="append",
+        help="build just this library (repeatable; default: both)",
+    )
+    ap.add_argument(
+        "--print-env",
+        action="store_true",
+        help="print shell exports to use the built libraries (AFABRIC_SHIM, AFABRIC_OFI_LIB,"
+        " and LD_PRELOAD for --sanitize)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="print the compiler commands")
     ns = ap.parse_args(argv)
     try:
-        built = build(ns.out, ns.out, sanitize=ns.sanitize, debug=ns.debug, verbose=ns.verbose,
-                      only=tuple(ns.only or ("shim", "ofi")))
+        built = build(
+            ns.out,
+            ns.out,
+            sanitize=ns.sanitize,
+            debug=ns.debug,
+            verbose=ns.verbose,
+            only=tuple(ns.only or ("shim", "ofi")),
+        )
         if ns.print_env:
             if ns.sanitize and "shim" in built:
                 env = sanitizer_env(built["shim"], built.get("ofi"))

@@ -21,6 +21,6 @@ __all__ = [
     "MrDesc",
     "Pages",
     "ProviderSpec",
-    "errors",
     "__version__",
+    "errors",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import traceback
 import warnings
@@ -42,7 +43,9 @@ def _imm(value: Any) -> int:
     if value is None:
         return _native.NO_IMM
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise errors.ImmediateOutOfRange(f"immediate must be an int in 0..{IMM_MAX}, got {type(value).__name__}")
+        raise errors.ImmediateOutOfRange(
+            f"immediate must be an int in 0..{IMM_MAX}, got {type(value).__name__}"
+        )
     v = int(value)
     if v < 0 or v > IMM_MAX:
         raise errors.ImmediateOutOfRange(f"immediate {v} outside 0..{IMM_MAX}")
@@ -52,9 +55,11 @@ def _imm(value: Any) -> int:
 class _Op:
     """An operation in flight: its future, how to name it in errors, what it keeps alive."""
 
-    __slots__ = ("future", "verb", "peer", "refs", "kind")
+    __slots__ = ("future", "kind", "peer", "refs", "verb")
 
-    def __init__(self, future: asyncio.Future[None], verb: str, peer: int, refs: tuple[Any, ...], kind: str) -> None:
+    def __init__(
+        self, future: asyncio.Future[None], verb: str, peer: int, refs: tuple[Any, ...], kind: str
+    ) -> None:
         self.future = future
         self.verb = verb
         self.peer = peer
@@ -170,7 +175,9 @@ class Engine:
         everything. Idempotent; aborts on error or cancellation."""
         if self._closed:
             return
-        wait = [op.future for op in self._ops.values() if op.kind in ("write", "send") and not op.future.done()]
+        wait = [
+            op.future for op in self._ops.values() if op.kind in ("write", "send") and not op.future.done()
+        ]
         try:
             if wait:
                 limit = timeout if timeout is not None else (self.op_timeout or None)
@@ -184,10 +191,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(RuntimeError, ValueError, OSError):  # loop already closed
             self._loop.remove_reader(self._fd)
-        except (RuntimeError, ValueError, OSError):  # loop already closed
-            pass
         try:
             self._n.destroy()
         finally:
@@ -213,10 +218,8 @@ class Engine:
         if self._created_at:
             msg += "\ncreated at:\n" + "".join(self._created_at)
         warnings.warn(msg, ResourceWarning, source=self, stacklevel=1)
-        try:
+        with contextlib.suppress(Exception):  # a finalizer must not raise
             self.close()
-        except Exception:  # noqa: BLE001 - a finalizer must not raise
-            pass
 
     def _check_open(self) -> None:
         if self._closed:
@@ -232,7 +235,9 @@ class Engine:
         self._check_open()
         return self._register_span(span_of(buf), remote)
 
-    def register_ptr(self, ptr: int, length: int, device: int = -1, *, remote: bool = True, owner: Any = None) -> MemoryRegion:
+    def register_ptr(
+        self, ptr: int, length: int, device: int = -1, *, remote: bool = True, owner: Any = None
+    ) -> MemoryRegion:
         """Register raw memory. The caller keeps it valid until deregistered (``owner`` is
         kept referenced for that)."""
         self._check_open()
@@ -265,7 +270,9 @@ class Engine:
             if isinstance(desc, (bytes, bytearray, memoryview)):
                 desc = MrDesc.from_bytes(desc)
             else:
-                raise errors.InvalidArgument(f"remote descriptor must be an MrDesc, got {type(desc).__name__}")
+                raise errors.InvalidArgument(
+                    f"remote descriptor must be an MrDesc, got {type(desc).__name__}"
+                )
         blob = bytes(desc)
         rid = self._remotes.get(blob)
         if rid is None:
@@ -338,7 +345,9 @@ class Engine:
         if not isinstance(src_pages, Pages) or not isinstance(dst_pages, Pages):
             raise errors.InvalidArgument("src_pages and dst_pages must be afabric.Pages")
         if len(src_pages) != len(dst_pages):
-            raise errors.InvalidArgument(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+            raise errors.InvalidArgument(
+                f"{len(src_pages)} source pages but {len(dst_pages)} destination pages"
+            )
         mr_id = mr.check(self)
         rid, peer = self._remote(remote_desc)
         op = self._n.write_paged(
@@ -390,7 +399,9 @@ class Engine:
                 await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             self._withdraw(op_id)
-            raise errors.OperationTimeout(f"expect_imm({value}, {n}): not complete after {timeout} s") from None
+            raise errors.OperationTimeout(
+                f"expect_imm({value}, {n}): not complete after {timeout} s"
+            ) from None
         except asyncio.CancelledError:
             self._withdraw(op_id)
             raise

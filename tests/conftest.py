@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -83,10 +85,8 @@ def _no_shm_leaks() -> Iterator[None]:
     yield
     leaked = {n for n in _shm_files() - before if _ours_or_orphaned(n)}
     for name in leaked:  # remove them so one failure does not cascade
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(f"/dev/shm/{name}")
-        except OSError:
-            pass
     assert not leaked, f"/dev/shm files left behind: {sorted(leaked)}"
 
 
@@ -96,10 +96,8 @@ def shm_cleanup() -> Iterator[None]:
     before = _shm_files()
     yield
     for name in _shm_files() - before:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(f"/dev/shm/{name}")
-        except OSError:
-            pass
 
 
 @pytest.fixture

@@ -9,8 +9,9 @@ import multiprocessing as mp
 import os
 import signal
 import traceback
+from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 _CTX = mp.get_context("spawn")
 
@@ -40,7 +41,9 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def _child(fn: Callable[..., Awaitable[Any]], conn: Connection, loop_kind: str, args: tuple[Any, ...]) -> None:
+def _child(
+    fn: Callable[..., Awaitable[Any]], conn: Connection, loop_kind: str, args: tuple[Any, ...]
+) -> None:
     ctl = Ctl(conn)
     loop = _new_loop(loop_kind)
     try:

