@@ -325,21 +325,26 @@ int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
 
 /* ---- raw benchmark loops ---- */
 
-/* Worker side: count a finished benchmark operation and wake the loop if it sleeps. */
+/* Worker side: count a finished benchmark operation and wake the loop once enough are
+ * done for it to refill (a batch, as Python drains completions in batches). */
 void afs_bench_count(afs_bench_counter *c)
 {
-    atomic_fetch_add(&c->done, 1);
-    if (atomic_load(&c->waiting))
+    uint32_t done = atomic_fetch_add(&c->done, 1) + 1;
+    uint32_t want = atomic_load(&c->waiting);
+    if (want && (int32_t)(done - want) >= 0) {
+        atomic_store(&c->waiting, 0);
         syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    }
 }
 
-/* Caller side: sleep until `done` moves past `seen` (or 1 ms passes). */
-static void bench_wait(afs_bench_counter *c, uint32_t seen)
+/* Caller side: sleep until `done` reaches `want` (or 1 ms passes). */
+static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want)
 {
     struct timespec ts = {0, 1000000};
-    atomic_store(&c->waiting, 1);
-    if (atomic_load(&c->done) == seen)
-        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+    atomic_store(&c->waiting, want ? want : 1);
+    uint32_t now = atomic_load(&c->done);
+    if ((int32_t)(now - want) < 0)
+        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, now == seen ? seen : now, &ts, NULL, 0);
     atomic_store(&c->waiting, 0);
 }
 
@@ -369,10 +374,9 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
                 rc = afs_fail(AFS_ENOMEM, "bench: out of memory");
                 break;
             }
-            uint64_t id = x->id, deadline = x->deadline_ns;
+            uint64_t id = x->id;
             memcpy(x, proto, sizeof(*x));
             x->id = id;
-            x->deadline_ns = deadline;
             x->bench = &c;
             if (paged) {
                 size_t bytes = (size_t)proto->count * sizeof(int64_t);
@@ -398,7 +402,12 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
             break;
         if (atomic_load(&eng->closed))
             return afs_fail(AFS_ECLOSED, "engine closed during benchmark");
-        bench_wait(&c, done);
+        /* refill once a quarter of the window (or everything left) has completed */
+        uint64_t batch = window / 4 ? window / 4 : 1;
+        uint64_t want = done + batch;
+        if (want > submitted)
+            want = submitted;
+        bench_wait(&c, done, (uint32_t)want);
     }
     *elapsed_ns = afs_now_ns() - t0;
     if (rc)

@@ -38,8 +38,6 @@ afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
         return NULL;
     x->kind = kind;
     x->id = atomic_fetch_add_explicit(&eng->next_id, 1, memory_order_relaxed);
-    if (eng->cfg.op_timeout_ns)
-        x->deadline_ns = afs_now_ns() + eng->cfg.op_timeout_ns;
     return x;
 }
 
@@ -513,7 +511,10 @@ static void release_rx(afs_engine *eng, afs_xfer *x)
     afs_xfer_free(x);
 }
 
-static bool take_requests(afs_engine *eng)
+/* Deadlines are stamped when the worker takes a request (one clock read per loop, not
+ * one per operation on the caller's thread); the few microseconds a request waits in the
+ * queue are well inside any sensible timeout. */
+static bool take_requests(afs_engine *eng, uint64_t now)
 {
     bool did = false;
     afs_qnode *qn;
@@ -526,6 +527,8 @@ static bool take_requests(afs_engine *eng)
             break;
         case AFS_REQ_WRITE:
         case AFS_REQ_PAGED:
+            if (eng->cfg.op_timeout_ns)
+                x->deadline_ns = now + eng->cfg.op_timeout_ns;
             x->total_wr = n_data_wrs(x);
             x->imm_pending = x->kind == AFS_REQ_WRITE && x->has_imm && x->total_wr > 1;
             list_append(&eng->active, x);
@@ -535,6 +538,8 @@ static bool take_requests(afs_engine *eng)
                 postq_push(eng, x);
             break;
         case AFS_REQ_SEND:
+            if (eng->cfg.op_timeout_ns)
+                x->deadline_ns = now + eng->cfg.op_timeout_ns;
             x->total_wr = 1;
             list_append(&eng->active, x);
             postq_push(eng, x);
@@ -754,13 +759,14 @@ void *afs_worker_main(void *arg)
     uint64_t idle_since = afs_now_ns();
     uint64_t sleep_ns = SLEEP_MIN_NS;
     const uint64_t spin_ns = (uint64_t)eng->cfg.spin_us * 1000ull;
+    uint64_t now = idle_since;
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
-        bool did = take_requests(eng);
+        bool did = take_requests(eng, now);
         if (eng->postq_head)
             did |= progress_posts(eng);
         for (uint32_t k = 0; k < eng->nnics; k++)
             did |= poll_nic(eng, k);
-        uint64_t now = afs_now_ns();
+        now = afs_now_ns();
         if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
             eng->last_deadline_check = now;
             if (eng->cfg.op_timeout_ns)
