@@ -8,9 +8,12 @@ from . import errors
 from .address import Address
 from .descriptor import MrDesc
 from .engine import Engine
+from .groups import PeerGroup, ScatterTarget
 from .memory import MemoryRegion
 from .pages import Pages
 from .provider import ProviderSpec
+from .triggers import Trigger, imm_count
+from .watcher import UvmWatcher
 
 __version__ = "0.1.0"
 
@@ -20,7 +23,12 @@ __all__ = [
     "MemoryRegion",
     "MrDesc",
     "Pages",
+    "PeerGroup",
     "ProviderSpec",
+    "ScatterTarget",
+    "Trigger",
+    "UvmWatcher",
     "__version__",
     "errors",
+    "imm_count",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -61,6 +62,8 @@ class Config(ctypes.Structure):
     rx_depth: int
     tx_depth: int
     op_timeout_ns: int
+    nics: int
+    reserved: int
     _fields_ = [
         ("size", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
@@ -76,6 +79,8 @@ class Config(ctypes.Structure):
         ("rx_depth", ctypes.c_uint32),
         ("tx_depth", ctypes.c_uint32),
         ("op_timeout_ns", ctypes.c_uint64),
+        ("nics", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
 
@@ -154,11 +159,13 @@ class NicInfoStruct(ctypes.Structure):
 
 
 # Completion kinds, config flags and capability bits (afabric_shim.h / afabric_provider.h).
-C_DONE, C_RELEASE, C_RECV = 1, 2, 3
+C_DONE, C_RELEASE, C_RECV, C_WATCH = 1, 2, 3, 4
+TRIG_NONE, TRIG_WATCHER, TRIG_IMM = 0, 1, 2
 CFG_FORCE_EFA_MODES = 0x1
 POLL_ADAPTIVE, POLL_SPIN = 0, 1
 MR_REMOTE, MR_DEVICE = 0x1, 0x2
 NO_IMM = -1
+NO_TRIGGER = (0, 0, 0)
 CAP_IMM_NEEDS_RECV = 0x1
 CAP_DEVICE_MEM = 0x2
 CAP_MR_LOCAL = 0x4
@@ -189,8 +196,15 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_mr_register": (
         ctypes.c_int32,
         [
-            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32,
-            _u64p, _u8p, ctypes.c_uint32, _u32p,
+            _E,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_int32,
+            _u64p,
+            _u8p,
+            ctypes.c_uint32,
+            _u32p,
         ],
     ),
     "afs_mr_deregister": (ctypes.c_int32, [_E, ctypes.c_uint64]),
@@ -202,18 +216,60 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_write": (
         ctypes.c_int32,
         [
-            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
-            ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, _u64p,
+            _E,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            _u64p,
         ],
     ),
     "afs_write_paged": (
         ctypes.c_int32,
         [
-            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
-            ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
-            ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, _u64p,
+            _E,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            _u64p,
         ],
     ),
+    "afs_scatter": (
+        ctypes.c_int32,
+        [
+            _E,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            _u64p,
+        ],
+    ),
+    "afs_watcher_create": (ctypes.c_int32, [_E, ctypes.c_int32, _u64p, _u64p, _u64p]),
+    "afs_watcher_destroy": (ctypes.c_int32, [_E, ctypes.c_uint64]),
+    "afs_watcher_add": (ctypes.c_int32, [_E, ctypes.c_uint64, ctypes.c_uint64, _u64p]),
     "afs_send": (ctypes.c_int32, [_E, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64, _u64p]),
     "afs_expect_imm": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.c_uint64, _u64p]),
     "afs_cancel": (ctypes.c_int32, [_E, ctypes.c_uint64]),
@@ -226,8 +282,16 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_bench_paged": (
         ctypes.c_int32,
         [
-            _E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, _u64p,
+            _E,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            _u64p,
         ],
     ),
 }
@@ -327,7 +391,8 @@ def shim() -> Shim:
             _shim = Shim(lib, path)
             return _shim
         raise errors.ShimLoadError(
-            "cannot load the afabric shim; looked in:\n  " + "\n  ".join(tried or ["(nowhere)"])
+            "cannot load the afabric shim; looked in:\n  "
+            + "\n  ".join(tried or ["(nowhere)"])
             + "\nreinstall afabric (`pip install .` compiles it) or set AFABRIC_SHIM"
         )
 
@@ -341,7 +406,7 @@ def make_config(
     library: str,
     provider_name: str,
     fabric_provider: str,
-    nic: str | None = None,
+    nics: str | Sequence[str] | int | None = None,
     bind_addr: str | None = None,
     cpu: int = -1,
     spin: bool = False,
@@ -358,7 +423,13 @@ def make_config(
     cfg.provider_lib = _cstr(library)
     cfg.provider_name = _cstr(provider_name)
     cfg.fabric_provider = _cstr(fabric_provider)
-    cfg.nic = _cstr(nic)
+    if isinstance(nics, int):
+        cfg.nics = nics
+    elif nics is not None:
+        names = [nics] if isinstance(nics, str) else list(nics)
+        if not names or any(not n or "," in n for n in names):
+            raise errors.InvalidArgument(f"bad NIC names {names!r}")
+        cfg.nic = _cstr(",".join(names))
     cfg.bind_addr = _cstr(bind_addr)
     cfg.cpu = cpu
     cfg.poll_mode = POLL_SPIN if spin else POLL_ADAPTIVE
@@ -428,8 +499,9 @@ def buffer_address(obj: Buffer) -> tuple[int, int]:
     return int(addr), int(nbytes)
 
 
-def string_at(address: int, length: int) -> bytes:
-    return ctypes.string_at(address, length)
+def read_u64(address: int) -> int:
+    """The 64-bit word at `address` (a watcher's word; aligned, so the load is atomic)."""
+    return int(ctypes.c_uint64.from_address(address).value)
 
 
 @dataclass(frozen=True)
@@ -442,6 +514,8 @@ class Event:
     payload: bytes | None  # RECV: the message
     text: str | None  # DONE with an error: the provider's/shim's error text
     release_later: bool  # DONE of a failed op whose buffers the provider still holds
+    a: int = 0  # WATCH: the old value; DONE: when its first work request was posted (ns)
+    b: int = 0  # WATCH: the new value
 
 
 class NativeEngine:
@@ -519,8 +593,19 @@ class NativeEngine:
         self._s.check(rc, "resolving peer", self.provider)
         return self._out.value
 
-    def write(self, what: str, mr_id: int, remote_id: int, length: int, src: int, dst: int, imm: int) -> int:
-        rc = self._write(self._handle(), mr_id, remote_id, length, src, dst, imm, self._out_ref)
+    def write(
+        self,
+        what: str,
+        mr_id: int,
+        remote_id: int,
+        length: int,
+        src: int,
+        dst: int,
+        imm: int,
+        trig: tuple[int, int, int] = NO_TRIGGER,
+    ) -> int:
+        kind, a, b = trig
+        rc = self._write(self._handle(), mr_id, remote_id, length, src, dst, imm, kind, a, b, self._out_ref)
         if rc:
             self._s.check(rc, what, self.provider)
         return self._out.value
@@ -538,15 +623,60 @@ class NativeEngine:
         dst_stride: int,
         dst_offset: int,
         imm: int,
+        trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
         count = int(src_idx.shape[0])
+        kind, a, b = trig
         rc = self._paged(
             self._handle(), mr_id, remote_id, page_len, count,
             src_idx.ctypes.data, src_stride, src_offset,
-            dst_idx.ctypes.data, dst_stride, dst_offset, imm, self._out_ref,
+            dst_idx.ctypes.data, dst_stride, dst_offset, imm, kind, a, b, self._out_ref,
         )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
+        return self._out.value
+
+    def scatter(
+        self,
+        what: str,
+        mr_id: int,
+        remote_ids: npt.NDArray[np.uint64],
+        lengths: npt.NDArray[np.uint64] | None,
+        src_offsets: npt.NDArray[np.uint64] | None,
+        dst_offsets: npt.NDArray[np.uint64] | None,
+        imm: int,
+        trig: tuple[int, int, int] = NO_TRIGGER,
+    ) -> int:
+        """One write per target (lengths None: zero-length writes, a barrier)."""
+        kind, a, b = trig
+        rc = self._s.f.afs_scatter(
+            self._handle(), mr_id, int(remote_ids.shape[0]), remote_ids.ctypes.data,
+            None if lengths is None else lengths.ctypes.data,
+            None if src_offsets is None else src_offsets.ctypes.data,
+            None if dst_offsets is None else dst_offsets.ctypes.data,
+            imm, kind, a, b, self._out_ref,
+        )  # fmt: skip
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return self._out.value
+
+    def watcher_create(self, device: int) -> tuple[int, int, int]:
+        """(watcher id, host address of the word, device address or 0)."""
+        wid, host, dev = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        rc = self._s.f.afs_watcher_create(
+            self._handle(), device, ctypes.byref(wid), ctypes.byref(host), ctypes.byref(dev)
+        )
+        self._s.check(rc, "creating watcher", self.provider)
+        return wid.value, host.value, dev.value
+
+    def watcher_destroy(self, watcher_id: int) -> None:
+        self._s.check(
+            self._s.f.afs_watcher_destroy(self._handle(), watcher_id), "closing watcher", self.provider
+        )
+
+    def watcher_add(self, watcher_id: int, delta: int) -> int:
+        rc = self._s.f.afs_watcher_add(self._handle(), watcher_id, delta, self._out_ref)
+        self._s.check(rc, "bumping watcher", self.provider)
         return self._out.value
 
     def send(self, what: str, peer_id: int, data: bytes) -> int:
@@ -585,7 +715,9 @@ class NativeEngine:
                     if c.data:
                         text = ctypes.string_at(c.data).decode(errors="replace")
                         self._s.f.afs_text_free(c.data)
-                    out.append(Event(kind, c.id, c.status, None, text, bool(c.slot)))
+                    out.append(Event(kind, c.id, c.status, None, text, bool(c.slot), c.len))
+                elif kind == C_WATCH:
+                    out.append(Event(kind, c.id, 0, None, None, False, c.data, c.len))
                 else:
                     out.append(Event(kind, c.id, c.status, None, None, False))
             if n < self.DRAIN_BATCH:

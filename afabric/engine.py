@@ -15,6 +15,7 @@ import logging
 import traceback
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,11 @@ import numpy as np
 from . import _native, errors, registry
 from .address import Address
 from .descriptor import MrDesc
+from .groups import PeerGroup, ScatterTarget
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
+from .triggers import Trigger
+from .watcher import UvmWatcher
 
 IMM_MAX = 0xFFFFFFFF
 U64_MAX = (1 << 64) - 1
@@ -92,6 +96,7 @@ class Engine:
         provider: str = "auto",
         *,
         nic: str | None = None,
+        nics: Sequence[str] | int | None = None,
         bind: str | None = None,
         cpu: int | None = None,
         polling: str = "adaptive",
@@ -123,7 +128,7 @@ class Engine:
             library=spec.library,
             provider_name=spec.name,
             fabric_provider=spec.fabric_provider,
-            nic=nic,
+            nics=self._nic_choice(nic, nics),
             bind_addr=bind if bind is not None else spec.bind_addr,
             cpu=-1 if cpu is None else cpu,
             spin=polling == "spin",
@@ -142,6 +147,8 @@ class Engine:
         self.max_message_size: int = int(facts.max_msg_size)
         self.max_write_size: int = int(facts.max_write_size)
         self.caps: int = int(facts.caps)
+        self.nics: int = int(facts.nics)
+        """NICs in this engine's group (contiguous writes are split across them)."""
         self.address: Address = Address(self._n.address())
         self.op_timeout = op_timeout
         self.name = name or f"{spec.name}-{self.address.short()}"
@@ -153,10 +160,28 @@ class Engine:
         self._remotes: dict[bytes, int] = {}
         self._peers: dict[bytes, int] = {}
         self._next_imm = 0
+        self._watchers: dict[int, UvmWatcher] = {}
+        self._first_posts: collections.deque[tuple[int, int]] | None = None  # benchmarks
         self._created_at = traceback.format_stack() if self._loop.get_debug() else None
         self._loop.add_reader(self._fd, _on_ready, weakref.ref(self))
         self._closed = False
         self.log.info("engine open: provider %s (%s); %s", self.provider, self.fabric_provider, why)
+
+    @staticmethod
+    def _nic_choice(nic: str | None, nics: Sequence[str] | int | None) -> str | Sequence[str] | int | None:
+        """``nic``: one NIC by name; ``nics``: the NIC names of the group (every peer must
+        use as many), or how many of the first usable ones."""
+        if nic is not None and nics is not None:
+            raise errors.InvalidArgument("give nic= or nics=, not both")
+        if isinstance(nics, bool):
+            raise errors.InvalidArgument("nics must be NIC names or a count")
+        if isinstance(nics, int) and not 1 <= nics <= 8:
+            raise errors.InvalidArgument(f"nics={nics}: a group has 1..8 NICs")
+        if nic is not None:
+            return nic
+        if nics is None or isinstance(nics, (int, str)):
+            return nics
+        return list(nics)
 
     # ---- lifetime ----
 
@@ -199,6 +224,9 @@ class Engine:
             self._fail_all(errors.EngineClosed("engine closed while the operation was in flight"))
 
     def _fail_all(self, exc: errors.AfabricError) -> None:
+        watchers, self._watchers = self._watchers, {}
+        for watcher in watchers.values():
+            watcher._engine_closed()
         ops, self._ops = self._ops, {}
         self._held.clear()
         for op in ops.values():
@@ -298,12 +326,24 @@ class Engine:
 
     # ---- operations ----
 
-    async def _wait(self, op_id: int, verb: str, peer: int, refs: tuple[Any, ...], kind: str) -> None:
+    async def _wait(
+        self, op_id: int, verb: str, peer: int, refs: tuple[Any, ...], kind: str, when: Trigger | None = None
+    ) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op_id] = _Op(fut, verb, peer, refs, kind)
         # If the awaiting task is cancelled the op stays in _ops, keeping `refs` (the
         # buffers) alive until the native completion: the NIC may still be reading them.
-        await fut
+        # A triggered op that has not fired yet is disarmed instead (the shim answers the
+        # cancel with ECANCELED if it was still armed; a fired one runs to completion).
+        if when is None:
+            await fut
+            return
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if not self._closed and op_id in self._ops:
+                self._n.cancel(op_id)
+            raise
 
     async def write(
         self,
@@ -313,9 +353,11 @@ class Engine:
         src_offset: int = 0,
         dst_offset: int = 0,
         imm: int | None = None,
+        when: Trigger | None = None,
     ) -> None:
         """One-sided write of ``length`` bytes; with ``imm`` the target counts one arrival
-        after the data is in place. Zero length with an immediate is immediate-only."""
+        after the data is in place. Zero length with an immediate is immediate-only. With
+        ``when`` the shim posts it itself once the trigger holds (see afabric.triggers)."""
         self._check_open()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
@@ -323,9 +365,9 @@ class Engine:
         rid, peer = self._remote(remote_desc)
         op = self._n.write(
             "write", mr_id, rid, _u64(length, "length"), _u64(src_offset, "src_offset"),
-            _u64(dst_offset, "dst_offset"), _imm(imm),
+            _u64(dst_offset, "dst_offset"), _imm(imm), self._trigger(when),
         )  # fmt: skip
-        await self._wait(op, "write", peer, (mr,), "write")
+        await self._wait(op, "write", peer, (mr,), "write", when)
 
     async def write_paged(
         self,
@@ -336,9 +378,11 @@ class Engine:
         src_pages: Pages,
         dst_pages: Pages,
         imm: int | None = None,
+        when: Trigger | None = None,
     ) -> None:
         """Write page ``src_pages[i]`` to ``dst_pages[i]`` for every i, in one call into the
-        shim. With ``imm`` the target counts one arrival per page."""
+        shim, spread over the group's NICs. With ``imm`` the target counts one arrival per
+        page; with ``when`` the shim posts it once the trigger holds."""
         self._check_open()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
@@ -353,9 +397,97 @@ class Engine:
         op = self._n.write_paged(
             "paged write", mr_id, rid, _u64(page_len, "page_len"),
             src_pages.indices, src_pages.stride, src_pages.offset,
-            dst_pages.indices, dst_pages.stride, dst_pages.offset, _imm(imm),
+            dst_pages.indices, dst_pages.stride, dst_pages.offset, _imm(imm), self._trigger(when),
         )  # fmt: skip
-        await self._wait(op, "paged write", peer, (mr,), "write")
+        await self._wait(op, "paged write", peer, (mr,), "write", when)
+
+    async def scatter(
+        self,
+        mr: MemoryRegion,
+        targets: Sequence[ScatterTarget],
+        *,
+        group: PeerGroup | None = None,
+        imm: int | None = None,
+        when: Trigger | None = None,
+    ) -> None:
+        """One write per target, all in one call into the shim (targets spread over the
+        group's NICs). With ``imm`` each target counts one arrival."""
+        self._check_open()
+        if not isinstance(mr, MemoryRegion):
+            raise errors.InvalidArgument(f"scatter source must be a MemoryRegion, got {type(mr).__name__}")
+        targets = list(targets)
+        if not all(isinstance(t, ScatterTarget) for t in targets):
+            raise errors.InvalidArgument("scatter targets must be afabric.ScatterTarget")
+        descs = [t.desc for t in targets]
+        if group is not None:
+            group.check(descs)
+        mr_id = mr.check(self)
+        n = len(targets)
+        ids = np.empty(n, dtype=np.uint64)
+        lengths = np.empty(n, dtype=np.uint64)
+        src = np.empty(n, dtype=np.uint64)
+        dst = np.empty(n, dtype=np.uint64)
+        for i, t in enumerate(targets):
+            ids[i] = self._remote(t.desc)[0]
+            lengths[i] = _u64(t.length, f"target {i} length")
+            src[i] = _u64(t.src_offset, f"target {i} src_offset")
+            dst[i] = _u64(t.dst_offset, f"target {i} dst_offset")
+        op = self._n.scatter("scatter", mr_id, ids, lengths, src, dst, _imm(imm), self._trigger(when))
+        await self._wait(op, f"scatter to {n} targets", 0, (mr,), "write", when)
+
+    async def barrier(
+        self,
+        descs: Sequence[MrDesc],
+        imm: int,
+        *,
+        group: PeerGroup | None = None,
+        when: Trigger | None = None,
+    ) -> None:
+        """An immediate-only write to each region in ``descs``: every target counts one
+        arrival of ``imm`` (pair it with ``expect_imm(imm, n_peers)`` on each side)."""
+        self._check_open()
+        value = _imm(imm)
+        if value == _native.NO_IMM:
+            raise errors.ImmediateOutOfRange("barrier needs an immediate value")
+        descs = [d if isinstance(d, MrDesc) else MrDesc.from_bytes(d) for d in descs]
+        if group is not None:
+            group.check(descs)
+        ids = np.array([self._remote(d)[0] for d in descs], dtype=np.uint64)
+        op = self._n.scatter("barrier", 0, ids, None, None, None, value, self._trigger(when))
+        await self._wait(op, f"barrier over {len(descs)} peers", 0, (), "write", when)
+
+    def peer_group(self, addresses: Sequence[Address | bytes]) -> PeerGroup:
+        """Resolve a set of peers once; pass it as ``group=`` to scatter and barrier."""
+        self._check_open()
+        addrs = [a if isinstance(a, Address) else Address.from_bytes(a) for a in addresses]
+        ids = [self._peer(a)[0] for a in addrs]
+        return PeerGroup(self, addrs, ids)
+
+    def uvm_watcher(self, device: int | None = None) -> UvmWatcher:
+        """A watched 64-bit word; ``device``: a CUDA device whose kernels will bump it
+        (the word is then pinned host memory mapped into that device)."""
+        self._check_open()
+        dev = -1 if device is None else int(device)
+        try:
+            wid, host, devptr = self._n.watcher_create(dev)
+        except errors.Unsupported as e:
+            raise errors.Unsupported(f"a CUDA watcher needs a CUDA driver: {e}") from e
+        w = UvmWatcher(self, wid, host, devptr, dev)
+        self._watchers[wid] = w
+        return w
+
+    def _forget_watcher(self, w: UvmWatcher) -> None:
+        self._watchers.pop(w.id, None)
+        self._n.watcher_destroy(w.id)
+
+    def _trigger(self, when: Trigger | None) -> tuple[int, int, int]:
+        if when is None:
+            return _native.NO_TRIGGER
+        if not isinstance(when, Trigger):
+            raise errors.InvalidArgument(
+                f"when= takes a trigger (watcher.reaches(v), imm_count(i, n)), got {when!r}"
+            )
+        return when.native()
 
     async def send(self, peer: Address, data: bytes | bytearray | memoryview) -> None:
         """Two-sided send of at most :attr:`max_message_size` bytes (else MessageTooLarge)."""
@@ -418,21 +550,30 @@ class Engine:
             return
         for ev in self._n.drain():
             if ev.kind == _native.C_DONE:
-                op = self._ops.pop(ev.id, None)
-                if op is None:
-                    continue
-                if ev.release_later:
-                    self._held[ev.id] = op.refs
-                if op.future.done():
-                    continue
-                if ev.status == 0:
-                    op.future.set_result(None)
-                else:
-                    op.future.set_exception(self._n.error(ev.status, op.label(), ev.text))
+                self._done(ev)
+            elif ev.kind == _native.C_WATCH:
+                w = self._watchers.get(ev.id)
+                if w is not None:
+                    w._observed(ev.a, ev.b)
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"")
+
+    def _done(self, ev: _native.Event) -> None:
+        op = self._ops.pop(ev.id, None)
+        if op is None:
+            return
+        if ev.release_later:
+            self._held[ev.id] = op.refs
+        if self._first_posts is not None and ev.a:
+            self._first_posts.append((ev.id, ev.a))
+        if op.future.done():
+            return
+        if ev.status == 0:
+            op.future.set_result(None)
+        else:
+            op.future.set_exception(self._n.error(ev.status, op.label(), ev.text))
 
     def _deliver(self, payload: bytes) -> None:
         while self._recv_waiters:

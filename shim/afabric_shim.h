@@ -56,7 +56,8 @@ typedef struct afs_config {
     const char *provider_lib;   /* path of the provider's native library */
     const char *provider_name;  /* the afabric provider name ("tcp"), for messages */
     const char *fabric_provider;/* the name the provider library is given ("tcp") */
-    const char *nic;            /* NIC name, or NULL for the first usable */
+    const char *nic;            /* comma-separated NIC names (one domain each; a name may repeat
+                                   to open several endpoints on one device), or NULL */
     const char *bind_addr;      /* interface address to bind, or NULL */
     int32_t cpu;                /* core to pin the worker to, or -1 */
     uint32_t poll_mode;         /* AFS_POLL_ADAPTIVE or AFS_POLL_SPIN */
@@ -65,6 +66,8 @@ typedef struct afs_config {
     uint32_t rx_depth;          /* receives kept posted */
     uint32_t tx_depth;          /* writes/sends in flight per domain */
     uint64_t op_timeout_ns;     /* a write or send not completed by then fails (0: never) */
+    uint32_t nics;              /* without names: how many NICs (the first usable ones); 0 = 1 */
+    uint32_t reserved;
 } afs_config;
 
 #define AFS_CFG_FORCE_EFA_MODES 0x1u
@@ -95,15 +98,21 @@ typedef struct afs_desc_info {
 enum afs_completion_kind {
     AFS_C_DONE = 1,    /* id completed with status; text = error text (free with afs_text_free) */
     AFS_C_RELEASE = 2, /* id's buffers are no longer touched (after a failed DONE) */
-    AFS_C_RECV = 3     /* message: data/len valid until released with afs_recv_release(slot) */
+    AFS_C_RECV = 3,    /* message: data/len valid until released with afs_recv_release(slot) */
+    AFS_C_WATCH = 4    /* watcher `id` changed from `data` to `len` */
 };
+
+/* Triggers of triggered operations (`trig_kind` arguments). */
+#define AFS_TRIG_NONE 0u
+#define AFS_TRIG_WATCHER 1u /* when watcher `trig_a` holds a value >= `trig_b` */
+#define AFS_TRIG_IMM 2u     /* when `trig_b` arrivals of immediate `trig_a` were counted (consumed) */
 
 typedef struct afs_completion {
     uint64_t id;
     int32_t status;
     uint32_t kind;
     uint64_t data; /* RECV: address of the message; DONE with error: char* text or 0 */
-    uint64_t len;
+    uint64_t len;  /* RECV: length; DONE: when its first work request was posted (ns, 0 = none) */
     uint32_t slot;
     uint32_t reserved;
 } afs_completion;
@@ -139,14 +148,34 @@ AFS_API int32_t afs_remote_release(afs_engine *eng, uint64_t remote_id);
 AFS_API int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len,
                                  uint64_t *peer_id);
 
+/* Writes take a trigger (AFS_TRIG_NONE: post now). A triggered write is held by the shim
+ * and posted by its worker the moment the condition holds, with no Python in between. */
 AFS_API int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
                           uint64_t src_offset, uint64_t dst_offset, int64_t imm,
+                          uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
                           uint64_t *xfer_id);
 AFS_API int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
                                 uint64_t page_len, uint64_t count, const int64_t *src_idx,
                                 uint64_t src_stride, uint64_t src_offset, const int64_t *dst_idx,
                                 uint64_t dst_stride, uint64_t dst_offset, int64_t imm,
+                                uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
                                 uint64_t *xfer_id);
+/* One write per target: remote_ids[i], lengths[i], src_offsets[i], dst_offsets[i]. With a
+ * NULL mr (0) and NULL lengths/offsets every write is zero-length: a barrier. */
+AFS_API int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count,
+                            const uint64_t *remote_ids, const uint64_t *lengths,
+                            const uint64_t *src_offsets, const uint64_t *dst_offsets,
+                            int64_t imm, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+                            uint64_t *xfer_id);
+
+/* Watchers: a 64-bit word in host memory (mapped into CUDA device `device`'s address space
+ * when device >= 0) that anyone may bump; the shim reports each change it observes as an
+ * AFS_C_WATCH record and fires operations triggered on it. */
+AFS_API int32_t afs_watcher_create(afs_engine *eng, int32_t device, uint64_t *watcher_id,
+                                   uint64_t *host_ptr, uint64_t *device_ptr);
+AFS_API int32_t afs_watcher_destroy(afs_engine *eng, uint64_t watcher_id);
+AFS_API int32_t afs_watcher_add(afs_engine *eng, uint64_t watcher_id, uint64_t delta,
+                                uint64_t *value);
 AFS_API int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len,
                          uint64_t *xfer_id);
 AFS_API int32_t afs_expect_imm(afs_engine *eng, uint32_t imm, uint64_t count, uint64_t *xfer_id);

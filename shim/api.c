@@ -195,8 +195,45 @@ static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint
     return 0;
 }
 
+static int set_trigger(afs_engine *eng, afs_xfer *x, uint32_t kind, uint64_t a, uint64_t b)
+{
+    switch (kind) {
+    case AFS_TRIG_NONE:
+        return 0;
+    case AFS_TRIG_WATCHER:
+        if (!afs_slots_lookup(&eng->watchers, a))
+            return afs_fail(AFS_ESTALE, "trigger: watcher is not live on this engine");
+        break;
+    case AFS_TRIG_IMM:
+        if (a > UINT32_MAX)
+            return afs_fail(AFS_EINVAL, "trigger: immediate %llu outside 0..4294967295",
+                            (unsigned long long)a);
+        break;
+    default:
+        return afs_fail(AFS_EINVAL, "unknown trigger kind %u", kind);
+    }
+    x->trig_kind = kind;
+    x->trig_watcher = a;
+    x->trig_value = b;
+    return 0;
+}
+
+static int submit_built(afs_engine *eng, afs_xfer *x, uint32_t trig_kind, uint64_t trig_a,
+                        uint64_t trig_b, uint64_t *xfer_id)
+{
+    int rc = set_trigger(eng, x, trig_kind, trig_a, trig_b);
+    if (rc) {
+        afs_xfer_free(x);
+        return rc;
+    }
+    *xfer_id = x->id;
+    afs_submit(eng, x);
+    return 0;
+}
+
 int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                  uint64_t src_offset, uint64_t dst_offset, int64_t imm, uint64_t *xfer_id)
+                  uint64_t src_offset, uint64_t dst_offset, int64_t imm, uint32_t trig_kind,
+                  uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id)
 {
     afs_xfer *x;
     if (!xfer_id)
@@ -204,15 +241,14 @@ int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t 
     int rc = build_write(eng, mr_id, remote_id, length, src_offset, dst_offset, imm, &x);
     if (rc)
         return rc;
-    *xfer_id = x->id;
-    afs_submit(eng, x);
-    return 0;
+    return submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }
 
 int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
                         uint64_t count, const int64_t *src_idx, uint64_t src_stride,
                         uint64_t src_offset, const int64_t *dst_idx, uint64_t dst_stride,
-                        uint64_t dst_offset, int64_t imm, uint64_t *xfer_id)
+                        uint64_t dst_offset, int64_t imm, uint32_t trig_kind, uint64_t trig_a,
+                        uint64_t trig_b, uint64_t *xfer_id)
 {
     afs_xfer *x;
     if (!xfer_id)
@@ -221,9 +257,80 @@ int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
                          src_offset, dst_idx, dst_stride, dst_offset, imm, &x);
     if (rc)
         return rc;
-    *xfer_id = x->id;
-    afs_submit(eng, x);
-    return 0;
+    return submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
+}
+
+int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
+                    const uint64_t *lengths, const uint64_t *src_offsets,
+                    const uint64_t *dst_offsets, int64_t imm, uint32_t trig_kind,
+                    uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    bool barrier = lengths == NULL;
+    if (!xfer_id || (count && !remote_ids) ||
+        (!barrier && (!src_offsets || !dst_offsets)))
+        return afs_fail(AFS_EINVAL, "scatter: NULL argument");
+    if (count > (1u << 24))
+        return afs_fail(AFS_EINVAL, "scatter: too many targets (%llu)", (unsigned long long)count);
+    bool has_imm = false;
+    uint32_t imm_value = 0;
+    if ((rc = check_imm(imm, &has_imm, &imm_value)))
+        return rc;
+    if (barrier && !has_imm)
+        return afs_fail(AFS_EINVAL, "barrier: an immediate is required");
+    mr_copy m = {0};
+    if (!barrier && (rc = load_mr(eng, mr_id, &m)))
+        return rc;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SCATTER);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "scatter: out of memory");
+    x->targets = calloc(count ? count : 1, sizeof(afs_target));
+    if (!x->targets) {
+        afs_xfer_free(x);
+        return afs_fail(AFS_ENOMEM, "scatter: out of memory for %llu targets",
+                        (unsigned long long)count);
+    }
+    for (uint64_t i = 0; i < count; i++) {
+        afs_remote_entry r;
+        afs_target *t = &x->targets[i];
+        if ((rc = load_remote(eng, remote_ids[i], &r))) {
+            afs_xfer_free(x);
+            return rc;
+        }
+        t->nic = (uint32_t)(i % eng->nnics); /* targets spread round-robin over the NICs */
+        t->fi_addr = r.fi_addr[t->nic];
+        t->rbase = r.rbase[t->nic];
+        t->rkey = r.key[t->nic];
+        if (barrier)
+            continue;
+        t->length = lengths[i];
+        t->src_offset = src_offsets[i];
+        t->dst_offset = dst_offsets[i];
+        if (!range_ok(t->src_offset, t->length, m.len) ||
+            !range_ok(t->dst_offset, t->length, r.length)) {
+            afs_xfer_free(x);
+            return afs_fail(AFS_ERANGE,
+                            "scatter target %llu: [%llu, +%llu) -> [%llu, +%llu) outside the "
+                            "local region (%llu bytes) or the remote one (%llu bytes)",
+                            (unsigned long long)i, (unsigned long long)t->src_offset,
+                            (unsigned long long)t->length, (unsigned long long)t->dst_offset,
+                            (unsigned long long)t->length, (unsigned long long)m.len,
+                            (unsigned long long)r.length);
+        }
+        if (t->length > eng->nics[0].caps.max_msg_size) {
+            afs_xfer_free(x);
+            return afs_fail(AFS_ETOOBIG, "scatter target %llu: %llu bytes exceed the provider's "
+                            "largest write", (unsigned long long)i, (unsigned long long)t->length);
+        }
+    }
+    x->local_addr = m.addr;
+    memcpy(x->local_desc, m.desc, sizeof(x->local_desc));
+    x->count = count;
+    x->has_imm = has_imm;
+    x->imm = imm_value;
+    return submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }
 
 int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len,

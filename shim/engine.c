@@ -155,6 +155,81 @@ out_free:
     memset(n, 0, sizeof(*n));
 }
 
+static int open_one_nic(afs_engine *eng, uint32_t index, const char *name)
+{
+    afp_open_args a;
+    open_args(&eng->cfg, &a);
+    a.nic = name;
+    char err[AFP_ERRTEXT_LEN] = "";
+    afs_nic *n = &eng->nics[index];
+    int rc = eng->ops->open(&a, &n->dom, err, sizeof(err));
+    if (rc) {
+        n->dom = NULL;
+        return afs_fail(rc, "opening %s%s%s: %s", eng->provider_name, name ? " NIC " : "",
+                        name ? name : "", err);
+    }
+    eng->nnics = index + 1; /* from here on close_nic releases it */
+    if ((rc = eng->ops->caps(n->dom, &n->caps)))
+        return afs_fail(rc, "provider caps: %s", eng->ops->errbuf(n->dom));
+    if (n->caps.imm_size < 4)
+        return afs_fail(AFS_EUNSUPPORTED, "%s carries %u-byte immediates; 4 are needed",
+                        n->caps.provider, n->caps.imm_size);
+    if (index > 0 && n->caps.flags != eng->nics[0].caps.flags)
+        return afs_fail(AFS_EINVAL, "NIC %s behaves differently from the group's first NIC "
+                                    "(capabilities 0x%x vs 0x%x)",
+                        name ? name : "?", n->caps.flags, eng->nics[0].caps.flags);
+    size_t alen = sizeof(n->addr);
+    if ((rc = eng->ops->address(n->dom, n->addr, &alen)))
+        return afs_fail(rc, "provider address: %s", eng->ops->errbuf(n->dom));
+    n->addr_len = (uint32_t)alen;
+    return setup_pools(eng, index);
+}
+
+/* The NICs of the engine's domain group: the names given, or the first `nics` usable. */
+static int open_nics(afs_engine *eng)
+{
+    char names[AFS_MAX_NICS][AFP_NAME_LEN];
+    uint32_t count = 0;
+    int rc;
+    if (eng->nic_name && eng->nic_name[0]) {
+        const char *p = eng->nic_name;
+        while (*p) {
+            const char *end = strchr(p, ',');
+            size_t len = end ? (size_t)(end - p) : strlen(p);
+            if (len == 0 || len >= AFP_NAME_LEN)
+                return afs_fail(AFS_EINVAL, "bad NIC name in \"%s\"", eng->nic_name);
+            if (count == AFS_MAX_NICS)
+                return afs_fail(AFS_EINVAL, "at most %u NICs per group", AFS_MAX_NICS);
+            memcpy(names[count], p, len);
+            names[count][len] = '\0';
+            count++;
+            p = end ? end + 1 : p + len;
+        }
+    } else if (eng->cfg.nics > 1) {
+        if (eng->cfg.nics > AFS_MAX_NICS)
+            return afs_fail(AFS_EINVAL, "at most %u NICs per group", AFS_MAX_NICS);
+        afp_nic_info found[AFS_MAX_NICS];
+        uint32_t n = 0;
+        char err[AFP_ERRTEXT_LEN] = "";
+        afp_open_args a;
+        open_args(&eng->cfg, &a);
+        rc = eng->ops->list_nics(&a, found, AFS_MAX_NICS, &n, err, sizeof(err));
+        if (rc)
+            return afs_fail(rc, "listing NICs: %s", err);
+        if (n < eng->cfg.nics)
+            return afs_fail(AFS_ENODEV, "%u NICs asked for, %s sees %u", eng->cfg.nics,
+                            eng->provider_name, n);
+        for (count = 0; count < eng->cfg.nics; count++)
+            snprintf(names[count], AFP_NAME_LEN, "%s", found[count].name);
+    }
+    if (count == 0)
+        return open_one_nic(eng, 0, NULL);
+    for (uint32_t i = 0; i < count; i++)
+        if ((rc = open_one_nic(eng, i, names[i])))
+            return rc;
+    return 0;
+}
+
 static int check_config(const afs_config *cfg)
 {
     if (!cfg || cfg->size != sizeof(afs_config))
@@ -185,6 +260,7 @@ static void engine_free(afs_engine *eng)
     afs_slots_destroy(&eng->mrs);
     afs_slots_destroy(&eng->peers);
     afs_slots_destroy(&eng->remotes);
+    afs_slots_destroy(&eng->watchers);
     pthread_mutex_destroy(&eng->peer_lock);
     if (eng->wake_fd >= 0)
         close(eng->wake_fd);
@@ -228,6 +304,7 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     if ((rc = afs_slots_init(&eng->mrs, sizeof(afs_mr_entry))) ||
         (rc = afs_slots_init(&eng->peers, sizeof(afs_peer_entry))) ||
         (rc = afs_slots_init(&eng->remotes, sizeof(afs_remote_entry))) ||
+        (rc = afs_slots_init(&eng->watchers, sizeof(afs_watcher))) ||
         (rc = afs_immtab_init(&eng->imm)) || (rc = afs_ring_init(&eng->ring, 65536)))
         goto out_free;
     afs_mpsc_init(&eng->submitq);
@@ -239,37 +316,9 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     if ((rc = afs_load_provider(&eng->cfg, &eng->lib, &eng->ops)))
         goto out_free;
 
-    /* One domain group with one NIC for now; the arrays are sized for more. */
-    afp_open_args a;
-    open_args(&eng->cfg, &a);
-    char err[AFP_ERRTEXT_LEN] = "";
-    eng->nnics = 1;
-    afs_nic *n = &eng->nics[0];
-    rc = eng->ops->open(&a, &n->dom, err, sizeof(err));
-    if (rc) {
-        n->dom = NULL;
-        rc = afs_fail(rc, "opening %s: %s", eng->provider_name, err);
+    if ((rc = open_nics(eng)))
         goto out_free;
-    }
-    if ((rc = eng->ops->caps(n->dom, &n->caps))) {
-        rc = afs_fail(rc, "provider caps: %s", eng->ops->errbuf(n->dom));
-        goto out_free;
-    }
-    if (n->caps.imm_size < 4) {
-        rc = afs_fail(AFS_EUNSUPPORTED, "%s carries %u-byte immediates; 4 are needed",
-                      n->caps.provider, n->caps.imm_size);
-        goto out_free;
-    }
-    size_t alen = sizeof(n->addr);
-    if ((rc = eng->ops->address(n->dom, n->addr, &alen))) {
-        rc = afs_fail(rc, "provider address: %s", eng->ops->errbuf(n->dom));
-        goto out_free;
-    }
-    n->addr_len = (uint32_t)alen;
-    snprintf(eng->provider_full, sizeof(eng->provider_full), "%s", n->caps.provider);
-    if ((rc = setup_pools(eng, 0)))
-        goto out_free;
-
+    snprintf(eng->provider_full, sizeof(eng->provider_full), "%s", eng->nics[0].caps.provider);
     const uint8_t *addrs[AFS_MAX_NICS];
     uint32_t lens[AFS_MAX_NICS];
     for (uint32_t i = 0; i < eng->nnics; i++) {
@@ -306,6 +355,10 @@ int32_t afs_engine_destroy(afs_engine *eng)
     if (!eng)
         return afs_fail(AFS_EINVAL, "NULL engine");
     atomic_store(&eng->closed, 1);
+    if (eng->watch_started) {
+        atomic_store(&eng->watch_stop, 1);
+        pthread_join(eng->watch_thread, NULL);
+    }
     if (eng->worker_started) {
         atomic_store(&eng->stop, 1);
         uint64_t one = 1;
@@ -313,6 +366,7 @@ int32_t afs_engine_destroy(afs_engine *eng)
         (void)w; /* the worker also wakes on its sleep timeout */
         pthread_join(eng->worker, NULL);
     }
+    afs_watchers_destroy(eng);
     /* deregister what the application left registered before closing the domains */
     for (uint32_t i = 0; i < eng->mrs.n_alloc; i++) {
         afs_mr_entry *m = afs_slots_at(&eng->mrs, i);

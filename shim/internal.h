@@ -198,8 +198,29 @@ enum afs_req_kind {
     AFS_REQ_SEND,
     AFS_REQ_EXPECT,
     AFS_REQ_CANCEL,
-    AFS_REQ_RECV_RELEASE
+    AFS_REQ_RECV_RELEASE,
+    AFS_REQ_SCATTER, /* one write per target (a barrier is a scatter of zero-length writes) */
+    AFS_REQ_WATCH    /* the watcher thread saw a word change: (watcher, old, new) */
 };
+
+/* One target of a scatter or barrier, resolved at submit time. */
+typedef struct afs_target {
+    uint64_t fi_addr, rbase, rkey;
+    uint64_t length, src_offset, dst_offset;
+    uint32_t nic;
+    uint32_t reserved;
+} afs_target;
+
+/* ---- watchers: 64-bit words a GPU kernel (or anyone) bumps; watcher.c ---- */
+typedef struct afs_watcher {
+    afs_slot_hdr hdr;
+    _Atomic(uint64_t) *word; /* host address (mapped into the GPU's space when CUDA) */
+    uint64_t device_ptr;     /* the same word as the GPU sees it, or 0 */
+    int32_t device;          /* CUDA device of the mapping, or -1 */
+    uint32_t alloc;          /* how it was allocated (host or CUDA mapped) */
+    uint64_t last;           /* watcher thread only: the last value reported */
+    uint64_t current;        /* worker only: the value triggers compare against */
+} afs_watcher;
 
 enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE, AFS_CTRL_FORGET };
 
@@ -250,9 +271,22 @@ typedef struct afs_xfer {
     uint8_t *payload;
     uint32_t tx_slot;
 
-    /* expect / cancel */
+    /* scatter / barrier */
+    afs_target *targets;
+    uint32_t nic0; /* first NIC of a round-robin spread (worker-assigned) */
+    uint32_t shards;
+    uint64_t shard_len;
+
+    /* triggered operations: posted by the worker when the condition holds */
+    uint32_t trig_kind; /* AFS_TRIG_* */
+    bool armed;
+    uint64_t trig_watcher, trig_value;
+    uint64_t t_first_post; /* ns, for timing triggered and regular operations */
+
+    /* expect / cancel / watch */
     uint64_t count;
     uint64_t target_id;
+    uint64_t watch_old, watch_new;
 
     /* recv release */
     uint32_t *slots;
@@ -304,6 +338,14 @@ struct afs_engine {
     afs_xfer_list active;  /* posting or waiting for completions, in deadline order */
     afs_xfer_list zombies; /* reported failed, waiting for the provider to let go */
     afs_xfer_list expects; /* expect_imm requests waiting for arrivals */
+    afs_xfer_list armed;   /* triggered operations waiting for their condition */
+    uint32_t rr;           /* round-robin NIC for small writes */
+    afs_slots watchers;
+    pthread_t watch_thread;
+    bool watch_started;
+    _Atomic int watch_stop;
+    _Atomic uint32_t n_watchers;
+    void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;
     uint32_t rx_slots;
@@ -315,6 +357,10 @@ void afs_submit(afs_engine *eng, afs_xfer *x);
 int afs_ctrl_call(afs_engine *eng, afs_xfer *x); /* synchronous control request */
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind);
 void afs_xfer_free(afs_xfer *x);
+
+/* watcher.c */
+void *afs_watch_main(void *arg);
+void afs_watchers_destroy(afs_engine *eng);
 
 /* engine.c */
 int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);

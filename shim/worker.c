@@ -47,6 +47,7 @@ void afs_xfer_free(afs_xfer *x)
         return;
     free(x->src_idx);
     free(x->dst_idx);
+    free(x->targets);
     free(x->payload);
     free(x->slots);
     free(x->errtext);
@@ -140,6 +141,7 @@ static void push_done(afs_engine *eng, afs_xfer *x, bool release_later)
     c.status = x->status;
     c.data = (uint64_t)(uintptr_t)x->errtext;
     c.slot = release_later ? 1u : 0u;
+    c.len = x->t_first_post;
     x->errtext = NULL; /* ownership moves to the record */
     afs_ring_push(&eng->ring, &c);
 }
@@ -222,23 +224,65 @@ static void check_xfer(afs_engine *eng, afs_xfer *x)
 
 /* ---- work-request generation ---- */
 
+/* A contiguous write of at least this many bytes is split across the group's NICs;
+ * smaller ones go whole to one NIC, the NICs taking turns. */
+#define SHARD_MIN (256u << 10)
+#define SHARD_ALIGN 4096u
+
+static uint64_t shard_bytes(const afs_xfer *x, uint32_t shard)
+{
+    uint64_t start = (uint64_t)shard * x->shard_len;
+    if (start >= x->length)
+        return 0;
+    return x->length - start < x->shard_len ? x->length - start : x->shard_len;
+}
+
 static uint64_t n_data_wrs(const afs_xfer *x)
 {
-    if (x->kind == AFS_REQ_PAGED)
+    if (x->kind == AFS_REQ_PAGED || x->kind == AFS_REQ_SCATTER)
         return x->count;
     if (x->length == 0)
         return x->has_imm ? 1 : 0;
-    return (x->length + x->chunk - 1) / x->chunk;
+    uint64_t n = 0;
+    for (uint32_t s = 0; s < x->shards; s++)
+        n += (shard_bytes(x, s) + x->chunk - 1) / x->chunk;
+    return n;
 }
 
-static void gen_wr(const afs_xfer *x, uint64_t k, uint32_t nic, afp_write *w)
+/* How a contiguous write is cut: shards over the NICs, then chunks of at most `chunk`. */
+static void plan_shards(afs_engine *eng, afs_xfer *x)
+{
+    x->shards = 1;
+    x->shard_len = x->length ? x->length : 1;
+    if (eng->nnics > 1 && x->length >= SHARD_MIN) {
+        uint64_t per = (x->length + eng->nnics - 1) / eng->nnics;
+        per = (per + SHARD_ALIGN - 1) / SHARD_ALIGN * SHARD_ALIGN;
+        x->shard_len = per;
+        x->shards = (uint32_t)((x->length + per - 1) / per);
+    }
+}
+
+static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w, uint32_t *nic_out)
 {
     memset(w, 0, sizeof(*w));
-    w->local_desc = x->local_desc[nic];
-    w->peer = x->fi_addr[nic];
-    w->remote_key = x->rkey[nic];
     w->ctx = (uint64_t)(uintptr_t)x;
+    uint32_t nic;
+    if (x->kind == AFS_REQ_SCATTER) {
+        const afs_target *t = &x->targets[k];
+        nic = t->nic;
+        w->local_addr = (void *)(uintptr_t)(x->local_addr + t->src_offset);
+        w->local_desc = x->local_desc[nic];
+        w->length = t->length;
+        w->peer = t->fi_addr;
+        w->remote_addr = t->rbase + t->dst_offset;
+        w->remote_key = t->rkey;
+        w->has_imm = x->has_imm;
+        w->imm = x->imm;
+        *nic_out = nic;
+        return;
+    }
     if (x->kind == AFS_REQ_PAGED) {
+        nic = (uint32_t)((x->nic0 + k) % eng->nnics);
         uint64_t s = x->src_offset + (uint64_t)x->src_idx[k] * x->src_stride;
         uint64_t d = x->dst_offset + (uint64_t)x->dst_idx[k] * x->dst_stride;
         w->local_addr = (void *)(uintptr_t)(x->local_addr + s);
@@ -246,55 +290,75 @@ static void gen_wr(const afs_xfer *x, uint64_t k, uint32_t nic, afp_write *w)
         w->remote_addr = x->rbase[nic] + d;
         w->has_imm = x->has_imm;
         w->imm = x->imm;
-        return;
+    } else {
+        uint64_t ndata = n_data_wrs(x);
+        if (k >= ndata) { /* the deferred immediate: zero bytes, valid remote iov (EFA) */
+            nic = x->nic0 % eng->nnics;
+            w->local_addr = (void *)(uintptr_t)x->local_addr;
+            w->remote_addr = x->rbase[nic] + x->dst_addr;
+            w->has_imm = 1;
+            w->imm = x->imm;
+        } else {
+            uint32_t shard = 0;
+            uint64_t chunks;
+            while ((chunks = (shard_bytes(x, shard) + x->chunk - 1) / x->chunk) <= k &&
+                   shard + 1 < x->shards) {
+                k -= chunks;
+                shard++;
+            }
+            nic = (uint32_t)((x->nic0 + shard) % eng->nnics);
+            uint64_t off = (uint64_t)shard * x->shard_len + k * x->chunk;
+            uint64_t left = shard_bytes(x, shard) - k * x->chunk;
+            w->local_addr = (void *)(uintptr_t)(x->local_addr + off);
+            w->length = left < x->chunk ? left : x->chunk;
+            w->remote_addr = x->rbase[nic] + x->dst_addr + off;
+            if (x->has_imm && ndata == 1) {
+                w->has_imm = 1;
+                w->imm = x->imm;
+            }
+        }
     }
-    uint64_t ndata = n_data_wrs(x);
-    if (k >= ndata) { /* the deferred immediate: zero bytes, valid remote iov (EFA) */
-        w->local_addr = (void *)(uintptr_t)x->local_addr;
-        w->length = 0;
-        w->remote_addr = x->rbase[nic] + x->dst_addr;
-        w->has_imm = 1;
-        w->imm = x->imm;
-        return;
-    }
-    uint64_t off = k * x->chunk;
-    uint64_t len = x->length - off < x->chunk ? x->length - off : x->chunk;
-    w->local_addr = (void *)(uintptr_t)(x->local_addr + off);
-    w->length = len;
-    w->remote_addr = x->rbase[nic] + x->dst_addr + off;
-    if (x->has_imm && ndata == 1) {
-        w->has_imm = 1;
-        w->imm = x->imm;
-    }
+    w->local_desc = x->local_desc[nic];
+    w->peer = x->fi_addr[nic];
+    w->remote_key = x->rkey[nic];
+    *nic_out = nic;
 }
 
-/* Post up to one round of x's work requests. Returns AFS_EAGAIN when the provider's
- * queue is full (stop posting anything this round). */
-static int post_round(afs_engine *eng, afs_xfer *x)
+/* Post up to one round of x's work requests, in runs of consecutive requests for the same
+ * NIC. Returns AFS_EAGAIN when a provider's queue is full (stop posting this round). */
+static int post_round(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     afp_write wr[AFS_POST_ROUND];
+    uint32_t nic_of[AFS_POST_ROUND];
     uint32_t n = 0;
-    uint32_t nic = 0;
     while (n < AFS_POST_ROUND && x->posted_wr + n < x->total_wr) {
-        gen_wr(x, x->posted_wr + n, nic, &wr[n]);
+        gen_wr(eng, x, x->posted_wr + n, &wr[n], &nic_of[n]);
         n++;
     }
-    if (n == 0)
-        return 0;
-    uint32_t posted = 0;
-    int rc = eng->ops->post_writes(eng->nics[nic].dom, wr, n, &posted);
-    x->posted_wr += posted;
-    if (rc == AFS_EAGAIN)
-        return AFS_EAGAIN;
-    if (rc) {
-        set_error(x, rc, "posting write: %s", eng->ops->errbuf(eng->nics[nic].dom));
-        x->total_wr = x->posted_wr; /* nothing more will be posted */
-        x->imm_pending = false;
+    uint32_t at = 0;
+    while (at < n) {
+        uint32_t nic = nic_of[at], run = 1;
+        while (at + run < n && nic_of[at + run] == nic)
+            run++;
+        uint32_t posted = 0;
+        int rc = eng->ops->post_writes(eng->nics[nic].dom, &wr[at], run, &posted);
+        if (posted && x->posted_wr == 0)
+            x->t_first_post = now;
+        x->posted_wr += posted;
+        if (rc == AFS_EAGAIN)
+            return AFS_EAGAIN;
+        if (rc) {
+            set_error(x, rc, "posting write: %s", eng->ops->errbuf(eng->nics[nic].dom));
+            x->total_wr = x->posted_wr; /* nothing more will be posted */
+            x->imm_pending = false;
+            return 0;
+        }
+        at += run;
     }
     return 0;
 }
 
-static int post_send(afs_engine *eng, afs_xfer *x)
+static int post_send(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     afs_nic *n = &eng->nics[0]; /* SEND/RECV uses the first NIC of the group */
     if (n->tx_free_len == 0)
@@ -314,10 +378,11 @@ static int post_send(afs_engine *eng, afs_xfer *x)
     n->tx_free_len--;
     x->tx_slot = slot;
     x->posted_wr = 1;
+    x->t_first_post = now;
     return 0;
 }
 
-static bool progress_posts(afs_engine *eng)
+static bool progress_posts(afs_engine *eng, uint64_t now)
 {
     bool did = false;
     afs_xfer *x = eng->postq_head;
@@ -328,7 +393,7 @@ static bool progress_posts(afs_engine *eng)
         x->pnext = NULL;
         if (!full && x->status == 0 && !x->reported && x->posted_wr < x->total_wr) {
             uint64_t before = x->posted_wr;
-            int rc = x->kind == AFS_REQ_SEND ? post_send(eng, x) : post_round(eng, x);
+            int rc = x->kind == AFS_REQ_SEND ? post_send(eng, x, now) : post_round(eng, x, now);
             did |= x->posted_wr != before;
             if (rc == AFS_EAGAIN)
                 full = true;
@@ -362,7 +427,30 @@ static void complete_expect(afs_engine *eng, afs_xfer *x, int status, const char
     afs_xfer_free(x);
 }
 
-static void imm_arrived(afs_engine *eng, uint32_t imm)
+/* A triggered operation's condition holds: from now on it is an ordinary operation. */
+static void fire(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    list_remove(&eng->armed, x);
+    x->armed = false;
+    if (eng->cfg.op_timeout_ns)
+        x->deadline_ns = now + eng->cfg.op_timeout_ns;
+    list_append(&eng->active, x);
+    if (x->total_wr == 0)
+        finish(eng, x);
+    else
+        postq_push(eng, x);
+}
+
+/* An immediate's waiter (an expectation or an operation triggered on a count) is done. */
+static void satisfy(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    if (x->kind == AFS_REQ_EXPECT)
+        complete_expect(eng, x, 0, NULL);
+    else
+        fire(eng, x, now);
+}
+
+static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
 {
     afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
     if (!e)
@@ -374,51 +462,133 @@ static void imm_arrived(afs_engine *eng, uint32_t imm)
         e->expected = 0;
         e->waiter = NULL;
         afs_immtab_maybe_remove(&eng->imm, e);
-        complete_expect(eng, x, 0, NULL);
+        satisfy(eng, x, now);
     }
 }
 
-static void start_expect(afs_engine *eng, afs_xfer *x)
+/* Registers x (an expectation, or an operation triggered on a count) as the waiter of
+ * immediate `imm` for `count` arrivals; satisfies it at once from early arrivals.
+ * Returns false (x untouched) when another waiter holds that immediate. */
+static bool wait_imm(afs_engine *eng, afs_xfer *x, uint32_t imm, uint64_t count, uint64_t now)
+{
+    afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
+    if (!e) {
+        set_error(x, AFS_ENOMEM, "%s", "immediate table: out of memory");
+        return false;
+    }
+    if (e->expected) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "an expectation for immediate %u is already pending", imm);
+        set_error(x, AFS_EBUSY, "%s", msg);
+        afs_immtab_maybe_remove(&eng->imm, e);
+        return false;
+    }
+    if (e->arrived >= count) {
+        e->arrived -= count;
+        afs_immtab_maybe_remove(&eng->imm, e);
+        satisfy(eng, x, now);
+        return true;
+    }
+    e->expected = count;
+    e->waiter = x;
+    return true;
+}
+
+static void start_expect(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     list_append(&eng->expects, x); /* complete_expect removes it */
     if (x->count == 0) {
         complete_expect(eng, x, 0, NULL);
         return;
     }
-    afs_imm_entry *e = afs_immtab_get(&eng->imm, x->imm, true);
-    if (!e) {
-        complete_expect(eng, x, AFS_ENOMEM, "immediate table: out of memory");
-        return;
+    if (!wait_imm(eng, x, x->imm, x->count, now)) {
+        list_remove(&eng->expects, x);
+        push_done(eng, x, false);
+        afs_xfer_free(x);
     }
-    if (e->expected) {
-        char msg[96];
-        snprintf(msg, sizeof(msg), "an expectation for immediate %u is already pending", x->imm);
-        complete_expect(eng, x, AFS_EBUSY, msg);
-        return;
-    }
-    if (e->arrived >= x->count) {
-        e->arrived -= x->count;
-        afs_immtab_maybe_remove(&eng->imm, e);
-        complete_expect(eng, x, 0, NULL);
-        return;
-    }
-    e->expected = x->count;
-    e->waiter = x;
 }
 
-static void cancel_expect(afs_engine *eng, uint64_t id)
+/* Holds a triggered operation until its condition holds (or fires it now). */
+static void arm(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
-    for (afs_xfer *x = eng->expects.head; x; x = x->next) {
-        if (x->id != id)
-            continue;
-        afs_imm_entry *e = afs_immtab_get(&eng->imm, x->imm, false);
-        if (e && e->waiter == x) {
-            e->expected = 0;
-            e->waiter = NULL;
-            afs_immtab_maybe_remove(&eng->imm, e);
+    x->armed = true;
+    list_append(&eng->armed, x);
+    if (x->trig_kind == AFS_TRIG_WATCHER) {
+        afs_watcher *w = afs_slots_lookup(&eng->watchers, x->trig_watcher);
+        if (!w) {
+            set_error(x, AFS_ESTALE, "%s", "trigger's watcher was destroyed");
+            list_remove(&eng->armed, x);
+            x->armed = false;
+            list_append(&eng->active, x);
+            finish(eng, x);
+            return;
         }
-        complete_expect(eng, x, AFS_ECANCELED, "expectation canceled");
+        if (w->current >= x->trig_value)
+            fire(eng, x, now);
         return;
+    }
+    if (x->trig_value == 0) {
+        fire(eng, x, now);
+        return;
+    }
+    if (!wait_imm(eng, x, (uint32_t)x->trig_watcher, x->trig_value, now)) {
+        list_remove(&eng->armed, x);
+        x->armed = false;
+        list_append(&eng->active, x);
+        finish(eng, x);
+    }
+}
+
+/* The watcher thread saw a change: report it, and fire what it arms. */
+static void on_watch(afs_engine *eng, afs_xfer *req, uint64_t now)
+{
+    afs_watcher *w = afs_slots_lookup(&eng->watchers, req->target_id);
+    if (w)
+        w->current = req->watch_new;
+    afs_completion c = {0};
+    c.kind = AFS_C_WATCH;
+    c.id = req->target_id;
+    c.data = req->watch_old;
+    c.len = req->watch_new;
+    afs_ring_push(&eng->ring, &c);
+    afs_xfer *x = eng->armed.head;
+    while (x) {
+        afs_xfer *next = x->next;
+        if (x->trig_kind == AFS_TRIG_WATCHER && x->trig_watcher == req->target_id &&
+            req->watch_new >= x->trig_value)
+            fire(eng, x, now);
+        x = next;
+    }
+}
+
+/* Withdraws an expectation or disarms a triggered operation (fired ones run on). */
+static void cancel_waiting(afs_engine *eng, uint64_t id)
+{
+    afs_xfer_list *lists[2] = {&eng->expects, &eng->armed};
+    for (int l = 0; l < 2; l++) {
+        for (afs_xfer *x = lists[l]->head; x; x = x->next) {
+            if (x->id != id)
+                continue;
+            uint32_t imm = x->kind == AFS_REQ_EXPECT ? x->imm : (uint32_t)x->trig_watcher;
+            bool on_imm = x->kind == AFS_REQ_EXPECT || x->trig_kind == AFS_TRIG_IMM;
+            afs_imm_entry *e = on_imm ? afs_immtab_get(&eng->imm, imm, false) : NULL;
+            if (e && e->waiter == x) {
+                e->expected = 0;
+                e->waiter = NULL;
+                afs_immtab_maybe_remove(&eng->imm, e);
+            }
+            if (x->kind == AFS_REQ_EXPECT) {
+                complete_expect(eng, x, AFS_ECANCELED, "expectation canceled");
+            } else {
+                set_error(x, AFS_ECANCELED, "%s", "triggered operation disarmed before it fired");
+                list_remove(&eng->armed, x);
+                x->armed = false;
+                list_append(&eng->active, x);
+                x->total_wr = 0;
+                finish(eng, x);
+            }
+            return;
+        }
     }
 }
 
@@ -527,10 +697,18 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             break;
         case AFS_REQ_WRITE:
         case AFS_REQ_PAGED:
-            if (eng->cfg.op_timeout_ns)
-                x->deadline_ns = now + eng->cfg.op_timeout_ns;
+        case AFS_REQ_SCATTER:
+            x->nic0 = eng->rr++ % eng->nnics;
+            if (x->kind == AFS_REQ_WRITE)
+                plan_shards(eng, x);
             x->total_wr = n_data_wrs(x);
             x->imm_pending = x->kind == AFS_REQ_WRITE && x->has_imm && x->total_wr > 1;
+            if (x->trig_kind != AFS_TRIG_NONE) {
+                arm(eng, x, now);
+                break;
+            }
+            if (eng->cfg.op_timeout_ns)
+                x->deadline_ns = now + eng->cfg.op_timeout_ns;
             list_append(&eng->active, x);
             if (x->total_wr == 0)
                 finish(eng, x);
@@ -545,10 +723,14 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             postq_push(eng, x);
             break;
         case AFS_REQ_EXPECT:
-            start_expect(eng, x);
+            start_expect(eng, x, now);
             break;
         case AFS_REQ_CANCEL:
-            cancel_expect(eng, x->target_id);
+            cancel_waiting(eng, x->target_id);
+            afs_xfer_free(x);
+            break;
+        case AFS_REQ_WATCH:
+            on_watch(eng, x, now);
             afs_xfer_free(x);
             break;
         case AFS_REQ_RECV_RELEASE:
@@ -598,7 +780,7 @@ static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev)
     afs_ring_push(&eng->ring, &c);
 }
 
-static bool poll_nic(afs_engine *eng, uint32_t nic)
+static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
 {
     afp_event ev[AFS_POLL_BATCH];
     uint32_t n = 0;
@@ -612,7 +794,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic)
         case AFP_EV_IMM:
             if (is_rx && !atomic_load(&eng->stop))
                 (void)afs_post_rx(eng, nic, (uint32_t)(e->ctx >> 16));
-            imm_arrived(eng, e->imm);
+            imm_arrived(eng, e->imm, now);
             break;
         case AFP_EV_RECV:
             on_recv(eng, nic, e);
@@ -749,6 +931,10 @@ static void fail_queued(afs_engine *eng)
         list_remove(&eng->expects, x);
         afs_xfer_free(x);
     }
+    while ((x = eng->armed.head) != NULL) {
+        list_remove(&eng->armed, x);
+        afs_xfer_free(x);
+    }
     eng->postq_head = eng->postq_tail = NULL;
 }
 
@@ -763,9 +949,9 @@ void *afs_worker_main(void *arg)
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
         bool did = take_requests(eng, now);
         if (eng->postq_head)
-            did |= progress_posts(eng);
+            did |= progress_posts(eng, now);
         for (uint32_t k = 0; k < eng->nnics; k++)
-            did |= poll_nic(eng, k);
+            did |= poll_nic(eng, k, now);
         now = afs_now_ns();
         if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
             eng->last_deadline_check = now;

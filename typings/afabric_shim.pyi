@@ -133,9 +133,13 @@ class ShimLib:
         src_offset: int,
         dst_offset: int,
         imm: int,
+        trig_kind: int,
+        trig_a: int,
+        trig_b: int,
         xfer_id: _Ref[c_uint64],
     ) -> int:
-        """One write; ``imm`` = AFS_NO_IMM (-1) for none, else a 32-bit immediate."""
+        """One write; ``imm`` = AFS_NO_IMM (-1) for none, else a 32-bit immediate; the
+        trigger (AFS_TRIG_NONE = 0: post now) holds it until a watcher value or count."""
 
     @staticmethod
     def afs_write_paged(
@@ -151,9 +155,44 @@ class ShimLib:
         dst_stride: int,
         dst_offset: int,
         imm: int,
+        trig_kind: int,
+        trig_a: int,
+        trig_b: int,
         xfer_id: _Ref[c_uint64],
     ) -> int:
         """``count`` pages; ``src_idx``/``dst_idx`` address ``int64_t[count]`` (numpy ``.ctypes.data``)."""
+
+    @staticmethod
+    def afs_scatter(
+        eng: EngineHandle,
+        mr_id: int,
+        count: int,
+        remote_ids: _CVoidPLike | None,
+        lengths: _CVoidPLike | None,
+        src_offsets: _CVoidPLike | None,
+        dst_offsets: _CVoidPLike | None,
+        imm: int,
+        trig_kind: int,
+        trig_a: int,
+        trig_b: int,
+        xfer_id: _Ref[c_uint64],
+    ) -> int:
+        """One write per target (``uint64_t[count]`` arrays); NULL lengths: a barrier."""
+
+    @staticmethod
+    def afs_watcher_create(
+        eng: EngineHandle,
+        device: int,
+        watcher_id: _Ref[c_uint64],
+        host_ptr: _Ref[c_uint64],
+        device_ptr: _Ref[c_uint64],
+    ) -> int:
+        """A watched 64-bit word (device >= 0: mapped into that CUDA device)."""
+
+    @staticmethod
+    def afs_watcher_destroy(eng: EngineHandle, watcher_id: int) -> int: ...
+    @staticmethod
+    def afs_watcher_add(eng: EngineHandle, watcher_id: int, delta: int, value: _Ref[c_uint64]) -> int: ...
 
     @staticmethod
     def afs_send(eng: EngineHandle, peer_id: int, buf: bytes, len: int, xfer_id: _Ref[c_uint64]) -> int: ...
