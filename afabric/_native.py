@@ -84,6 +84,27 @@ class Config(ctypes.Structure):
     ]
 
 
+class NicStats(ctypes.Structure):
+    writes: int
+    write_bytes: int
+    sends: int
+    recvs: int
+    imms: int
+    errors: int
+    retries: int
+    landed: int
+    _fields_ = [
+        ("writes", ctypes.c_uint64),
+        ("write_bytes", ctypes.c_uint64),
+        ("sends", ctypes.c_uint64),
+        ("recvs", ctypes.c_uint64),
+        ("imms", ctypes.c_uint64),
+        ("errors", ctypes.c_uint64),
+        ("retries", ctypes.c_uint64),
+        ("landed", ctypes.c_uint64),
+    ]
+
+
 class EngineFacts(ctypes.Structure):
     event_fd: int
     caps: int
@@ -192,6 +213,7 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_engine_create": (ctypes.c_int32, [ctypes.POINTER(Config), ctypes.POINTER(_E)]),
     "afs_engine_destroy": (ctypes.c_int32, [_E]),
     "afs_engine_info": (ctypes.c_int32, [_E, ctypes.POINTER(EngineFacts)]),
+    "afs_engine_stats": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.POINTER(NicStats)]),
     "afs_engine_address": (ctypes.c_int32, [_E, _u8p, ctypes.c_uint32, _u32p]),
     "afs_mr_register": (
         ctypes.c_int32,
@@ -558,6 +580,12 @@ class NativeEngine:
         rc = self._s.f.afs_engine_info(self._handle(), ctypes.byref(out))
         self._s.check(rc, "engine info", self.provider)
         return out
+
+    def stats(self, nic: int) -> dict[str, int]:
+        out = NicStats()
+        rc = self._s.f.afs_engine_stats(self._handle(), nic, ctypes.byref(out))
+        self._s.check(rc, "engine stats", self.provider)
+        return {field[0]: int(getattr(out, field[0])) for field in NicStats._fields_}
 
     def address(self) -> bytes:
         buf = (ctypes.c_uint8 * 2048)()

@@ -253,6 +253,20 @@ class Engine:
         if self._closed:
             raise errors.EngineClosed(f"engine {self.name} is closed")
 
+    def stats(self) -> dict[str, Any]:
+        """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
+        immediates in, errors, "try again" retries, remote writes seen landing) plus the
+        operations this engine is waiting on. Cheap: read it as often as you like."""
+        self._check_open()
+        return {
+            "provider": self.provider,
+            "fabric_provider": self.fabric_provider,
+            "ops_in_flight": len(self._ops),
+            "buffers_held": len(self._held),
+            "messages_queued": len(self._inbox),
+            "nics": [self._n.stats(k) for k in range(self.nics)],
+        }
+
     # ---- memory ----
 
     def register(self, buf: Any, *, remote: bool = True) -> MemoryRegion:

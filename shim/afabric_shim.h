@@ -84,6 +84,17 @@ typedef struct afs_engine_facts {
     char provider[64];         /* provider as the library reports it ("tcp;ofi_rxm") */
 } afs_engine_facts;
 
+/* Counters of one NIC (afs_engine_stats): kept by the worker, cheap enough to leave on. */
+typedef struct afs_nic_stats {
+    uint64_t writes;      /* write work requests posted */
+    uint64_t write_bytes; /* bytes they carried */
+    uint64_t sends, recvs;
+    uint64_t imms;        /* immediates that arrived */
+    uint64_t errors;      /* failed work requests */
+    uint64_t retries;     /* posts the provider answered with "try again" */
+    uint64_t landed;      /* remote writes seen landing here (where the provider counts them) */
+} afs_nic_stats;
+
 /* Decoded descriptor (afs_desc_decode). */
 typedef struct afs_desc_info {
     uint64_t incarnation;
@@ -132,6 +143,7 @@ AFS_API int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32
 AFS_API int32_t afs_engine_create(const afs_config *cfg, afs_engine **out);
 AFS_API int32_t afs_engine_destroy(afs_engine *eng);
 AFS_API int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out);
+AFS_API int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out);
 AFS_API int32_t afs_engine_address(afs_engine *eng, uint8_t *buf, uint32_t cap, uint32_t *len);
 
 AFS_API int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t flags,

@@ -395,6 +395,24 @@ int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out)
     return 0;
 }
 
+int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
+{
+    if (!eng || !out)
+        return afs_fail(AFS_EINVAL, "NULL argument");
+    if (nic >= eng->nnics)
+        return afs_fail(AFS_EINVAL, "NIC %u of %u", nic, eng->nnics);
+    afs_nic *n = &eng->nics[nic];
+    out->writes = atomic_load_explicit(&n->st_writes, memory_order_relaxed);
+    out->write_bytes = atomic_load_explicit(&n->st_write_bytes, memory_order_relaxed);
+    out->sends = atomic_load_explicit(&n->st_sends, memory_order_relaxed);
+    out->recvs = atomic_load_explicit(&n->st_recvs, memory_order_relaxed);
+    out->imms = atomic_load_explicit(&n->st_imms, memory_order_relaxed);
+    out->errors = atomic_load_explicit(&n->st_errors, memory_order_relaxed);
+    out->retries = atomic_load_explicit(&n->st_retries, memory_order_relaxed);
+    out->landed = atomic_load_explicit(&n->st_landed, memory_order_relaxed);
+    return 0;
+}
+
 int32_t afs_engine_address(afs_engine *eng, uint8_t *buf, uint32_t cap, uint32_t *len)
 {
     if (!eng || !buf || !len)

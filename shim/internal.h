@@ -157,6 +157,9 @@ typedef struct afs_nic {
     uint8_t *rx_buf, *tx_buf;
     afp_mr *rx_mr, *tx_mr;
     void *rx_desc, *tx_desc;
+    /* counters (afs_nic_stats): written by the worker alone, read by anyone */
+    _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
+        st_retries, st_landed;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     uint64_t key_counter;
@@ -350,6 +353,13 @@ struct afs_engine {
     uint64_t last_deadline_check;
     uint32_t rx_slots;
 };
+
+/* One-writer counter bump: a relaxed load and store, no locked instruction. */
+static inline void afs_count(_Atomic uint64_t *c, uint64_t n)
+{
+    atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + n,
+                          memory_order_relaxed);
+}
 
 /* worker.c */
 void *afs_worker_main(void *arg);

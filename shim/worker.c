@@ -341,12 +341,20 @@ static int post_round(afs_engine *eng, afs_xfer *x, uint64_t now)
         while (at + run < n && nic_of[at + run] == nic)
             run++;
         uint32_t posted = 0;
-        int rc = eng->ops->post_writes(eng->nics[nic].dom, &wr[at], run, &posted);
+        afs_nic *n = &eng->nics[nic];
+        int rc = eng->ops->post_writes(n->dom, &wr[at], run, &posted);
         if (posted && x->posted_wr == 0)
             x->t_first_post = now;
         x->posted_wr += posted;
-        if (rc == AFS_EAGAIN)
+        uint64_t bytes = 0;
+        for (uint32_t i = 0; i < posted; i++)
+            bytes += wr[at + i].length;
+        afs_count(&n->st_writes, posted);
+        afs_count(&n->st_write_bytes, bytes);
+        if (rc == AFS_EAGAIN) {
+            afs_count(&n->st_retries, 1);
             return AFS_EAGAIN;
+        }
         if (rc) {
             set_error(x, rc, "posting write: %s", eng->ops->errbuf(eng->nics[nic].dom));
             x->total_wr = x->posted_wr; /* nothing more will be posted */
@@ -368,14 +376,17 @@ static int post_send(afs_engine *eng, afs_xfer *x, uint64_t now)
     memcpy(buf, x->payload, x->length);
     int rc = eng->ops->post_send(n->dom, x->peer_fi_addr, buf, x->length, n->tx_desc,
                                  (uint64_t)(uintptr_t)x);
-    if (rc == AFS_EAGAIN)
+    if (rc == AFS_EAGAIN) {
+        afs_count(&n->st_retries, 1);
         return AFS_EAGAIN;
+    }
     if (rc) {
         set_error(x, rc, "posting send: %s", eng->ops->errbuf(n->dom));
         x->total_wr = x->posted_wr;
         return 0;
     }
     n->tx_free_len--;
+    afs_count(&n->st_sends, 1);
     x->tx_slot = slot;
     x->posted_wr = 1;
     x->t_first_post = now;
@@ -787,16 +798,21 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
     int rc = eng->ops->poll(eng->nics[nic].dom, ev, AFS_POLL_BATCH, &n);
     if (rc && rc != AFS_EAGAIN)
         return false; /* a failing CQ; errors of operations arrive as events */
+    afs_nic *nn = &eng->nics[nic];
     for (uint32_t i = 0; i < n; i++) {
         const afp_event *e = &ev[i];
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
+        if (e->kind == AFP_EV_ERROR && !is_rx)
+            afs_count(&nn->st_errors, 1);
         switch (e->kind) {
         case AFP_EV_IMM:
+            afs_count(&nn->st_imms, 1);
             if (is_rx && !atomic_load(&eng->stop))
                 (void)afs_post_rx(eng, nic, (uint32_t)(e->ctx >> 16));
             imm_arrived(eng, e->imm, now);
             break;
         case AFP_EV_RECV:
+            afs_count(&nn->st_recvs, 1);
             on_recv(eng, nic, e);
             break;
         case AFP_EV_WRITE_DONE:
@@ -810,6 +826,8 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
                 on_op_done(eng, e);
             break;
         case AFP_EV_ACTIVITY: /* counted in n: keeps an adaptive worker spinning */
+            afs_count(&nn->st_landed, e->len);
+            break;
         default:
             break;
         }

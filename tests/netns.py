@@ -247,6 +247,17 @@ async def in_netns(ctl: Ctl, ns_name: str, fn: Callable[..., Awaitable[Any]], *a
     return await fn(ctl, *args)
 
 
+async def interfaces(ctl: Ctl) -> dict[str, list[str]]:
+    """A Peer function (``TwoRails.peer(side, interfaces)``): the interfaces this process
+    sees through netlink (``socket.if_nameindex``) and through /sys/class/net."""
+    import socket
+
+    return {
+        "netlink": sorted(name for _, name in socket.if_nameindex()),
+        "sys": sorted(os.listdir("/sys/class/net")),
+    }
+
+
 def netns_peer(ns_name: str, fn: Callable[..., Awaitable[Any]], *args: Any, loop: str = "asyncio") -> Peer:
     """Start ``fn(ctl, *args)`` in a new process inside network namespace `ns_name`."""
     return Peer(in_netns, ns_name, fn, *args, loop=loop)
@@ -261,7 +272,7 @@ class TwoRails:
     A context manager; `build()`/`close()` do the same by hand (close is idempotent and
     also removes whatever a half-finished build made)."""
 
-    rails = RAILS
+    rails: tuple[Rail, ...] = RAILS
 
     def __init__(self, *, ipv6: bool = False) -> None:
         tag = f"{os.getpid()}-{next(_SEQ)}"

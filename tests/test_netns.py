@@ -32,7 +32,10 @@ def rails() -> Iterator[TwoRails]:
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:
-    return (np.arange(nbytes // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(seed)
+    words: np.ndarray = (np.arange(nbytes // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(
+        seed
+    )
+    return words
 
 
 def engine_kwargs(nic: str, addr: str) -> dict[str, Any]:
@@ -106,17 +109,38 @@ async def rail_initiator(
 # ---- tests ----
 
 
-def test_names_and_counters_of_the_bed(rails: TwoRails) -> None:
+def test_bed_is_built_and_torn_down_even_on_errors() -> None:
+    netns.require()
+    with pytest.raises(KeyError, match="boom"), TwoRails() as tb:
+        names = netns._list_netns()
+        assert tb.ns_a in names and tb.ns_b in names
+        assert [tb.iface(r, s) for r in (0, 1) for s in ("a", "b")] == ["r0a", "r0b", "r1a", "r1b"]
+        assert tb.addr(0, "a") == "192.0.2.1" and tb.addr(1, "b") == "198.51.100.2"
+        assert tb.bytes(0) >= (0, 0)
+        raise KeyError("boom")
     names = netns._list_netns()
-    assert rails.ns_a in names and rails.ns_b in names
-    assert [rails.iface(r, s) for r in (0, 1) for s in ("a", "b")] == ["r0a", "r0b", "r1a", "r1b"]
-    assert rails.addr(1, "b") == "198.51.100.2"
-    for r in (0, 1):
-        tx, rx = rails.bytes(r)
-        assert tx >= 0 and rx >= 0
-    a, b = rails.ns_a, rails.ns_b
-    rails.close()
-    assert a not in netns._list_netns() and b not in netns._list_netns()
+    assert tb.ns_a not in names and tb.ns_b not in names
+
+
+class _BadRails(TwoRails):
+    rails = (*netns.RAILS, netns.Rail(2, "an-overlong-interface-name", "r2b", "203.0.113.1", "203.0.113.2"))
+
+
+def test_failed_build_leaves_nothing() -> None:
+    netns.require()
+    tb = _BadRails()
+    with pytest.raises(netns.NetnsError, match="an-overlong"):
+        tb.build()
+    names = netns._list_netns()
+    assert tb.ns_a not in names and tb.ns_b not in names
+
+
+async def test_children_see_only_their_namespace(rails: TwoRails, peers: list[Peer]) -> None:
+    pa, pb = rails.peer("a", netns.interfaces), rails.peer("b", netns.interfaces)
+    peers += [pa, pb]
+    a, b = await pa.result(timeout=60), await pb.result(timeout=60)
+    assert a == {"netlink": ["lo", "r0a", "r1a"], "sys": ["lo", "r0a", "r1a"]}, a
+    assert b == {"netlink": ["lo", "r0b", "r1b"], "sys": ["lo", "r0b", "r1b"]}, b
 
 
 async def test_tcp_lists_one_domain_per_rail(rails: TwoRails, peers: list[Peer]) -> None:
@@ -166,7 +190,7 @@ async def _write_over_rail(rails: TwoRails, peers: list[Peer], rail: int) -> flo
     assert tx >= nbytes, f"rail {rail} sent only {tx} bytes"
     quiet = sum(after[other]) - sum(before[other])
     assert quiet <= QUIET_BYTES, f"rail {other} carried {quiet} bytes"
-    return seconds
+    return float(seconds)
 
 
 async def test_single_nic_engines_on_rail_0(rails: TwoRails, peers: list[Peer]) -> None:
@@ -195,6 +219,17 @@ def test_stale_namespaces_of_dead_pids_are_removed() -> None:
 
 
 def test_enter_needs_no_threads_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netns.threading, "active_count", lambda: 2)
+    monkeypatch.setattr("threading.active_count", lambda: 2)
     with pytest.raises(RuntimeError, match="before the process starts"):
         netns.enter("does-not-matter")
+
+
+def test_unavailable_skips_or_fails_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "_probe", lambda: netns._Caps(False, "no netns here", False))
+    assert netns.available() == (False, "no netns here")
+    monkeypatch.delenv(netns.REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no netns here"):
+        netns.require()
+    monkeypatch.setenv(netns.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="no netns here"):
+        netns.require()

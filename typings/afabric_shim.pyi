@@ -35,7 +35,7 @@ from ctypes import (
 )
 from typing import TypeAlias, TypeVar
 
-from afabric._native import Completion, Config, DescInfo, EngineFacts, EngineHandle
+from afabric._native import Completion, Config, DescInfo, EngineFacts, EngineHandle, NicStats
 
 _T = TypeVar("_T")
 
@@ -89,6 +89,10 @@ class ShimLib:
     def afs_engine_destroy(eng: EngineHandle) -> int: ...
     @staticmethod
     def afs_engine_info(eng: EngineHandle, out: _Ref[EngineFacts]) -> int: ...
+    @staticmethod
+    def afs_engine_stats(eng: EngineHandle, nic: int, out: _Ref[NicStats]) -> int:
+        """Counters of one NIC of the engine's group."""
+
     @staticmethod
     def afs_engine_address(eng: EngineHandle, buf: _Ref[c_uint8], cap: int, len: _Ref[c_uint32]) -> int:
         """The engine's address bytes (all its NICs) into ``buf[cap]``; ``*len`` = size."""
