@@ -1,9 +1,9 @@
-"""The ``afabric`` command: ``afabric info`` and ``afabric bench p2p``.
+"""The ``afabric`` command: ``afabric info``, ``afabric bench p2p`` and ``afabric bench trigger``.
 
 ``info`` lists the installed providers (from the ``afabric.providers`` entry points),
 whether each is usable here and why not, the NICs each sees, what ``provider="auto"``
-would pick, GPUs and NUMA nodes. ``bench p2p`` parses its options and hands them to
-:func:`afabric.bench.p2p.main`.
+would pick, GPUs and NUMA nodes. ``bench p2p`` and ``bench trigger`` parse their options
+and hand them to :func:`afabric.bench.p2p.main` and :func:`afabric.bench.trigger.main`.
 """
 
 from __future__ import annotations
@@ -316,17 +316,25 @@ def _default_loop() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
-def _cmd_bench_p2p(ns: argparse.Namespace) -> int:
+def _run_bench(module: str, ns: argparse.Namespace) -> int:
     # Imported here, on use only: the benchmark pulls in numpy and the engine.
     try:
-        mod = importlib.import_module("afabric.bench.p2p")
+        mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name is None or not "afabric.bench.p2p".startswith(e.name):
+        if e.name is None or not module.startswith(e.name):
             raise
         print(f"afabric: error: this install has no benchmark module ({e})", file=sys.stderr)
         return 2
     run: Callable[[argparse.Namespace], int] = mod.main
     return int(run(ns))
+
+
+def _cmd_bench_p2p(ns: argparse.Namespace) -> int:
+    return _run_bench("afabric.bench.p2p", ns)
+
+
+def _cmd_bench_trigger(ns: argparse.Namespace) -> int:
+    return _run_bench("afabric.bench.trigger", ns)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -356,6 +364,20 @@ def _parser() -> argparse.ArgumentParser:
     p2p.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
                      help="event loop (default: uvloop if installed, else asyncio)")
     p2p.set_defaults(func=_cmd_bench_p2p)
+
+    trig = bsub.add_parser(
+        "trigger", help="latency from a watcher change to the write it releases: triggered vs Python loop"
+    )
+    trig.add_argument("--provider", default="shm", help="provider name or 'auto' (default: shm)")
+    trig.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    trig.add_argument("--quick", action="store_true", help="300 iterations per mode (smoke run)")
+    trig.add_argument("--iterations", type=int, default=None, metavar="N",
+                      help="iterations per mode (default: 2000, or 300 with --quick)")
+    trig.add_argument("--polling", choices=("adaptive", "spin"), default=None,
+                      help="worker polling: adaptive (default) or spin (a core per worker)")
+    trig.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
+                      help="event loop (default: uvloop if installed, else asyncio)")
+    trig.set_defaults(func=_cmd_bench_trigger)
     return ap
 
 

@@ -129,7 +129,8 @@ class Engine:
             provider_name=spec.name,
             fabric_provider=spec.fabric_provider,
             nics=self._nic_choice(nic, nics),
-            bind_addr=bind if bind is not None else spec.bind_addr,
+            # the provider's default bind (tcp: loopback) applies only when no NIC is named
+            bind_addr=bind if bind is not None or nic is not None or nics is not None else spec.bind_addr,
             cpu=-1 if cpu is None else cpu,
             spin=polling == "spin",
             spin_us=spin_us,

@@ -509,8 +509,11 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
             break;
         if (atomic_load(&eng->closed))
             return afs_fail(AFS_ECLOSED, "engine closed during benchmark");
-        /* refill once a quarter of the window (or everything left) has completed */
-        uint64_t batch = window / 4 ? window / 4 : 1;
+        /* Small writes: refill once a quarter of the window has completed (a wakeup per
+         * write would cost more than the write); large ones: at every completion, so the
+         * window stays full as Python's lanes keep it. */
+        uint64_t op_bytes = paged ? proto->length * proto->count : proto->length;
+        uint64_t batch = (op_bytes >= (64u << 10) || window < 4) ? 1 : window / 4;
         uint64_t want = done + batch;
         if (want > submitted)
             want = submitted;

@@ -48,7 +48,6 @@ from .procs import Ctl, Peer
 
 NETNS_DIR = Path("/var/run/netns")
 REQUIRE_ENV = "AFABRIC_REQUIRE_NETNS"
-_PREFIXES = ("afa", "afb", "afp")  # side A, side B, the availability probe
 _OURS = re.compile(r"^(?:afa|afb|afp)-(\d+)(?:-\d+)?$")
 _SEQ = itertools.count()
 _CMD_TIMEOUT = 20.0
@@ -284,7 +283,6 @@ class TwoRails:
         byte counters."""
         self.shaping: dict[int, str] = {}
         """The qdisc applied per slowed rail, as given to tc (e.g. "netem delay 5ms ...")."""
-        self._built = False
 
     # lifetime
 
@@ -307,7 +305,6 @@ class TwoRails:
         except BaseException:
             self.close()
             raise
-        self._built = True
         return self
 
     def _build(self) -> None:
@@ -349,7 +346,6 @@ class TwoRails:
     def close(self) -> None:
         for ns in (self.ns_a, self.ns_b):
             _delete_netns(ns)  # takes the veth pairs with it
-        self._built = False
 
     # helpers
 

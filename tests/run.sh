@@ -24,6 +24,7 @@ $py -m pip install -q --upgrade pip
 $py -m pip install -q -e ".[test]" "torch==2.13.0"
 $py -m pip install -q ./examples/plugin_sockets
 
-# The 2.x libfabric run must not be skipped silently here (tests/libfabric2.py).
-export AFABRIC_REQUIRE_LIBFABRIC2=1
+# Neither the 2.x libfabric run (tests/libfabric2.py) nor the two-rail network-namespace
+# tests (tests/netns.py) may be skipped silently here.
+export AFABRIC_REQUIRE_LIBFABRIC2=1 AFABRIC_REQUIRE_NETNS=1
 exec $py -m pytest -q -ra "$@"
