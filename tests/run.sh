@@ -10,6 +10,7 @@ command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
 [ -f /usr/include/rdma/fabric.h ] || need_apt+=(libfabric-dev)
 ldconfig -p | grep -q 'libfabric.so.1 ' || need_apt+=(libfabric1)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || need_apt+=(iproute2)  # two-rail tests
 if [ ${#need_apt[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
