@@ -310,19 +310,21 @@ int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint6
         t->dst_offset = dst_offsets[i];
         if (!range_ok(t->src_offset, t->length, m.len) ||
             !range_ok(t->dst_offset, t->length, r.length)) {
-            afs_xfer_free(x);
-            return afs_fail(AFS_ERANGE,
-                            "scatter target %llu: [%llu, +%llu) -> [%llu, +%llu) outside the "
-                            "local region (%llu bytes) or the remote one (%llu bytes)",
-                            (unsigned long long)i, (unsigned long long)t->src_offset,
-                            (unsigned long long)t->length, (unsigned long long)t->dst_offset,
-                            (unsigned long long)t->length, (unsigned long long)m.len,
-                            (unsigned long long)r.length);
+            rc = afs_fail(AFS_ERANGE,
+                          "scatter target %llu: [%llu, +%llu) -> [%llu, +%llu) outside the "
+                          "local region (%llu bytes) or the remote one (%llu bytes)",
+                          (unsigned long long)i, (unsigned long long)t->src_offset,
+                          (unsigned long long)t->length, (unsigned long long)t->dst_offset,
+                          (unsigned long long)t->length, (unsigned long long)m.len,
+                          (unsigned long long)r.length);
+            afs_xfer_free(x); /* after the message: t points into x */
+            return rc;
         }
         if (t->length > eng->nics[0].caps.max_msg_size) {
+            rc = afs_fail(AFS_ETOOBIG, "scatter target %llu: %llu bytes exceed the provider's "
+                          "largest write", (unsigned long long)i, (unsigned long long)t->length);
             afs_xfer_free(x);
-            return afs_fail(AFS_ETOOBIG, "scatter target %llu: %llu bytes exceed the provider's "
-                            "largest write", (unsigned long long)i, (unsigned long long)t->length);
+            return rc;
         }
     }
     x->local_addr = m.addr;

@@ -27,7 +27,15 @@ pytestmark = pytest.mark.skipif(
     os.environ.get(GUARD_ENV) == "1", reason="already inside the libfabric 2.x re-run"
 )
 
-SUITE = ["tests/test_transfer.py", "tests/test_bad_input.py", "-k", "not uvloop"]
+SUITE = [
+    "tests/test_transfer.py",
+    "tests/test_bad_input.py",
+    "tests/test_groups.py",
+    "tests/test_multinic.py",
+    "tests/test_efa_modes.py",
+    "-k",
+    "not uvloop",
+]
 
 
 def child_env(libfabric: Path) -> dict[str, str]:

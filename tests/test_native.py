@@ -38,7 +38,16 @@ SANITIZER_MARKERS = (
 )
 # The part of the Python suite re-run against the ASan/UBSan libraries (~20 s here). Killed
 # peers are left out: a SIGKILLed process cannot report, and their shm files need cleanup.
-SANITIZER_SUITE = ["tests/test_bad_input.py", "tests/test_transfer.py", "-k", "not uvloop and not killed"]
+SANITIZER_SUITE = [
+    "tests/test_bad_input.py",
+    "tests/test_transfer.py",
+    "tests/test_groups.py",
+    "tests/test_watcher.py",
+    "tests/test_multinic.py",
+    "tests/test_efa_modes.py",
+    "-k",
+    "not uvloop and not killed",
+]
 ASAN_OPTIONS = "detect_leaks=0:abort_on_error=0:halt_on_error=1"  # CPython leaks by design
 ASAN_OPTIONS_C = "detect_leaks=1:abort_on_error=0:halt_on_error=1"  # the C programs must not
 UBSAN_OPTIONS = "halt_on_error=1:print_stacktrace=1"
