@@ -81,18 +81,29 @@ static void fill_targets(afs_engine *eng, afs_xfer *x, const mr_copy *m,
     }
 }
 
-static int build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                       uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out)
+/* The checks every write starts with: an open engine, a valid immediate, a live local
+ * region and a live remote descriptor (copied, so they cannot change under us). */
+static int load_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, int64_t imm,
+                      bool *has_imm, uint32_t *imm_value, mr_copy *m, afs_remote_entry *r)
 {
     int rc = afs_engine_check_open(eng);
     if (rc)
         return rc;
+    if ((rc = check_imm(imm, has_imm, imm_value)) || (rc = load_mr(eng, mr_id, m)) ||
+        (rc = load_remote(eng, remote_id, r)))
+        return rc;
+    return 0;
+}
+
+static int build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                       uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out)
+{
     bool has_imm = false;
     uint32_t imm_value = 0;
     mr_copy m;
     afs_remote_entry r;
-    if ((rc = check_imm(imm, &has_imm, &imm_value)) || (rc = load_mr(eng, mr_id, &m)) ||
-        (rc = load_remote(eng, remote_id, &r)))
+    int rc = load_write(eng, mr_id, remote_id, imm, &has_imm, &imm_value, &m, &r);
+    if (rc)
         return rc;
     if (!range_ok(src_offset, length, m.len))
         return afs_fail(AFS_ERANGE,
@@ -148,15 +159,12 @@ static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint
                        uint64_t src_offset, const int64_t *dst_idx, uint64_t dst_stride,
                        uint64_t dst_offset, int64_t imm, afs_xfer **out)
 {
-    int rc = afs_engine_check_open(eng);
-    if (rc)
-        return rc;
     bool has_imm = false;
     uint32_t imm_value = 0;
     mr_copy m;
     afs_remote_entry r;
-    if ((rc = check_imm(imm, &has_imm, &imm_value)) || (rc = load_mr(eng, mr_id, &m)) ||
-        (rc = load_remote(eng, remote_id, &r)))
+    int rc = load_write(eng, mr_id, remote_id, imm, &has_imm, &imm_value, &m, &r);
+    if (rc)
         return rc;
     if (page_len > eng->nics[0].caps.max_msg_size)
         return afs_fail(AFS_ETOOBIG, "page of %llu bytes exceeds the provider's %llu",

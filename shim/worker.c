@@ -438,11 +438,9 @@ static void complete_expect(afs_engine *eng, afs_xfer *x, int status, const char
     afs_xfer_free(x);
 }
 
-/* A triggered operation's condition holds: from now on it is an ordinary operation. */
-static void fire(afs_engine *eng, afs_xfer *x, uint64_t now)
+/* An operation starts: its deadline runs from now and its work requests queue up. */
+static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
-    list_remove(&eng->armed, x);
-    x->armed = false;
     if (eng->cfg.op_timeout_ns)
         x->deadline_ns = now + eng->cfg.op_timeout_ns;
     list_append(&eng->active, x);
@@ -450,6 +448,14 @@ static void fire(afs_engine *eng, afs_xfer *x, uint64_t now)
         finish(eng, x);
     else
         postq_push(eng, x);
+}
+
+/* A triggered operation's condition holds: from now on it is an ordinary operation. */
+static void fire(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    list_remove(&eng->armed, x);
+    x->armed = false;
+    start(eng, x, now);
 }
 
 /* An immediate's waiter (an expectation or an operation triggered on a count) is done. */
@@ -714,24 +720,14 @@ static bool take_requests(afs_engine *eng, uint64_t now)
                 plan_shards(eng, x);
             x->total_wr = n_data_wrs(x);
             x->imm_pending = x->kind == AFS_REQ_WRITE && x->has_imm && x->total_wr > 1;
-            if (x->trig_kind != AFS_TRIG_NONE) {
+            if (x->trig_kind != AFS_TRIG_NONE)
                 arm(eng, x, now);
-                break;
-            }
-            if (eng->cfg.op_timeout_ns)
-                x->deadline_ns = now + eng->cfg.op_timeout_ns;
-            list_append(&eng->active, x);
-            if (x->total_wr == 0)
-                finish(eng, x);
             else
-                postq_push(eng, x);
+                start(eng, x, now);
             break;
         case AFS_REQ_SEND:
-            if (eng->cfg.op_timeout_ns)
-                x->deadline_ns = now + eng->cfg.op_timeout_ns;
             x->total_wr = 1;
-            list_append(&eng->active, x);
-            postq_push(eng, x);
+            start(eng, x, now);
             break;
         case AFS_REQ_EXPECT:
             start_expect(eng, x, now);

@@ -90,7 +90,12 @@ def _run(coro: Coroutine[Any, Any, _T], loop: str) -> _T:
 # ---- the target process ----
 
 
-def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
+def run_target(conn: Connection, provider: str, polling: str = "adaptive", loop: str = "asyncio") -> None:
+    """The target process (also used by tests/gpu): registers REGION bytes, sends
+    ``(descriptor bytes, imm)``, then waits for ``(count, prefix)``: ``count`` None ends
+    it; otherwise it waits (30 s at most) for ``count`` arrivals of ``imm``, checks that
+    the region starts with ``prefix`` and answers ``("ok", count)`` or ``("error", why)``."""
+
     async def run() -> None:
         async with Engine(provider, polling=polling) as eng:
             buf = np.zeros(REGION, dtype=np.uint8)
@@ -106,7 +111,7 @@ def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
             except AfabricError as e:
                 conn.send(("error", f"{total} arrivals expected: {e}"))
                 return
-            ok = bytes(buf[:SIZE]) == bytes(pattern)
+            ok = bytes(buf[: len(pattern)]) == bytes(pattern)
             conn.send(("ok", int(total)) if ok else ("error", "write payload differs"))
 
     _run(run(), loop)
@@ -398,7 +403,7 @@ def main(args: argparse.Namespace) -> int:
         provider, fabric, why = probe.provider, probe.fabric_provider, probe.provider_choice
         await probe.aclose()
         args.provider = provider
-        proc = ctx.Process(target=_target, args=(child, provider, args.polling, loop), daemon=True)
+        proc = ctx.Process(target=run_target, args=(child, provider, args.polling, loop), daemon=True)
         proc.start()
         aloop = asyncio.get_running_loop()
         sent_stop = False
