@@ -703,9 +703,11 @@ class NativeEngine:
         )
 
     def watcher_add(self, watcher_id: int, delta: int) -> int:
-        rc = self._s.f.afs_watcher_add(self._handle(), watcher_id, delta, self._out_ref)
+        # its own result word: unlike every other call here, any thread may bump a watcher
+        value = ctypes.c_uint64()
+        rc = self._s.f.afs_watcher_add(self._handle(), watcher_id, delta, ctypes.byref(value))
         self._s.check(rc, "bumping watcher", self.provider)
-        return self._out.value
+        return value.value
 
     def send(self, what: str, peer_id: int, data: bytes) -> int:
         rc = self._s.f.afs_send(self._handle(), peer_id, data, len(data), self._out_ref)

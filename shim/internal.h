@@ -348,6 +348,7 @@ struct afs_engine {
     bool watch_started;
     _Atomic int watch_stop;
     _Atomic uint32_t n_watchers;
+    _Atomic uint32_t armed_on_watchers; /* operations waiting for a watcher value */
     void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;

@@ -282,7 +282,9 @@ void *afs_watch_main(void *arg)
         uint64_t now = afs_now_ns();
         if (changed)
             last_change = now;
-        if (now - last_change < WATCH_SPIN_NS) {
+        /* Spin while something is armed on a watcher (its latency is the point of arming)
+         * and for a while after each change; otherwise look every WATCH_SLEEP_NS. */
+        if (atomic_load(&eng->armed_on_watchers) || now - last_change < WATCH_SPIN_NS) {
             sched_yield();
             continue;
         }

@@ -326,7 +326,7 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
 
 /* Post up to one round of x's work requests, in runs of consecutive requests for the same
  * NIC. Returns AFS_EAGAIN when a provider's queue is full (stop posting this round). */
-static int post_round(afs_engine *eng, afs_xfer *x, uint64_t now)
+static int post_round(afs_engine *eng, afs_xfer *x)
 {
     afp_write wr[AFS_POST_ROUND];
     uint32_t nic_of[AFS_POST_ROUND];
@@ -344,7 +344,7 @@ static int post_round(afs_engine *eng, afs_xfer *x, uint64_t now)
         afs_nic *n = &eng->nics[nic];
         int rc = eng->ops->post_writes(n->dom, &wr[at], run, &posted);
         if (posted && x->posted_wr == 0)
-            x->t_first_post = now;
+            x->t_first_post = afs_now_ns(); /* once per operation; `now` may predate a nap */
         x->posted_wr += posted;
         uint64_t bytes = 0;
         for (uint32_t i = 0; i < posted; i++)
@@ -366,7 +366,7 @@ static int post_round(afs_engine *eng, afs_xfer *x, uint64_t now)
     return 0;
 }
 
-static int post_send(afs_engine *eng, afs_xfer *x, uint64_t now)
+static int post_send(afs_engine *eng, afs_xfer *x)
 {
     afs_nic *n = &eng->nics[0]; /* SEND/RECV uses the first NIC of the group */
     if (n->tx_free_len == 0)
@@ -389,11 +389,11 @@ static int post_send(afs_engine *eng, afs_xfer *x, uint64_t now)
     afs_count(&n->st_sends, 1);
     x->tx_slot = slot;
     x->posted_wr = 1;
-    x->t_first_post = now;
+    x->t_first_post = afs_now_ns();
     return 0;
 }
 
-static bool progress_posts(afs_engine *eng, uint64_t now)
+static bool progress_posts(afs_engine *eng)
 {
     bool did = false;
     afs_xfer *x = eng->postq_head;
@@ -404,7 +404,7 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
         x->pnext = NULL;
         if (!full && x->status == 0 && !x->reported && x->posted_wr < x->total_wr) {
             uint64_t before = x->posted_wr;
-            int rc = x->kind == AFS_REQ_SEND ? post_send(eng, x, now) : post_round(eng, x, now);
+            int rc = x->kind == AFS_REQ_SEND ? post_send(eng, x) : post_round(eng, x);
             did |= x->posted_wr != before;
             if (rc == AFS_EAGAIN)
                 full = true;
@@ -451,10 +451,17 @@ static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
 }
 
 /* A triggered operation's condition holds: from now on it is an ordinary operation. */
-static void fire(afs_engine *eng, afs_xfer *x, uint64_t now)
+static void disarm(afs_engine *eng, afs_xfer *x)
 {
     list_remove(&eng->armed, x);
     x->armed = false;
+    if (x->trig_kind == AFS_TRIG_WATCHER)
+        atomic_fetch_sub(&eng->armed_on_watchers, 1);
+}
+
+static void fire(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    disarm(eng, x);
     start(eng, x, now);
 }
 
@@ -531,11 +538,12 @@ static void arm(afs_engine *eng, afs_xfer *x, uint64_t now)
     x->armed = true;
     list_append(&eng->armed, x);
     if (x->trig_kind == AFS_TRIG_WATCHER) {
+        /* while anything is armed on a watcher its thread spins instead of napping */
+        atomic_fetch_add(&eng->armed_on_watchers, 1);
         afs_watcher *w = afs_slots_lookup(&eng->watchers, x->trig_watcher);
         if (!w) {
             set_error(x, AFS_ESTALE, "%s", "trigger's watcher was destroyed");
-            list_remove(&eng->armed, x);
-            x->armed = false;
+            disarm(eng, x);
             list_append(&eng->active, x);
             finish(eng, x);
             return;
@@ -549,8 +557,7 @@ static void arm(afs_engine *eng, afs_xfer *x, uint64_t now)
         return;
     }
     if (!wait_imm(eng, x, (uint32_t)x->trig_watcher, x->trig_value, now)) {
-        list_remove(&eng->armed, x);
-        x->armed = false;
+        disarm(eng, x);
         list_append(&eng->active, x);
         finish(eng, x);
     }
@@ -598,8 +605,7 @@ static void cancel_waiting(afs_engine *eng, uint64_t id)
                 complete_expect(eng, x, AFS_ECANCELED, "expectation canceled");
             } else {
                 set_error(x, AFS_ECANCELED, "%s", "triggered operation disarmed before it fired");
-                list_remove(&eng->armed, x);
-                x->armed = false;
+                disarm(eng, x);
                 list_append(&eng->active, x);
                 x->total_wr = 0;
                 finish(eng, x);
@@ -963,7 +969,7 @@ void *afs_worker_main(void *arg)
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
         bool did = take_requests(eng, now);
         if (eng->postq_head)
-            did |= progress_posts(eng, now);
+            did |= progress_posts(eng);
         for (uint32_t k = 0; k < eng->nnics; k++)
             did |= poll_nic(eng, k, now);
         now = afs_now_ns();
@@ -977,8 +983,10 @@ void *afs_worker_main(void *arg)
             idle_since = now;
             sleep_ns = SLEEP_MIN_NS;
         } else if (eng->cfg.poll_mode == AFS_POLL_ADAPTIVE && now - idle_since > spin_ns &&
-                   !eng->postq_head) {
+                   !eng->postq_head && !atomic_load(&eng->armed_on_watchers)) {
+            /* (stays awake while operations are armed on watchers: they fire from here) */
             worker_sleep(eng, &sleep_ns);
+            now = afs_now_ns(); /* requests taken next are stamped with the time they came */
         }
     }
     fail_queued(eng);

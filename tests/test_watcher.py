@@ -20,17 +20,22 @@ async def test_watcher_reports_every_paced_change(provider: str) -> None:
         w = eng.uvm_watcher()
         assert w.device_ptr == 0 and w.host_ptr and w.value == 0
         n = 50
+        observed = threading.Semaphore(0)
 
         def writer() -> None:  # another thread, like a GPU kernel: no Python loop involved
             for _ in range(n):
-                time.sleep(0.002)
+                time.sleep(0.001)
                 w.add(1)
+                # paced by the reader, so a loaded machine cannot merge two bumps into one
+                # observation (tests/gpu does the unpaced version with a real kernel)
+                assert observed.acquire(timeout=30)
 
         t = threading.Thread(target=writer)
         t.start()
         seen: list[tuple[int, int]] = []
         async for old, new in w:
             seen.append((old, new))
+            observed.release()
             if new == n:
                 break
         t.join()
