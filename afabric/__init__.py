@@ -12,6 +12,7 @@ from .groups import PeerGroup, ScatterTarget
 from .memory import MemoryRegion
 from .pages import Pages
 from .provider import ProviderSpec
+from .timing import OpTiming
 from .triggers import Trigger, imm_count
 from .watcher import UvmWatcher
 
@@ -22,6 +23,7 @@ __all__ = [
     "Engine",
     "MemoryRegion",
     "MrDesc",
+    "OpTiming",
     "Pages",
     "PeerGroup",
     "ProviderSpec",

@@ -105,6 +105,29 @@ class NicStats(ctypes.Structure):
     ]
 
 
+class OpTimingStruct(ctypes.Structure):
+    id: int
+    kind: int
+    status: int
+    work_requests: int
+    t_enqueue: int
+    t_pickup: int
+    t_first_post: int
+    t_last_post: int
+    t_complete: int
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("kind", ctypes.c_uint32),
+        ("status", ctypes.c_int32),
+        ("work_requests", ctypes.c_uint64),
+        ("t_enqueue", ctypes.c_uint64),
+        ("t_pickup", ctypes.c_uint64),
+        ("t_first_post", ctypes.c_uint64),
+        ("t_last_post", ctypes.c_uint64),
+        ("t_complete", ctypes.c_uint64),
+    ]
+
+
 class EngineFacts(ctypes.Structure):
     event_fd: int
     caps: int
@@ -183,6 +206,7 @@ class NicInfoStruct(ctypes.Structure):
 C_DONE, C_RELEASE, C_RECV, C_WATCH = 1, 2, 3, 4
 TRIG_NONE, TRIG_WATCHER, TRIG_IMM = 0, 1, 2
 CFG_FORCE_EFA_MODES = 0x1
+CFG_TIMING = 0x2
 POLL_ADAPTIVE, POLL_SPIN = 0, 1
 MR_REMOTE, MR_DEVICE = 0x1, 0x2
 NO_IMM = -1
@@ -296,6 +320,10 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_expect_imm": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.c_uint64, _u64p]),
     "afs_cancel": (ctypes.c_int32, [_E, ctypes.c_uint64]),
     "afs_drain": (ctypes.c_int32, [_E, ctypes.POINTER(Completion), ctypes.c_uint32, _u32p]),
+    "afs_timing_drain": (
+        ctypes.c_int32,
+        [_E, ctypes.POINTER(OpTimingStruct), ctypes.c_uint32, _u32p, _u64p],
+    ),
     "afs_recv_release": (ctypes.c_int32, [_E, _u32p, ctypes.c_uint32]),
     "afs_bench_write": (
         ctypes.c_int32,
@@ -438,10 +466,11 @@ def make_config(
     tx_depth: int = 256,
     op_timeout: float = 20.0,
     force_efa_modes: bool = False,
+    timing: bool = False,
 ) -> Config:
     cfg = Config()
     cfg.size = ctypes.sizeof(Config)
-    cfg.flags = CFG_FORCE_EFA_MODES if force_efa_modes else 0
+    cfg.flags = (CFG_FORCE_EFA_MODES if force_efa_modes else 0) | (CFG_TIMING if timing else 0)
     cfg.provider_lib = _cstr(library)
     cfg.provider_name = _cstr(provider_name)
     cfg.fabric_provider = _cstr(fabric_provider)
@@ -580,6 +609,22 @@ class NativeEngine:
         rc = self._s.f.afs_engine_info(self._handle(), ctypes.byref(out))
         self._s.check(rc, "engine info", self.provider)
         return out
+
+    def timings(self) -> tuple[list[tuple[int, ...]], int]:
+        """Timing records drained now (field tuples in OpTimingStruct order), and how many
+        were dropped because they were not drained in time."""
+        batch = 4096
+        arr = (OpTimingStruct * batch)()
+        n, dropped = ctypes.c_uint32(), ctypes.c_uint64()
+        out: list[tuple[int, ...]] = []
+        while True:
+            rc = self._s.f.afs_timing_drain(
+                self._handle(), arr, batch, ctypes.byref(n), ctypes.byref(dropped)
+            )
+            self._s.check(rc, "draining timings", self.provider)
+            out.extend(tuple(int(getattr(r, f[0])) for f in OpTimingStruct._fields_) for r in arr[: n.value])
+            if n.value < batch:
+                return out, dropped.value
 
     def stats(self, nic: int) -> dict[str, int]:
         out = NicStats()

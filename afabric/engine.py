@@ -26,6 +26,7 @@ from .descriptor import MrDesc
 from .groups import PeerGroup, ScatterTarget
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
+from .timing import OpTiming
 from .triggers import Trigger
 from .watcher import UvmWatcher
 
@@ -107,6 +108,7 @@ class Engine:
         tx_depth: int = 256,
         name: str | None = None,
         force_efa_modes: bool = False,
+        timing: bool = False,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         try:
@@ -139,6 +141,7 @@ class Engine:
             tx_depth=tx_depth,
             op_timeout=op_timeout,
             force_efa_modes=force_efa_modes,
+            timing=timing,
         )
         self._n = _native.NativeEngine(cfg, spec.name)
         facts = self._n.facts()
@@ -162,6 +165,7 @@ class Engine:
         self._peers: dict[bytes, int] = {}
         self._next_imm = 0
         self._watchers: dict[int, UvmWatcher] = {}
+        self._timings_dropped = 0
         self._first_posts: collections.deque[tuple[int, int]] | None = None  # benchmarks
         self._created_at = traceback.format_stack() if self._loop.get_debug() else None
         self._loop.add_reader(self._fd, _on_ready, weakref.ref(self))
@@ -267,6 +271,19 @@ class Engine:
             "messages_queued": len(self._inbox),
             "nics": [self._n.stats(k) for k in range(self.nics)],
         }
+
+    def timings(self) -> list[OpTiming]:
+        """Stage timestamps of the operations completed since the last call (engines
+        created with ``timing=True``; the shim keeps the newest 65,536). Each record is the
+        enqueue, worker pickup, first and last post and completion of one operation."""
+        self._check_open()
+        records, dropped = self._n.timings()
+        if dropped > self._timings_dropped:
+            self.log.warning(
+                "%d timing records were dropped (drain timings() more often)", dropped - self._timings_dropped
+            )
+            self._timings_dropped = dropped
+        return [OpTiming.from_record(r) for r in records]
 
     # ---- memory ----
 

@@ -71,6 +71,7 @@ typedef struct afs_config {
 } afs_config;
 
 #define AFS_CFG_FORCE_EFA_MODES 0x1u
+#define AFS_CFG_TIMING 0x2u /* stamp each operation's stages (afs_timing_drain) */
 #define AFS_POLL_ADAPTIVE 0u
 #define AFS_POLL_SPIN 1u
 
@@ -94,6 +95,20 @@ typedef struct afs_nic_stats {
     uint64_t retries;     /* posts the provider answered with "try again" */
     uint64_t landed;      /* remote writes seen landing here (where the provider counts them) */
 } afs_nic_stats;
+
+/* Where one operation's time went (AFS_CFG_TIMING), CLOCK_MONOTONIC ns; 0 = stage not
+ * reached (e.g. failed before posting). */
+typedef struct afs_op_timing {
+    uint64_t id;
+    uint32_t kind;   /* AFS request kind: 2 write, 3 paged, 4 send, 8 scatter */
+    int32_t status;
+    uint64_t work_requests;
+    uint64_t t_enqueue;    /* the caller handed it to the shim */
+    uint64_t t_pickup;     /* the worker took it from the submit queue */
+    uint64_t t_first_post; /* its first work request was posted */
+    uint64_t t_last_post;  /* its last work request was posted */
+    uint64_t t_complete;   /* its last completion was seen */
+} afs_op_timing;
 
 /* Decoded descriptor (afs_desc_decode). */
 typedef struct afs_desc_info {
@@ -194,6 +209,10 @@ AFS_API int32_t afs_expect_imm(afs_engine *eng, uint32_t imm, uint64_t count, ui
 AFS_API int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id);
 
 AFS_API int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count);
+/* Timing records of completed operations (oldest first); *dropped gets how many were
+ * overwritten because nobody drained them in time. */
+AFS_API int32_t afs_timing_drain(afs_engine *eng, afs_op_timing *out, uint32_t max,
+                                 uint32_t *count, uint64_t *dropped);
 AFS_API int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count);
 
 /* Raw benchmark loops: the same submit path driven from C, no Python per operation.

@@ -262,6 +262,8 @@ static void engine_free(afs_engine *eng)
     afs_slots_destroy(&eng->remotes);
     afs_slots_destroy(&eng->watchers);
     pthread_mutex_destroy(&eng->peer_lock);
+    pthread_mutex_destroy(&eng->timing_lock);
+    free(eng->timings);
     if (eng->wake_fd >= 0)
         close(eng->wake_fd);
     free(eng->provider_lib);
@@ -300,6 +302,19 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     if (pthread_mutex_init(&eng->peer_lock, NULL) != 0) {
         free(eng);
         return afs_fail(AFS_ENOMEM, "engine: mutex init failed");
+    }
+    if (pthread_mutex_init(&eng->timing_lock, NULL) != 0) {
+        pthread_mutex_destroy(&eng->peer_lock);
+        free(eng);
+        return afs_fail(AFS_ENOMEM, "engine: mutex init failed");
+    }
+    if (cfg->flags & AFS_CFG_TIMING) {
+        eng->timing_cap = 1u << 16;
+        eng->timings = calloc(eng->timing_cap, sizeof(afs_op_timing));
+        if (!eng->timings) {
+            rc = afs_fail(AFS_ENOMEM, "engine: out of memory for timing records");
+            goto out_free;
+        }
     }
     if ((rc = afs_slots_init(&eng->mrs, sizeof(afs_mr_entry))) ||
         (rc = afs_slots_init(&eng->peers, sizeof(afs_peer_entry))) ||
@@ -392,6 +407,25 @@ int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out)
     out->max_msg_size = eng->cfg.max_msg_size;
     out->nics = eng->nnics;
     snprintf(out->provider, sizeof(out->provider), "%s", eng->provider_full);
+    return 0;
+}
+
+int32_t afs_timing_drain(afs_engine *eng, afs_op_timing *out, uint32_t max, uint32_t *count,
+                         uint64_t *dropped)
+{
+    if (!eng || !out || !count || !dropped)
+        return afs_fail(AFS_EINVAL, "timing_drain: NULL argument");
+    if (!eng->timings)
+        return afs_fail(AFS_EINVAL, "the engine was not created with timing on");
+    pthread_mutex_lock(&eng->timing_lock);
+    uint32_t n = eng->timing_len < max ? eng->timing_len : max;
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = eng->timings[(eng->timing_head + i) % eng->timing_cap];
+    eng->timing_head = (eng->timing_head + n) % eng->timing_cap;
+    eng->timing_len -= n;
+    *dropped = eng->timing_dropped;
+    pthread_mutex_unlock(&eng->timing_lock);
+    *count = n;
     return 0;
 }
 

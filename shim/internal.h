@@ -285,6 +285,7 @@ typedef struct afs_xfer {
     bool armed;
     uint64_t trig_watcher, trig_value;
     uint64_t t_first_post; /* ns, for timing triggered and regular operations */
+    uint64_t t_enqueue, t_pickup, t_last_post; /* AFS_CFG_TIMING only */
 
     /* expect / cancel / watch */
     uint64_t count;
@@ -333,6 +334,12 @@ struct afs_engine {
     _Atomic uint64_t next_id;
 
     afs_ring ring;
+    /* AFS_CFG_TIMING: operation timings, worker -> caller (a lock; off the data path when
+     * timing is off, and one uncontended lock per operation when it is on) */
+    afs_op_timing *timings;
+    uint32_t timing_cap, timing_head, timing_len;
+    uint64_t timing_dropped;
+    pthread_mutex_t timing_lock;
     afs_slots mrs, peers, remotes;
     pthread_mutex_t peer_lock; /* guards peer lookup by address (control path only) */
 

@@ -56,6 +56,8 @@ void afs_xfer_free(afs_xfer *x)
 
 void afs_submit(afs_engine *eng, afs_xfer *x)
 {
+    if (eng->timings)
+        x->t_enqueue = afs_now_ns();
     afs_mpsc_push(&eng->submitq, &x->qn);
     atomic_thread_fence(memory_order_seq_cst);
     if (atomic_load_explicit(&eng->worker_sleeping, memory_order_relaxed)) {
@@ -133,8 +135,26 @@ static void set_error(afs_xfer *x, int status, const char *fmt, const char *text
     x->errtext = afs_strdup_printf(fmt, text);
 }
 
+static void record_timing(afs_engine *eng, const afs_xfer *x)
+{
+    afs_op_timing t = {x->id, x->kind, x->status, x->posted_wr, x->t_enqueue, x->t_pickup,
+                       x->t_first_post, x->t_last_post, afs_now_ns()};
+    pthread_mutex_lock(&eng->timing_lock);
+    uint32_t at = (eng->timing_head + eng->timing_len) % eng->timing_cap;
+    eng->timings[at] = t;
+    if (eng->timing_len < eng->timing_cap) {
+        eng->timing_len++;
+    } else { /* full: the oldest goes, and is counted */
+        eng->timing_head = (eng->timing_head + 1) % eng->timing_cap;
+        eng->timing_dropped++;
+    }
+    pthread_mutex_unlock(&eng->timing_lock);
+}
+
 static void push_done(afs_engine *eng, afs_xfer *x, bool release_later)
 {
+    if (eng->timings && x->kind != AFS_REQ_EXPECT)
+        record_timing(eng, x);
     afs_completion c = {0};
     c.id = x->id;
     c.kind = AFS_C_DONE;
@@ -346,6 +366,8 @@ static int post_round(afs_engine *eng, afs_xfer *x)
         if (posted && x->posted_wr == 0)
             x->t_first_post = afs_now_ns(); /* once per operation; `now` may predate a nap */
         x->posted_wr += posted;
+        if (eng->timings && x->posted_wr == x->total_wr)
+            x->t_last_post = afs_now_ns();
         uint64_t bytes = 0;
         for (uint32_t i = 0; i < posted; i++)
             bytes += wr[at + i].length;
@@ -390,6 +412,7 @@ static int post_send(afs_engine *eng, afs_xfer *x)
     x->tx_slot = slot;
     x->posted_wr = 1;
     x->t_first_post = afs_now_ns();
+    x->t_last_post = x->t_first_post;
     return 0;
 }
 
@@ -714,6 +737,8 @@ static bool take_requests(afs_engine *eng, uint64_t now)
     while ((qn = afs_mpsc_pop(&eng->submitq)) != NULL) {
         afs_xfer *x = (afs_xfer *)qn;
         did = true;
+        if (eng->timings)
+            x->t_pickup = afs_now_ns();
         switch (x->kind) {
         case AFS_REQ_CTRL:
             run_ctrl(eng, x);

@@ -35,7 +35,7 @@ from ctypes import (
 )
 from typing import TypeAlias, TypeVar
 
-from afabric._native import Completion, Config, DescInfo, EngineFacts, EngineHandle, NicStats
+from afabric._native import Completion, Config, DescInfo, EngineFacts, EngineHandle, NicStats, OpTimingStruct
 
 _T = TypeVar("_T")
 
@@ -210,6 +210,16 @@ class ShimLib:
     @staticmethod
     def afs_drain(eng: EngineHandle, out: _Ref[Completion], max: int, count: _Ref[c_uint32]) -> int:
         """Up to ``max`` completion records into ``out``; ``*count`` = how many."""
+
+    @staticmethod
+    def afs_timing_drain(
+        eng: EngineHandle,
+        out: Array[OpTimingStruct],
+        max: int,
+        count: _Ref[c_uint32],
+        dropped: _Ref[c_uint64],
+    ) -> int:
+        """Timing records of completed operations (engines created with AFS_CFG_TIMING)."""
 
     @staticmethod
     def afs_recv_release(eng: EngineHandle, slots: _Ref[c_uint32], count: int) -> int: ...
