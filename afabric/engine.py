@@ -44,6 +44,12 @@ def _u64(value: Any, name: str) -> int:
     return v
 
 
+def _bounded(value: Any, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise errors.InvalidArgument(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+    return value
+
+
 def _imm(value: Any) -> int:
     if value is None:
         return _native.NO_IMM
@@ -119,8 +125,19 @@ class Engine:
             raise errors.InvalidArgument(f"polling must be 'adaptive' or 'spin', got {polling!r}")
         if not isinstance(provider, str):
             raise errors.InvalidArgument("provider must be a string")
-        if op_timeout < 0:
-            raise errors.InvalidArgument("op_timeout must be >= 0 (0 = never)")
+        if (
+            isinstance(op_timeout, bool)
+            or not isinstance(op_timeout, (int, float))
+            or not 0 <= op_timeout < 1e9
+        ):
+            raise errors.InvalidArgument("op_timeout must be a number of seconds >= 0 (0 = never)")
+        # checked here: ctypes would silently truncate these into the config's 32-bit fields
+        _bounded(spin_us, "spin_us", 0, 10_000_000)
+        _bounded(max_message_size, "max_message_size", 64, 64 << 20)
+        _bounded(rx_depth, "rx_depth", 1, 65535)
+        _bounded(tx_depth, "tx_depth", 1, 65535)
+        if cpu is not None:
+            _bounded(cpu, "cpu", 0, 1 << 20)
         spec, why = registry.resolve(provider)
         self.provider: str = spec.name
         """afabric's provider name ("tcp")."""
@@ -144,6 +161,15 @@ class Engine:
             timing=timing,
         )
         self._n = _native.NativeEngine(cfg, spec.name)
+        try:
+            self._adopt(spec.name, why, name, op_timeout)
+        except BaseException:
+            self._n.destroy()
+            raise
+
+    def _adopt(self, provider: str, why: str, name: str | None, op_timeout: float) -> None:
+        """The rest of construction, once the native engine exists (which `__init__`
+        destroys again if this raises)."""
         facts = self._n.facts()
         self._fd = int(facts.event_fd)
         self.fabric_provider: str = facts.provider.decode(errors="replace")
@@ -155,7 +181,7 @@ class Engine:
         """NICs in this engine's group (contiguous writes are split across them)."""
         self.address: Address = Address(self._n.address())
         self.op_timeout = op_timeout
-        self.name = name or f"{spec.name}-{self.address.short()}"
+        self.name = name or f"{provider}-{self.address.short()}"
         self.log = logging.getLogger(f"afabric.engine.{self.name}")
         self._ops: dict[int, _Op] = {}
         self._held: dict[int, tuple[Any, ...]] = {}

@@ -229,6 +229,19 @@ async def test_engine_outside_loop_and_bad_provider() -> None:
         afabric.Engine("no-such-provider")
     with pytest.raises(errors.InvalidArgument):
         afabric.Engine("tcp", polling="sometimes")
+    # values that would not fit the shim's 32-bit configuration fields are refused
+    for kw in (
+        {"max_message_size": 2**33},
+        {"max_message_size": 8},
+        {"rx_depth": 0},
+        {"tx_depth": 70000},
+        {"op_timeout": -1},
+        {"op_timeout": "soon"},
+        {"cpu": -3},
+        {"nics": 0},
+    ):
+        with pytest.raises(errors.InvalidArgument):
+            afabric.Engine("tcp", **kw)  # type: ignore[arg-type]
 
 
 def test_engine_needs_running_loop() -> None:
