@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _native, errors, registry
 from .address import Address
@@ -48,6 +49,30 @@ def _bounded(value: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise errors.InvalidArgument(f"{name} must be an int in {lo}..{hi}, got {value!r}")
     return value
+
+
+def _target_columns(
+    targets: list[ScatterTarget],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """Lengths, source and destination offsets of scatter targets as uint64 columns: one
+    numpy conversion for plain in-range ints (the common case), else a checked loop that
+    names the offending target."""
+    rows = [(t.length, t.src_offset, t.dst_offset) for t in targets]
+    if all(type(v) is int and 0 <= v <= U64_MAX for row in rows for v in row):
+        cols = np.array(rows, dtype=np.uint64).reshape(len(rows), 3)
+    else:
+        cols = np.empty((len(rows), 3), dtype=np.uint64)
+        for i, (length, src_off, dst_off) in enumerate(rows):
+            cols[i] = (
+                _u64(length, f"target {i} length"),
+                _u64(src_off, f"target {i} src_offset"),
+                _u64(dst_off, f"target {i} dst_offset"),
+            )
+    return (
+        np.ascontiguousarray(cols[:, 0]),
+        np.ascontiguousarray(cols[:, 1]),
+        np.ascontiguousarray(cols[:, 2]),
+    )
 
 
 def _imm(value: Any) -> int:
@@ -481,15 +506,8 @@ class Engine:
             group.check(descs)
         mr_id = mr.check(self)
         n = len(targets)
-        ids = np.empty(n, dtype=np.uint64)
-        lengths = np.empty(n, dtype=np.uint64)
-        src = np.empty(n, dtype=np.uint64)
-        dst = np.empty(n, dtype=np.uint64)
-        for i, t in enumerate(targets):
-            ids[i] = self._remote(t.desc)[0]
-            lengths[i] = _u64(t.length, f"target {i} length")
-            src[i] = _u64(t.src_offset, f"target {i} src_offset")
-            dst[i] = _u64(t.dst_offset, f"target {i} dst_offset")
+        ids = np.fromiter((self._remote(d)[0] for d in descs), dtype=np.uint64, count=n)
+        lengths, src, dst = _target_columns(targets)
         op = self._n.scatter("scatter", mr_id, ids, lengths, src, dst, _imm(imm), self._trigger(when))
         await self._wait(op, f"scatter to {n} targets", 0, (mr,), "write", when)
 
