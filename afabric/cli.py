@@ -1,9 +1,9 @@
-"""The ``afabric`` command: ``afabric info``, ``afabric bench p2p`` and ``afabric bench trigger``.
+"""The ``afabric`` command: ``afabric info`` and ``afabric bench p2p|trigger|overhead|report``.
 
 ``info`` lists the installed providers (from the ``afabric.providers`` entry points),
 whether each is usable here and why not, the NICs each sees, what ``provider="auto"``
-would pick, GPUs and NUMA nodes. ``bench p2p`` and ``bench trigger`` parse their options
-and hand them to :func:`afabric.bench.p2p.main` and :func:`afabric.bench.trigger.main`.
+would pick, GPUs and NUMA nodes. Each ``bench`` subcommand parses its options and hands
+them to the ``main`` of its module in :mod:`afabric.bench`, importing it only then.
 """
 
 from __future__ import annotations
@@ -316,7 +316,27 @@ def _default_loop() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
+_PLOT_HELP = "also draw the results as a PNG plot to PATH (needs matplotlib: pip install 'afabric[plot]')"
+
+
+def _plot_problem(path: str | None) -> str | None:
+    """Why ``--plot PATH`` cannot work here (checked before a benchmark runs), or None."""
+    if not path:
+        return None
+    from .bench import plots
+
+    if not plots.available():
+        return f"--plot needs matplotlib, which is not installed: {plots.INSTALL_HINT}"
+    if not Path(path).resolve().parent.is_dir():
+        return f"--plot: the directory of {path} does not exist"
+    return None
+
+
 def _run_bench(module: str, ns: argparse.Namespace) -> int:
+    problem = _plot_problem(getattr(ns, "plot", None))
+    if problem:
+        print(f"afabric: error: {problem}", file=sys.stderr)
+        return 2
     # Imported here, on use only: the benchmark pulls in numpy and the engine.
     try:
         mod = importlib.import_module(module)
@@ -337,6 +357,24 @@ def _cmd_bench_trigger(ns: argparse.Namespace) -> int:
     return _run_bench("afabric.bench.trigger", ns)
 
 
+def _cmd_bench_report(ns: argparse.Namespace) -> int:
+    return _run_bench("afabric.bench.report", ns)
+
+
+def _cmd_bench_overhead(ns: argparse.Namespace) -> int:
+    return _run_bench("afabric.bench.overhead", ns)
+
+
+def _count_list(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of counts: {text!r} (e.g. 8,16)") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"not a list of positive counts: {text!r} (e.g. 8,16)")
+    return counts
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="afabric", description="Portable point-to-point RDMA for asyncio.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log afabric's decisions (INFO) to stderr")
@@ -351,6 +389,7 @@ def _parser() -> argparse.ArgumentParser:
     p2p = bsub.add_parser("p2p", help="point-to-point write/send bandwidth and latency between two processes")
     p2p.add_argument("--provider", default="auto", help="provider name or 'auto' (default: auto)")
     p2p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    p2p.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
     p2p.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
     p2p.add_argument(
         "--sizes", type=_size_list, default=None, metavar="LIST",
@@ -370,6 +409,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     trig.add_argument("--provider", default="shm", help="provider name or 'auto' (default: shm)")
     trig.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    trig.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
     trig.add_argument("--quick", action="store_true", help="300 iterations per mode (smoke run)")
     trig.add_argument("--iterations", type=int, default=None, metavar="N",
                       help="iterations per mode (default: 2000, or 300 with --quick)")
@@ -378,12 +418,43 @@ def _parser() -> argparse.ArgumentParser:
     trig.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
                       help="event loop (default: uvloop if installed, else asyncio)")
     trig.set_defaults(func=_cmd_bench_trigger)
+
+    ovh = bsub.add_parser(
+        "overhead", help="where a scatter's microseconds go: per-stage p50/p99/p99.9 by peer count"
+    )
+    ovh.add_argument("--provider", default="shm", help="provider name or 'auto' (default: shm)")
+    ovh.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    ovh.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
+    ovh.add_argument("--quick", action="store_true", help="300 scatters per peer count (smoke run)")
+    ovh.add_argument("--peers", type=_count_list, default=None, metavar="LIST",
+                     help="comma-separated peer counts (default: 8,16,32,64)")
+    ovh.add_argument("--size", type=parse_size, default=None, metavar="BYTES",
+                     help="bytes written to each peer per scatter (default: 64)")
+    ovh.add_argument("--iterations", type=int, default=None, metavar="N",
+                     help="scatters per peer count (default: 20000 for 8 peers down to 2500 for 64)")
+    ovh.add_argument("--procs", type=int, default=None, metavar="N",
+                     help="target processes hosting the peer engines (default: 2)")
+    ovh.add_argument("--polling", choices=("adaptive", "spin"), default=None,
+                     help="initiator's worker polling: adaptive (default) or spin (a core per worker)")
+    ovh.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
+                     help="event loop (default: uvloop if installed, else asyncio)")
+    ovh.set_defaults(func=_cmd_bench_overhead)
+
+    rep = bsub.add_parser(
+        "report", help="one Markdown page (tables and PNG plots) from the --json results in a directory"
+    )
+    rep.add_argument("dir", metavar="DIR", help="directory holding the *.json results of afabric bench ...")
+    rep.add_argument("-o", "--output", metavar="PATH", default=None,
+                     help="where to write the page (default: DIR/README.md); plots go next to the JSON")
+    rep.add_argument("--no-plots", action="store_true", help="tables only, no PNG plots")
+    rep.set_defaults(func=_cmd_bench_report)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afabric`` console script; returns the exit status."""
     ns = _parser().parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in benchmark results
     if ns.verbose:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("afabric").setLevel(logging.INFO)

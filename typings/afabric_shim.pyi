@@ -214,7 +214,7 @@ class ShimLib:
     @staticmethod
     def afs_timing_drain(
         eng: EngineHandle,
-        out: Array[OpTimingStruct],
+        out: _Ref[OpTimingStruct],
         max: int,
         count: _Ref[c_uint32],
         dropped: _Ref[c_uint64],

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
@@ -26,6 +24,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import Engine, MemoryRegion, MrDesc, Pages, _native
+from . import report
+from .progress import Progress
 
 KiB, MiB = 1 << 10, 1 << 20
 CONTIG_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -131,6 +131,9 @@ def _raw(elapsed_ns: int, count: int) -> float:
 
 async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row], list[Latency], Engine]:
     eng = Engine(args.provider, polling=args.polling)
+    sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
+    pages = QUICK_PAGES if args.quick else PAGE_SIZES
+    bar = Progress(len(sizes) + len(pages) + 1)  # on stderr, when it is a terminal
     try:
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
@@ -139,8 +142,8 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
         rid, _ = eng._remote(desc)  # the raw loop drives the same imported descriptor
         n = eng._n
         rows: list[Row] = []
-        sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
         for size in sizes:
+            bar.step(f"write {_fmt_size(size)}")
             window, iters = _window_for(size), _iters_for(size, args.quick)
             row = Row("write", size, 1, window)
             py: list[float] = []
@@ -150,9 +153,10 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
                 raw.append(_raw(n.bench_write(mr_id, rid, size, window, iters), iters))
             _fill(row, py, raw, size)
             rows.append(row)
-            _progress(args, row)
+            bar.advance()
         rng = np.random.default_rng(1)
-        for page in QUICK_PAGES if args.quick else PAGE_SIZES:
+        for page in pages:
+            bar.step(f"paged {_fmt_size(page)}/pg")
             npages = REGION // page
             count = PAGES_PER_OP
             window = 16
@@ -167,10 +171,13 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
                 raw.append(_raw(n.bench_paged(mr_id, rid, page, s_idx, d_idx, window, iters), iters))
             _fill(row, py, raw, page * count, per_call=count)
             rows.append(row)
-            _progress(args, row)
+            bar.advance()
+        bar.step("latency 8 B")
         lat = [await _latency(eng, mr, desc, 8, args.quick)]
+        bar.close()
         return rows, lat, eng
     except BaseException:
+        bar.close()
         await eng.aclose()
         raise
 
@@ -209,11 +216,6 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-def _progress(args: argparse.Namespace, row: Row) -> None:
-    if sys.stderr.isatty() and not args.json_only:
-        print(f"  measured {row.kind} {_fmt_size(row.size)}", file=sys.stderr)
-
-
 def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     out = [header, ""]
     out.append(
@@ -237,7 +239,7 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     args.repeat = max(1, int(getattr(args, "repeat", None) or (3 if args.quick else 5)))
-    args.json_only = False
+    report.check_outputs(args)  # a --plot that cannot be drawn fails before the run, not after it
     args.polling = getattr(args, "polling", None) or "adaptive"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -272,9 +274,10 @@ def main(args: argparse.Namespace) -> int:
         f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}"
     )
     print(render(rows, lat, header))
-    if args.json:
+    if report.wants_doc(args):
         doc = {
             "bench": "p2p",
+            "command": report.command_line(args),
             "provider": args.provider,
             "fabric_provider": fabric,
             "loop": loop,
@@ -286,6 +289,5 @@ def main(args: argparse.Namespace) -> int:
             "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
             "latency": [asdict(x) for x in lat],
         }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        report.write_outputs(doc, args)
     return 0

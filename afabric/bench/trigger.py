@@ -25,14 +25,12 @@ import asyncio
 import collections
 import contextlib
 import ctypes
-import json
 import math
 import multiprocessing as mp
 import os
 import platform
 import queue
 import random
-import sys
 import threading
 import time
 from collections.abc import Coroutine
@@ -44,6 +42,8 @@ import numpy as np
 
 from .. import Engine, MemoryRegion, MrDesc, UvmWatcher, _native
 from ..errors import AfabricError
+from . import report
+from .progress import Progress
 
 SIZE = 64  # bytes per write (a small "layer done" payload; the immediate is what counts)
 REGION = 1 << 16
@@ -329,22 +329,23 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes, imm: int) -> tupl
         per_block = -(-args.iterations // args.rounds)
         raw: dict[str, list[list[tuple[int, int]]]] = {m: [] for m in MODES}
         left = dict.fromkeys(MODES, args.iterations)
-        for r in range(args.rounds):
-            order = MODES if r % 2 == 0 else MODES[::-1]
-            for mode in order:
-                n = min(per_block, left[mode])
-                if n <= 0:
-                    continue
-                fn = _triggered if mode == "triggered" else _python
-                limit = 30.0 + (n + WARMUP) * 0.05  # a stuck block fails instead of hanging
-                block = await asyncio.wait_for(
-                    fn(eng, mr, desc, imm, n + WARMUP, seed=r * 2 + (mode == "python")), limit
-                )
-                writes += n + WARMUP
-                raw[mode].append(block.latencies()[WARMUP:])
-                left[mode] -= n
-                if sys.stderr.isatty():
-                    print(f"  round {r + 1}/{args.rounds}: {mode} done", file=sys.stderr)
+        with Progress(len(MODES) * args.iterations) as bar:  # on stderr, when it is a terminal
+            for r in range(args.rounds):
+                order = MODES if r % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    n = min(per_block, left[mode])
+                    if n <= 0:
+                        continue
+                    bar.step(f"round {r + 1}/{args.rounds} {mode}")
+                    fn = _triggered if mode == "triggered" else _python
+                    limit = 30.0 + (n + WARMUP) * 0.05  # a stuck block fails instead of hanging
+                    block = await asyncio.wait_for(
+                        fn(eng, mr, desc, imm, n + WARMUP, seed=r * 2 + (mode == "python")), limit
+                    )
+                    writes += n + WARMUP
+                    raw[mode].append(block.latencies()[WARMUP:])
+                    left[mode] -= n
+                    bar.advance(n)
         return {m: _summarize(m, raw[m]) for m in MODES}, writes
 
 
@@ -395,6 +396,7 @@ def main(args: argparse.Namespace) -> int:
     args.polling = getattr(args, "polling", None) or "adaptive"
     args.provider = getattr(args, "provider", None) or "shm"
     loop = getattr(args, "loop", None) or "asyncio"
+    report.check_outputs(args)  # a --plot that cannot be drawn fails before the run, not after it
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
 
@@ -439,11 +441,12 @@ def main(args: argparse.Namespace) -> int:
         f"{PACE_US[0]:g}-{PACE_US[1]:g} µs apart by a Python thread, {ARM_AHEAD} armed ahead; {o.target}"
     )
     print(render(o.results, header))
-    if args.json:
+    if report.wants_doc(args):
         t, p = o.results["triggered"], o.results["python"]
         ratio_p99 = _ratio(p.p99_us, t.p99_us)
         doc = {
             "bench": "trigger",
+            "command": report.command_line(args),
             "provider": args.provider,
             "fabric_provider": o.fabric,
             "loop": loop,
@@ -468,6 +471,5 @@ def main(args: argparse.Namespace) -> int:
             },
             "goal": {"p99_ratio_at_least": GOAL_P99_RATIO, "met": ratio_p99 >= GOAL_P99_RATIO},
         }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        report.write_outputs(doc, args)
     return 0
