@@ -93,6 +93,7 @@ class NicStats(ctypes.Structure):
     errors: int
     retries: int
     landed: int
+    completions: int
     _fields_ = [
         ("writes", ctypes.c_uint64),
         ("write_bytes", ctypes.c_uint64),
@@ -102,6 +103,7 @@ class NicStats(ctypes.Structure):
         ("errors", ctypes.c_uint64),
         ("retries", ctypes.c_uint64),
         ("landed", ctypes.c_uint64),
+        ("completions", ctypes.c_uint64),
     ]
 
 
@@ -630,7 +632,10 @@ class NativeEngine:
         out = NicStats()
         rc = self._s.f.afs_engine_stats(self._handle(), nic, ctypes.byref(out))
         self._s.check(rc, "engine stats", self.provider)
-        return {field[0]: int(getattr(out, field[0])) for field in NicStats._fields_}
+        counts = {field[0]: int(getattr(out, field[0])) for field in NicStats._fields_}
+        # work requests still with the provider: this NIC's queue depth right now
+        counts["outstanding"] = counts["writes"] + counts["sends"] - counts["completions"]
+        return counts
 
     def address(self) -> bytes:
         buf = (ctypes.c_uint8 * 2048)()

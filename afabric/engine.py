@@ -311,8 +311,9 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
-        immediates in, errors, "try again" retries, remote writes seen landing) plus the
-        operations this engine is waiting on. Cheap: read it as often as you like."""
+        immediates in, completions, errors, "try again" retries, remote writes seen landing,
+        and ``outstanding``: work requests still with the provider, the NIC's queue depth)
+        plus the operations this engine is waiting on. Cheap: read it as often as you like."""
         self._check_open()
         return {
             "provider": self.provider,

@@ -94,6 +94,8 @@ typedef struct afs_nic_stats {
     uint64_t errors;      /* failed work requests */
     uint64_t retries;     /* posts the provider answered with "try again" */
     uint64_t landed;      /* remote writes seen landing here (where the provider counts them) */
+    uint64_t completions; /* write and send work requests completed (with or without error):
+                             writes + sends - completions are still with the provider */
 } afs_nic_stats;
 
 /* Where one operation's time went (AFS_CFG_TIMING), CLOCK_MONOTONIC ns; 0 = stage not

@@ -444,6 +444,7 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     out->errors = atomic_load_explicit(&n->st_errors, memory_order_relaxed);
     out->retries = atomic_load_explicit(&n->st_retries, memory_order_relaxed);
     out->landed = atomic_load_explicit(&n->st_landed, memory_order_relaxed);
+    out->completions = atomic_load_explicit(&n->st_completions, memory_order_relaxed);
     return 0;
 }
 

@@ -159,7 +159,7 @@ typedef struct afs_nic {
     void *rx_desc, *tx_desc;
     /* counters (afs_nic_stats): written by the worker alone, read by anyone */
     _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
-        st_retries, st_landed;
+        st_retries, st_landed, st_completions;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     uint64_t key_counter;

@@ -836,6 +836,9 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
         if (e->kind == AFP_EV_ERROR && !is_rx)
             afs_count(&nn->st_errors, 1);
+        if (e->kind == AFP_EV_WRITE_DONE || e->kind == AFP_EV_SEND_DONE ||
+            (e->kind == AFP_EV_ERROR && !is_rx))
+            afs_count(&nn->st_completions, 1);
         switch (e->kind) {
         case AFP_EV_IMM:
             afs_count(&nn->st_imms, 1);

@@ -59,5 +59,6 @@ async def test_counters_follow_the_traffic(provider: str, caplog: pytest.LogCapt
         assert after["sends"] - before["sends"] == 1
         assert target["imms"] >= 10 and target["recvs"] >= 1
         assert after["errors"] == 0
+        assert after["outstanding"] == 0 and after["completions"] - before["completions"] == 11
         stats = a.stats()
         assert stats["ops_in_flight"] == 0 and stats["provider"] == provider
