@@ -225,7 +225,7 @@ typedef struct afs_watcher {
     uint64_t current;        /* worker only: the value triggers compare against */
 } afs_watcher;
 
-enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE, AFS_CTRL_FORGET };
+enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE };
 
 typedef struct afs_bench_counter {
     _Atomic uint32_t done; /* a futex word: the raw loop sleeps on it like Python on its fd */
@@ -238,7 +238,6 @@ void afs_bench_count(afs_bench_counter *c);
 typedef struct afs_xfer {
     afs_qnode qn; /* first: the queue node */
     uint32_t kind;
-    uint32_t state;
     uint64_t id;
     struct afs_xfer *prev, *next; /* active/zombie/expect list links (worker) */
     struct afs_xfer *pnext;       /* post queue link (worker) */
@@ -354,12 +353,10 @@ struct afs_engine {
     pthread_t watch_thread;
     bool watch_started;
     _Atomic int watch_stop;
-    _Atomic uint32_t n_watchers;
     _Atomic uint32_t armed_on_watchers; /* operations waiting for a watcher value */
     void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;
-    uint32_t rx_slots;
 };
 
 /* One-writer counter bump: a relaxed load and store, no locked instruction. */

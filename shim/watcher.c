@@ -197,7 +197,6 @@ int32_t afs_watcher_create(afs_engine *eng, int32_t device, uint64_t *watcher_id
     *watcher_id = afs_slots_publish(&eng->watchers, index);
     *host_ptr = (uint64_t)(uintptr_t)w->word;
     *device_ptr = w->device_ptr;
-    atomic_fetch_add(&eng->n_watchers, 1);
     if (!eng->watch_started) {
         if (pthread_create(&eng->watch_thread, NULL, afs_watch_main, eng) != 0) {
             afs_watcher_destroy(eng, *watcher_id);
@@ -217,7 +216,6 @@ int32_t afs_watcher_destroy(afs_engine *eng, uint64_t watcher_id)
     if (!w)
         return afs_fail(AFS_ESTALE, "watcher is not live");
     afs_slots_release(&eng->watchers, (uint32_t)watcher_id);
-    atomic_fetch_sub(&eng->n_watchers, 1);
     /* The word itself is freed at engine close: the watcher thread and kernels may still
      * be reading it, and a released slot is never read again. */
     return 0;
