@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import ctypes
 import math
 import multiprocessing as mp
 import os
@@ -120,25 +119,8 @@ def run_target(conn: Connection, provider: str, polling: str = "adaptive", loop:
 # ---- the writer thread (the "model") ----
 
 
-class _Bumper:
-    """``watcher.add(1)`` for a thread other than the loop's: the same shim call with this
-    thread's own result word (the engine's native wrapper keeps one result word for every
-    call, which a second thread must not share)."""
-
-    def __init__(self, eng: Engine, w: UvmWatcher) -> None:
-        self._shim = _native.shim()
-        self._handle = eng._n._handle()
-        self._id = w.id
-        self._out = ctypes.c_uint64()
-
-    def __call__(self) -> None:
-        rc = self._shim.f.afs_watcher_add(self._handle, self._id, 1, ctypes.byref(self._out))
-        if rc:
-            self._shim.check(rc, "bumping watcher")
-
-
 def _writer(
-    bump: _Bumper, n: int, go: queue.SimpleQueue[bool], t_change: list[int], seed: int, errs: list[str]
+    w: UvmWatcher, n: int, go: queue.SimpleQueue[bool], t_change: list[int], seed: int, errs: list[str]
 ) -> None:
     """Bump n times; before bump k wait for the loop's go (write k-1 done), then a paced gap."""
     rng = random.Random(seed)
@@ -150,7 +132,7 @@ def _writer(
                 return
             time.sleep(rng.uniform(lo, hi))
             t_change[k] = clock()
-            bump()
+            w.add(1)  # safe from any thread
     except BaseException as e:  # noqa: BLE001 - reported by the block that started it
         errs.append(f"{type(e).__name__}: {e}")
 
@@ -168,7 +150,7 @@ class _Block:
         self.posts: collections.deque[tuple[int, int]] = collections.deque()
         eng._first_posts = self.posts
         self.thread = threading.Thread(
-            target=_writer, args=(_Bumper(eng, self.w), n, self.go, self.t_change, seed, self.errs),
+            target=_writer, args=(self.w, n, self.go, self.t_change, seed, self.errs),
             name="afabric-bench-writer", daemon=True,
         )  # fmt: skip
 
