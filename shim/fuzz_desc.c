@@ -1,8 +1,8 @@
 /*
  * Fuzz target for the shim's address and descriptor decoders (afs_desc_decode,
- * afs_address_check; format at the top of codec.c). Not library code: everything below
- * is compiled only with -DAFABRIC_FUZZ, so when build_native.py compiles every .c file of
- * shim/ into libafabric_shim.so this file adds nothing to it.
+ * afs_address_check; format at the top of codec.c). Not library code: build_native.py
+ * leaves fuzz_*.c out of libafabric_shim.so, and everything below also needs
+ * -DAFABRIC_FUZZ, so compiling it by accident adds nothing.
  *
  * Standalone (gcc, what tests/test_native.py does): link the shim's sources directly,
  * under ASan + UBSan, and run a deterministic mutation loop over seed blobs:
