@@ -38,16 +38,17 @@ import multiprocessing as mp
 import os
 import platform
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from .. import Address, Engine, MrDesc, OpTiming, ScatterTarget, _native
 from ..errors import AfabricError
 from . import report
+from .loops import run as run_on_loop
 from .progress import Progress
 
 PEERS = (8, 16, 32, 64)
@@ -60,15 +61,6 @@ ITERATIONS = {8: 20000, 16: 10000, 32: 5000, 64: 2500}  # default run: ~40 s on 
 QUICK_ITERATIONS = 300
 PROCS = 2
 
-_T = TypeVar("_T")
-
-
-def _run(coro: Coroutine[Any, Any, _T], loop: str) -> _T:
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
 
 
 def pattern(total: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -118,7 +110,7 @@ def run_targets(
                     return
             conn.send(("ok", count))
 
-    _run(run(), loop)
+    run_on_loop(run(), loop)
 
 
 class _Targets:
@@ -391,7 +383,7 @@ def main(args: argparse.Namespace) -> int:
                 bar.advance()
         return results, fabric, why
 
-    results, fabric, why = _run(run(), args.loop)
+    results, fabric, why = run_on_loop(run(), args.loop)
     header = (
         f"afabric bench overhead — provider {args.provider} ({fabric}), loop {args.loop}, "
         f"polling {args.polling} (targets {args.target_polling}), {os.cpu_count()} cores, "

@@ -16,15 +16,14 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
 
 import numpy as np
 
 from .. import Engine, MemoryRegion, MrDesc, Pages, _native
 from . import report
+from .loops import run as run_on_loop
 from .progress import Progress
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -71,18 +70,9 @@ def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
             aloop = asyncio.get_running_loop()
             await aloop.run_in_executor(None, conn.recv)
 
-    _run(run(), loop)
+    run_on_loop(run(), loop)
 
 
-_T = TypeVar("_T")
-
-
-def _run(coro: Coroutine[Any, Any, _T], loop: str) -> _T:
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
 
 
 def _iters_for(nbytes: int, quick: bool) -> int:
@@ -268,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
             if proc.is_alive():
                 proc.kill()
 
-    rows, lat, fabric, why = _run(run(), loop)
+    rows, lat, fabric, why = run_on_loop(run(), loop)
     header = (
         f"afabric bench p2p — provider {args.provider} ({fabric}), loop {loop}, polling {args.polling}, "
         f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}"

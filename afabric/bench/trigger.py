@@ -32,16 +32,15 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
 
 import numpy as np
 
 from .. import Engine, MemoryRegion, MrDesc, UvmWatcher, _native
 from ..errors import AfabricError
 from . import report
+from .loops import run as run_on_loop
 from .progress import Progress
 
 SIZE = 64  # bytes per write (a small "layer done" payload; the immediate is what counts)
@@ -53,7 +52,6 @@ GOAL_P99_RATIO = 5.0  # the issue's goal: triggered p99 at least 5x lower than p
 MODES = ("triggered", "python")
 PERCENTILES = (0.0, 1.0, 10.0, 25.0, 50.0, 75.0, 90.0, 99.0, 99.9, 100.0)
 
-_T = TypeVar("_T")
 
 
 @dataclass
@@ -76,14 +74,6 @@ class ModeResult:
     before_change: int = 0
     after_next_change: int = 0
     samples_ns: list[int] = field(default_factory=list)
-
-
-def _run(coro: Coroutine[Any, Any, _T], loop: str) -> _T:
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
 
 
 # ---- the target process ----
@@ -113,7 +103,7 @@ def run_target(conn: Connection, provider: str, polling: str = "adaptive", loop:
             ok = bytes(buf[: len(pattern)]) == bytes(pattern)
             conn.send(("ok", int(total)) if ok else ("error", "write payload differs"))
 
-    _run(run(), loop)
+    run_on_loop(run(), loop)
 
 
 # ---- the writer thread (the "model") ----
@@ -413,7 +403,7 @@ def main(args: argparse.Namespace) -> int:
                 proc.kill()
                 proc.join(5)
 
-    o = _run(run(), loop)
+    o = run_on_loop(run(), loop)
     header = (
         f"afabric bench trigger — provider {args.provider} ({o.fabric}), loop {loop}, "
         f"polling {args.polling}, {os.cpu_count()} cores, {platform.node()}, "
