@@ -365,6 +365,21 @@ def _cmd_bench_overhead(ns: argparse.Namespace) -> int:
     return _run_bench("afabric.bench.overhead", ns)
 
 
+# Subcommands that live in their own module: ``(parent, name, module)``. Each module defines
+# ``HELP`` (one line), ``add_arguments(parser)`` and ``main(ns) -> int``, and imports nothing
+# heavy at module level (the parser is built on every ``afabric`` call).
+_MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
+)
+
+
+def _add_module_commands(parents: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]]) -> None:
+    for parent, name, module in _MODULE_COMMANDS:
+        mod = importlib.import_module(module)
+        p = parents[parent].add_parser(name, help=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(func=lambda ns, _m=module: _run_bench(_m, ns))
+
+
 def _count_list(text: str) -> list[int]:
     try:
         counts = [int(t) for t in text.split(",") if t.strip()]
@@ -448,6 +463,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="where to write the page (default: DIR/README.md); plots go next to the JSON")
     rep.add_argument("--no-plots", action="store_true", help="tables only, no PNG plots")
     rep.set_defaults(func=_cmd_bench_report)
+    _add_module_commands({"": sub, "bench": bsub})
     return ap
 
 
