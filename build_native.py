@@ -7,6 +7,8 @@ build serves every Python version):
 - ``libafabric_ofi.so``  from ``providers/ofi/*.c`` -> ``providers/ofi/afabric_ofi/``
   (the libfabric provider plugin; it needs libfabric's headers at build time only: it
   dlopens libfabric at run time, so nothing here links it).
+- ``libafabric_verbs.so`` from ``providers/verbs/*.c`` -> ``providers/verbs/afabric_verbs/``
+  (the libibverbs provider plugin; likewise libibverbs' headers at build time only).
 
 Used by ``setup.py`` (``pip install .`` calls :func:`build` from its build_py step) and
 directly::
@@ -36,11 +38,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 SHIM_DIR = ROOT / "shim"
 OFI_DIR = ROOT / "providers" / "ofi"
+VERBS_DIR = ROOT / "providers" / "verbs"
 
 SHIM_NAME = "libafabric_shim.so"
 OFI_NAME = "libafabric_ofi.so"
+VERBS_NAME = "libafabric_verbs.so"
 DEFAULT_SHIM_OUT = ROOT / "afabric" / "_lib"
 DEFAULT_OFI_OUT = OFI_DIR / "afabric_ofi"
+DEFAULT_VERBS_OUT = VERBS_DIR / "afabric_verbs"
 
 BASE_FLAGS = [
     "-std=c11",
@@ -64,6 +69,11 @@ LIBFABRIC_HINT = (
     "for a vendor libfabric elsewhere (e.g. /opt/amazon/efa) set CFLAGS=-I/opt/amazon/efa/include"
 )
 
+IBVERBS_HINT = (
+    "libibverbs' development headers (infiniband/verbs.h) are missing: "
+    "apt-get install libibverbs-dev (Debian/Ubuntu) or rdma-core-devel (RHEL/Fedora)"
+)
+
 
 class BuildError(RuntimeError):
     """A native library could not be built; the message says why and what to install."""
@@ -77,6 +87,7 @@ class Library:
     src_dir: Path
     default_out: Path
     needs_libfabric: bool
+    needs_ibverbs: bool = False
 
     def sources(self) -> list[Path]:
         # test_*.c and fuzz_*.c are standalone programs (providers/ofi/test_ofi.c,
@@ -89,6 +100,7 @@ class Library:
 
 SHIM = Library(SHIM_NAME, SHIM_DIR, DEFAULT_SHIM_OUT, needs_libfabric=False)
 OFI = Library(OFI_NAME, OFI_DIR, DEFAULT_OFI_OUT, needs_libfabric=True)
+VERBS = Library(VERBS_NAME, VERBS_DIR, DEFAULT_VERBS_OUT, needs_libfabric=False, needs_ibverbs=True)
 
 
 def compiler() -> list[str]:
@@ -117,6 +129,15 @@ def flags(*, sanitize: bool = False, debug: bool = False) -> list[str]:
 
 def check_libfabric_headers(cc: Sequence[str] | None = None) -> None:
     """Raise BuildError naming the package to install if <rdma/fabric.h> cannot be included."""
+    _check_header("rdma/fabric.h", LIBFABRIC_HINT, cc)
+
+
+def check_ibverbs_headers(cc: Sequence[str] | None = None) -> None:
+    """Raise BuildError naming the package to install if <infiniband/verbs.h> is missing."""
+    _check_header("infiniband/verbs.h", IBVERBS_HINT, cc)
+
+
+def _check_header(header: str, hint: str, cc: Sequence[str] | None) -> None:
     cmd = [
         *(cc or compiler()),
         *_env_flags("CPPFLAGS"),
@@ -129,10 +150,10 @@ def check_libfabric_headers(cc: Sequence[str] | None = None) -> None:
         "-",
     ]
     proc = subprocess.run(
-        cmd, check=False, input="#include <rdma/fabric.h>\n", capture_output=True, text=True
+        cmd, check=False, input=f"#include <{header}>\n", capture_output=True, text=True
     )
     if proc.returncode != 0:
-        raise BuildError(f"{LIBFABRIC_HINT}\n(compiler said: {proc.stderr.strip()})")
+        raise BuildError(f"{hint}\n(compiler said: {proc.stderr.strip()})")
 
 
 def build_library(
@@ -154,6 +175,8 @@ def build_library(
         raise BuildError(f"no C sources in {lib.src_dir} for {lib.name}")
     if lib.needs_libfabric:
         check_libfabric_headers(cc)
+    if lib.needs_ibverbs:
+        check_ibverbs_headers(cc)
     dest_dir = Path(out_dir) if out_dir is not None else lib.default_out
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / lib.name
@@ -197,18 +220,26 @@ def build(
     sanitize: bool = False,
     debug: bool = False,
     verbose: bool = False,
-    only: Sequence[str] = ("shim", "ofi"),
+    only: Sequence[str] = ("shim", "ofi", "verbs"),
+    out_dir_verbs: str | os.PathLike[str] | None = None,
 ) -> dict[str, Path]:
-    """Build the shim and/or the libfabric provider; returns {"shim": path, "ofi": path}.
+    """Build the shim and/or the providers; returns {"shim": path, "ofi": path, "verbs": path}.
 
-    Directories default to the libraries' places in the source tree. Serial on purpose
-    (one compiler at a time). Raises BuildError with the compiler's output on failure.
+    Directories default to the libraries' places in the source tree; the verbs provider
+    goes next to the libfabric one when only out_dir_ofi is given (``--out DIR``). Serial
+    on purpose (one compiler at a time). Raises BuildError with the compiler's output.
     """
-    unknown = set(only) - {"shim", "ofi"}
+    unknown = set(only) - {"shim", "ofi", "verbs"}
     if unknown:
-        raise BuildError(f"unknown library {sorted(unknown)}; choose from shim, ofi")
+        raise BuildError(f"unknown library {sorted(unknown)}; choose from shim, ofi, verbs")
+    if out_dir_verbs is None:
+        out_dir_verbs = out_dir_ofi
     out: dict[str, Path] = {}
-    for key, lib, dest in (("shim", SHIM, out_dir_shim), ("ofi", OFI, out_dir_ofi)):
+    for key, lib, dest in (
+        ("shim", SHIM, out_dir_shim),
+        ("ofi", OFI, out_dir_ofi),
+        ("verbs", VERBS, out_dir_verbs),
+    ):
         if key in only:
             out[key] = build_library(lib, dest, sanitize=sanitize, debug=debug, verbose=verbose)
     return out
@@ -242,16 +273,16 @@ def sanitizer_env(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description="Build afabric's native libraries (shim and libfabric provider)."
+        description="Build afabric's native libraries (shim, libfabric and verbs providers)."
     )
     ap.add_argument(
-        "--out", metavar="DIR", help="put both libraries in DIR (default: their source-tree places)"
+        "--out", metavar="DIR", help="put all libraries in DIR (default: their source-tree places)"
     )
     ap.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan build (-O1)")
     ap.add_argument("--debug", action="store_true", help="-O0 -g3")
     ap.add_argument(
         "--only",
-        choices=("shim", "ofi"),
+        choices=("shim", "ofi", "verbs"),
         action="append",
         help="build just this library (repeatable; default: both)",
     )
@@ -270,17 +301,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             sanitize=ns.sanitize,
             debug=ns.debug,
             verbose=ns.verbose,
-            only=tuple(ns.only or ("shim", "ofi")),
+            only=tuple(ns.only or ("shim", "ofi", "verbs")),
         )
         if ns.print_env:
             if ns.sanitize and "shim" in built:
                 env = sanitizer_env(built["shim"], built.get("ofi"))
+                if "verbs" in built:
+                    env["AFABRIC_VERBS_LIB"] = str(built["verbs"].resolve())
             else:
                 env = {}
                 if "shim" in built:
                     env["AFABRIC_SHIM"] = str(built["shim"].resolve())
                 if "ofi" in built:
                     env["AFABRIC_OFI_LIB"] = str(built["ofi"].resolve())
+                if "verbs" in built:
+                    env["AFABRIC_VERBS_LIB"] = str(built["verbs"].resolve())
             for k, v in env.items():
                 print(f"export {k}={shlex.quote(v)}")
         else:

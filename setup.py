@@ -2,10 +2,11 @@
 
 - ``build_py`` also compiles the native libraries (build_native.py) straight into the
   build tree, so they land in the wheel as package data: afabric/_lib/libafabric_shim.so
-  and afabric_ofi/libafabric_ofi.so.
+  afabric_ofi/libafabric_ofi.so and afabric_verbs/libafabric_verbs.so.
 - The wheel is platform-tagged but Python-version independent (``py3-none-linux_x86_64``):
   the libraries are loaded with ctypes, they are not CPython extensions.
-- ``afabric_ofi`` (the first-party libfabric provider plugin) lives in providers/ofi/.
+- ``afabric_ofi`` (the first-party libfabric provider plugin) lives in providers/ofi/,
+  ``afabric_verbs`` (the libibverbs one) in providers/verbs/.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ class BuildPyWithNative(build_py):
         if getattr(self, "editable_mode", False):
             # `pip install -e .`: the packages are used from the source tree.
             shim_dir, ofi_dir = bn.DEFAULT_SHIM_OUT, bn.DEFAULT_OFI_OUT
+            verbs_dir = bn.DEFAULT_VERBS_OUT
         else:
             shim_dir = Path(self.build_lib) / "afabric" / "_lib"
             ofi_dir = Path(self.build_lib) / "afabric_ofi"
+            verbs_dir = Path(self.build_lib) / "afabric_verbs"
         try:
-            built = bn.build(shim_dir, ofi_dir, verbose=bool(self.verbose))
+            built = bn.build(shim_dir, ofi_dir, out_dir_verbs=verbs_dir, verbose=bool(self.verbose))
         except bn.BuildError as e:
             raise CompileError(f"afabric: native build failed: {e}") from e
         self._native_outputs = [str(p) for p in built.values()]
@@ -84,11 +87,15 @@ package_data: dict[str, Any] = {
     "": ["py.typed", "*.cu"],
     "afabric": ["_lib/*.so"],
     "afabric_ofi": ["*.so"],
+    "afabric_verbs": ["*.so"],
 }
 
 setup(
-    packages=[*find_packages(include=["afabric", "afabric.*"]), "afabric_ofi"],
-    package_dir={"afabric_ofi": "providers/ofi/afabric_ofi"},
+    packages=[*find_packages(include=["afabric", "afabric.*"]), "afabric_ofi", "afabric_verbs"],
+    package_dir={
+        "afabric_ofi": "providers/ofi/afabric_ofi",
+        "afabric_verbs": "providers/verbs/afabric_verbs",
+    },
     package_data=package_data,
     zip_safe=False,
     distclass=BinaryDistribution,
