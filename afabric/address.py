@@ -32,8 +32,9 @@ class Address:
         return f"Address({self._blob.hex()[:16]}…, nics={self.nics})"
 
     def short(self) -> str:
-        """A short tag for messages: the incarnation in hex."""
-        return f"{self.incarnation:016x}"[:8]
+        """A short tag for messages: the low half of the incarnation in hex (the high half
+        is the creation time, shared by engines made in the same second)."""
+        return f"{self.incarnation & 0xFFFFFFFF:08x}"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Address) and other._blob == self._blob

@@ -35,6 +35,15 @@ static int load_mr(afs_engine *eng, uint64_t id, mr_copy *out)
                                 "(deregistered, or from another engine)");
 }
 
+/* A peer whose NIC addresses were since claimed by a later incarnation has restarted:
+ * what was imported from it is refused before anything is posted. */
+static int peer_current(afs_engine *eng, uint64_t peer_id)
+{
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    uint64_t later = p ? atomic_load(&p->superseded_by) : 0;
+    return later ? afs_restarted_error(p->incarnation, later) : 0;
+}
+
 static int load_remote(afs_engine *eng, uint64_t id, afs_remote_entry *out)
 {
     afs_remote_entry *r = afs_slots_lookup(&eng->remotes, id);
@@ -45,7 +54,7 @@ static int load_remote(afs_engine *eng, uint64_t id, afs_remote_entry *out)
         memcpy(out->rbase, r->rbase, sizeof(out->rbase));
         memcpy(out->key, r->key, sizeof(out->key));
         if (afs_slots_still(&eng->remotes, id))
-            return 0;
+            return peer_current(eng, out->peer_id);
     }
     return afs_fail(AFS_ESTALE, "remote descriptor handle is not live on this engine");
 }
@@ -358,6 +367,8 @@ int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t
     uint64_t fi_addr = p ? p->fi_addr[0] : 0;
     if (!p || !afs_slots_still(&eng->peers, peer_id))
         return afs_fail(AFS_ESTALE, "peer handle is not live on this engine");
+    if ((rc = peer_current(eng, peer_id)))
+        return rc;
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SEND);
     if (!x)
         return afs_fail(AFS_ENOMEM, "send: out of memory");

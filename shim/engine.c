@@ -121,11 +121,11 @@ static int setup_pools(afs_engine *eng, uint32_t index)
         return afs_fail(AFS_ENOMEM, "cannot allocate message buffers (%llu bytes)",
                         (unsigned long long)(rx_bytes + tx_bytes));
     uint64_t rkey;
-    rc = eng->ops->reg_mr(n->dom, n->rx_buf, rx_bytes, 0, -1, afs_mix64(eng->incarnation + 1),
+    rc = eng->ops->reg_mr(n->dom, n->rx_buf, rx_bytes, 0, -1, afs_mr_key(eng->key_secret, index, UINT64_MAX),
                           &n->rx_mr, &n->rx_desc, &rkey, &dummy_base);
     if (rc)
         return afs_fail(rc, "registering receive buffers: %s", eng->ops->errbuf(n->dom));
-    rc = eng->ops->reg_mr(n->dom, n->tx_buf, tx_bytes, 0, -1, afs_mix64(eng->incarnation + 2),
+    rc = eng->ops->reg_mr(n->dom, n->tx_buf, tx_bytes, 0, -1, afs_mr_key(eng->key_secret, index, UINT64_MAX - 1),
                           &n->tx_mr, &n->tx_desc, &rkey, &dummy_base);
     if (rc)
         return afs_fail(rc, "registering send buffers: %s", eng->ops->errbuf(n->dom));
@@ -297,7 +297,9 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     eng->cfg.fabric_provider = eng->fabric_provider;
     eng->cfg.nic = eng->nic_name;
     eng->cfg.bind_addr = eng->bind_addr;
-    eng->incarnation = afs_random_u64() | 1u;
+    eng->incarnation = afs_new_incarnation();
+    eng->key_secret[0] = afs_random_u64();
+    eng->key_secret[1] = afs_random_u64();
     atomic_store(&eng->next_id, 1);
     if (pthread_mutex_init(&eng->peer_lock, NULL) != 0) {
         free(eng);
@@ -539,6 +541,28 @@ int32_t afs_mr_deregister(afs_engine *eng, uint64_t mr_id)
     return rc;
 }
 
+/* Whether a known peer lives at the NIC addresses of `v` (a restarted engine reuses them:
+ * a fixed tcp port, an EFA QP number given out again). */
+static bool same_nics(const afs_peer_entry *p, const afs_addr_view *v)
+{
+    afs_addr_view known;
+    if (afs_addr_parse(p->addr, p->addr_len, &known) != 0 || known.nics != v->nics)
+        return false;
+    for (uint32_t k = 0; k < v->nics; k++)
+        if (known.nic_addr_len[k] != v->nic_addr_len[k] ||
+            memcmp(known.nic_addr[k], v->nic_addr[k], v->nic_addr_len[k]) != 0)
+            return false;
+    return true;
+}
+
+int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation)
+{
+    return afs_fail(AFS_ESTALE,
+                    "descriptor or address of engine %016llx, which has restarted as %016llx "
+                    "at the same address: refused (its regions are gone)",
+                    (unsigned long long)old_incarnation, (unsigned long long)new_incarnation);
+}
+
 static int find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
                                 uint32_t blob_len, uint64_t *peer_id)
 {
@@ -552,13 +576,30 @@ static int find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const u
     if (blob_len > sizeof(((afs_peer_entry *)0)->addr))
         return afs_fail(AFS_EBADDESC, "peer address too long (%u bytes)", blob_len);
     pthread_mutex_lock(&eng->peer_lock);
+    afs_peer_entry *older[8];
+    uint32_t n_older = 0;
     for (uint32_t i = 0; i < eng->peers.n_alloc; i++) {
         afs_peer_entry *p = afs_slots_at(&eng->peers, i);
         uint32_t gen = p ? atomic_load(&p->hdr.gen) : 0;
-        if ((gen & 1u) && p->addr_len == blob_len && memcmp(p->addr, blob, blob_len) == 0) {
+        if (!(gen & 1u))
+            continue;
+        if (p->addr_len == blob_len && memcmp(p->addr, blob, blob_len) == 0) {
+            uint64_t later = atomic_load(&p->superseded_by);
+            if (later) {
+                rc = afs_restarted_error(p->incarnation, later);
+                goto out_unlock;
+            }
             *peer_id = ((uint64_t)gen << 32) | i;
             goto out_unlock;
         }
+        if (p->incarnation == v->incarnation || !same_nics(p, v))
+            continue;
+        if (p->incarnation > v->incarnation) { /* this blob is from before a restart */
+            rc = afs_restarted_error(v->incarnation, p->incarnation);
+            goto out_unlock;
+        }
+        if (!atomic_load(&p->superseded_by) && n_older < sizeof(older) / sizeof(older[0]))
+            older[n_older++] = p;
     }
     uint32_t index;
     afs_peer_entry *p;
@@ -582,6 +623,11 @@ static int find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const u
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
         *peer_id = afs_slots_publish(&eng->peers, index);
+        /* Earlier incarnations at these NIC addresses are dead: refuse their descriptors
+         * from now on, before anything is posted (api.c load_remote, afs_send). */
+        for (uint32_t i = 0; i < n_older; i++)
+            if (!atomic_load(&older[i]->superseded_by))
+                atomic_store(&older[i]->superseded_by, v->incarnation);
     } else {
         afs_slots_release(&eng->peers, index);
     }

@@ -33,6 +33,10 @@ uint64_t afs_random_u64(void);
 uint64_t afs_mix64(uint64_t x);
 uint32_t afs_crc32(const uint8_t *buf, size_t len);
 
+/* ---- keys.c: remote keys (keyed by a per-engine secret) and incarnations ---- */
+uint64_t afs_mr_key(const uint64_t secret[2], uint32_t nic, uint64_t counter);
+uint64_t afs_new_incarnation(void); /* creation time (us) << 12 | random: later is larger */
+
 /* ---- mpsc.c: Vyukov's intrusive multi-producer single-consumer queue ---- */
 typedef struct afs_qnode {
     _Atomic(struct afs_qnode *) next;
@@ -180,6 +184,7 @@ typedef struct afs_peer_entry {
     afs_slot_hdr hdr;
     uint64_t fi_addr[AFS_MAX_NICS];
     uint64_t incarnation;
+    _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
     uint32_t addr_len;
     uint8_t addr[512];
 } afs_peer_entry;
@@ -319,6 +324,7 @@ struct afs_engine {
     uint32_t nnics;
     afs_nic nics[AFS_MAX_NICS];
     uint64_t incarnation;
+    uint64_t key_secret[2]; /* remote keys derive from it (keys.c); never leaves the engine */
     uint8_t address[1024];
     uint32_t address_len;
     char provider_full[64];
@@ -381,5 +387,6 @@ void afs_watchers_destroy(afs_engine *eng);
 int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);
 int afs_engine_check_open(afs_engine *eng);
 int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot);
+int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation); /* AFS_ESTALE */
 
 #endif

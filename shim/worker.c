@@ -651,7 +651,7 @@ static void ctrl_reg(afs_engine *eng, afs_xfer *x)
     uint32_t k;
     for (k = 0; k < eng->nnics; k++) {
         afs_nic *n = &eng->nics[k];
-        uint64_t key = afs_mix64(eng->incarnation ^ (++n->key_counter << 8) ^ k);
+        uint64_t key = afs_mr_key(eng->key_secret, k, ++n->key_counter);
         int rc = eng->ops->reg_mr(n->dom, (void *)(uintptr_t)m->addr, m->len, m->flags, m->device,
                                   key, &m->mr[k], &m->desc[k], &m->rkey[k], &m->rbase[k]);
         if (rc) {
