@@ -1,0 +1,94 @@
+"""Control-message plumbing both sides share: sending without piling up on a slow or dead
+peer, heartbeats, and when each peer was last heard from."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from ..address import Address
+from ..engine import Engine
+from ..errors import AfabricError
+from . import wire
+
+
+class Peers:
+    """Who was heard when, and the control messages in flight to each peer.
+
+    Heartbeats and confirmations are sent in background tasks so a peer that does not
+    answer never stalls the loop; a heartbeat is skipped while the previous one to the
+    same peer is still in flight."""
+
+    def __init__(self, eng: Engine, role: int, log: logging.Logger) -> None:
+        self.eng = eng
+        self.role = role
+        self.log = log
+        self.me = bytes(eng.address)
+        self.heard: dict[bytes, float] = {}
+        self._beating: dict[bytes, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._seq = 0
+        self.send_failures = 0
+
+    def saw(self, peer: bytes) -> None:
+        self.heard[peer] = time.monotonic()
+
+    def silent_for(self, peer: bytes, since: float) -> float:
+        """Seconds since ``peer`` was last heard, counting from ``since`` at the earliest."""
+        return time.monotonic() - max(self.heard.get(peer, since), since)
+
+    async def send(self, peer: bytes, msg: bytes) -> None:
+        """Send now and wait (raises the engine's error)."""
+        await self.eng.send(Address.from_bytes(peer), msg)
+
+    def post(self, peer: bytes, msg: bytes, what: str) -> asyncio.Task[None]:
+        """Send in the background; a failure is logged and counted, not raised."""
+        task = asyncio.ensure_future(self._quiet(peer, msg, what))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _quiet(self, peer: bytes, msg: bytes, what: str) -> None:
+        try:
+            await self.send(peer, msg)
+        except AfabricError as e:
+            self.send_failures += 1
+            self.log.info("%s to %s failed: %s", what, peer.hex()[:16], e)
+
+    def beat(self, peers: Iterable[bytes]) -> None:
+        """One heartbeat to each of ``peers`` (skipping those whose last one is in flight)."""
+        for peer in peers:
+            prev = self._beating.get(peer)
+            if prev is not None and not prev.done():
+                continue
+            self._seq += 1
+            self._beating[peer] = self.post(
+                peer, wire.encode_heartbeat(self.me, self.role, self._seq), "heartbeat"
+            )
+        for peer in [p for p, t in self._beating.items() if t.done()]:
+            del self._beating[peer]
+
+    def forget(self, peer: bytes) -> None:
+        self.heard.pop(peer, None)
+
+    async def aclose(self, timeout: float = 2.0) -> None:
+        """Give control messages in flight a moment to leave, then drop them."""
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        for t in pending:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def every(interval: float, fn: Callable[[], None]) -> None:
+    """Call ``fn`` every ``interval`` seconds until cancelled (errors are the caller's bug:
+    they end the loop and surface in the task)."""
+    while True:
+        await asyncio.sleep(interval)
+        fn()
