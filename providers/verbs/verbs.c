@@ -812,6 +812,18 @@ static int vb_open(const afp_open_args *a, afp_domain **out, char *err, size_t e
         goto out_close;
     }
 
+    /* How much a write or send can carry inline: create_qp reports what it granted. */
+    struct ibv_qp_init_attr probe = {
+        .send_cq = d->cq, .recv_cq = d->cq, .srq = d->srq_imm, .qp_type = IBV_QPT_RC,
+        .cap = {.max_send_wr = 1, .max_send_sge = 1, .max_inline_data = VB_MAX_INLINE},
+    };
+    struct ibv_qp *pq = lib->create_qp(d->pd, &probe);
+    if (pq) {
+        d->max_inline = probe.cap.max_inline_data < VB_MAX_INLINE ? probe.cap.max_inline_data
+                                                                   : VB_MAX_INLINE;
+        (void)lib->destroy_qp(pq);
+    } /* else: no inline data on this device (max_inline stays 0) */
+
     d->access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_RELAXED_ORDERING;
     d->relaxed = lib->reg_mr_iova2 != NULL; /* the optional flag needs the iova2 entry */
     if (!d->relaxed)
@@ -968,18 +980,12 @@ static int create_rc(afp_domain *d, struct vb_peer *p)
             .recv_cq = d->cq,
             .srq = q == VB_QP_MSG ? d->srq_msg : d->srq_imm,
             .cap = {.max_send_wr = d->tx_depth, .max_send_sge = 1,
-                    .max_inline_data = VB_MAX_INLINE},
+                    .max_inline_data = d->max_inline},
             .qp_type = IBV_QPT_RC,
         };
         p->qp[q] = d->lib->create_qp(d->pd, &ia);
-        if (!p->qp[q] && errno == EINVAL) { /* no inline support */
-            ia.cap.max_inline_data = 0;
-            p->qp[q] = d->lib->create_qp(d->pd, &ia);
-        }
         if (!p->qp[q])
             return fail_errno(d, "ibv_create_qp(RC)", errno);
-        if (q == VB_QP_WR)
-            d->max_inline = ia.cap.max_inline_data;
         struct ibv_qp_attr at = {
             .qp_state = IBV_QPS_INIT,
             .pkey_index = 0,

@@ -261,6 +261,7 @@ def run(
         (xfer / "cmd.sh").write_text(_WRAPPER.format(pydir=Path(sys.executable).parent, env=exports, script=script))
         for name, data in (files or {}).items():
             (xfer / name).write_bytes(data)
+            (xfer / name).chmod(0o755)
         cmd = [
             QEMU,
             "-machine", "q35",

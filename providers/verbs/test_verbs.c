@@ -1,0 +1,394 @@
+/*
+ * Single-process test of libafabric_verbs.so through the provider ABI only, on a real
+ * RDMA device (Soft-RoCE rxe0 in the qemu guest of tests/rxe/guest.py):
+ *
+ *   cc -std=c11 -D_GNU_SOURCE -O2 -g -Wall -Wextra -Werror -Ishim \
+ *      providers/verbs/test_verbs.c -o /tmp/test_verbs -ldl
+ *   /tmp/test_verbs path/to/libafabric_verbs.so [device]
+ *
+ * Not part of the library (build_native.py skips test_*.c). Two domains A and B on one
+ * device (two rxe devices in one guest cannot reach each other). B drops the first two
+ * handshake datagrams it receives (AFABRIC_VERBS_TEST_DROP_HELLOS), so the connection
+ * only comes up if A retransmits. Then: 64 shuffled 16 KiB writes with immediates in one
+ * post_writes call (chains of 4 per doorbell), verified byte by byte; 100,000 zero-length
+ * writes with immediates, all counted at B with no error (the provider's immediate
+ * receive queue must never run dry); SEND/RECV both ways (B's side of the connection was
+ * made passively); B's wait fd wakes for a message that arrives after trywait allowed
+ * sleeping; a write to an address no peer answers fails with AFS_ETIMEDOUT within the
+ * connect timeout; a write with a forged key fails with an error event (no hang), and
+ * the next write to the same peer succeeds on a fresh connection.
+ */
+#include <dlfcn.h>
+#include <poll.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "afabric_provider.h"
+#include "afabric_shim.h"
+
+#define KIB 1024u
+#define NPAGES 64u
+#define PAGE (16u * KIB)
+#define REGION (NPAGES * PAGE)
+#define NIMM 100000u
+#define TX_DEPTH 256u
+#define RX_DEPTH 16u
+#define MSG_LEN 4096u
+#define CONNECT_MS 1500u
+#define BADKEY_CTX 777u
+
+static const struct afp_ops *ops;
+static const char *stage = "start";
+
+#define CHECK(cond, ...)                                                                       \
+    do {                                                                                       \
+        if (!(cond)) {                                                                         \
+            fprintf(stderr, "FAIL [%s] %s:%d: ", stage, __FILE__, __LINE__);                   \
+            fprintf(stderr, __VA_ARGS__);                                                      \
+            fprintf(stderr, "\n");                                                             \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+struct side {
+    afp_domain *dom;
+    const char *name;
+    uint64_t imms, imm_sum, writes_done, sends_done, errors, recvs;
+    int last_error;
+    uint64_t last_error_ctx;
+    char last_errtext[AFP_ERRTEXT_LEN];
+    char recv_buf[RX_DEPTH][MSG_LEN];
+    uint64_t recv_len[RX_DEPTH];
+    bool recv_seen[RX_DEPTH];
+    void *recv_desc;
+};
+
+static void poll_side(struct side *s)
+{
+    afp_event ev[64];
+    uint32_t n = 0;
+    int rc = ops->poll(s->dom, ev, 64, &n);
+    CHECK(rc == 0 || rc == AFS_EAGAIN, "%s poll: %d %s", s->name, rc, ops->errbuf(s->dom));
+    for (uint32_t i = 0; i < n; i++) {
+        switch (ev[i].kind) {
+        case AFP_EV_IMM:
+            s->imms++;
+            s->imm_sum += ev[i].imm;
+            break;
+        case AFP_EV_WRITE_DONE:
+            s->writes_done++;
+            break;
+        case AFP_EV_SEND_DONE:
+            s->sends_done++;
+            break;
+        case AFP_EV_RECV:
+            CHECK(ev[i].ctx < RX_DEPTH, "recv ctx %llu", (unsigned long long)ev[i].ctx);
+            s->recvs++;
+            s->recv_seen[ev[i].ctx] = true;
+            s->recv_len[ev[i].ctx] = ev[i].len;
+            break;
+        case AFP_EV_ERROR:
+            s->errors++;
+            s->last_error = ev[i].status;
+            s->last_error_ctx = ev[i].ctx;
+            snprintf(s->last_errtext, sizeof s->last_errtext, "%s", ev[i].errtext);
+            break;
+        default:
+            break;
+        }
+    }
+}
+
+static void poll_both(struct side *a, struct side *b)
+{
+    poll_side(a);
+    poll_side(b);
+}
+
+/* Post all n writes, polling both sides whenever the provider says "again". */
+static void post_all(struct side *a, struct side *b, afp_write *wr, uint32_t n, double limit_s)
+{
+    double t0 = now_s();
+    uint32_t at = 0;
+    while (at < n) {
+        uint32_t posted = 0;
+        int rc = ops->post_writes(a->dom, wr + at, n - at, &posted);
+        at += posted;
+        CHECK(rc == 0 || rc == AFS_EAGAIN, "post_writes: %d %s", rc, ops->errbuf(a->dom));
+        if (rc == AFS_EAGAIN || posted == 0)
+            poll_both(a, b);
+        CHECK(now_s() - t0 < limit_s, "posting %u writes took over %.0f s (%u posted)", n,
+              limit_s, at);
+    }
+}
+
+static void wait_for(struct side *a, struct side *b, const uint64_t *counter, uint64_t want,
+                     double limit_s)
+{
+    double t0 = now_s();
+    while (*counter < want) {
+        poll_both(a, b);
+        CHECK(a->errors == 0 && b->errors == 0, "error event: %s%s", a->last_errtext,
+              b->last_errtext);
+        CHECK(now_s() - t0 < limit_s, "waited %.0f s: %llu of %llu", limit_s,
+              (unsigned long long)*counter, (unsigned long long)want);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    const char *lib = argc > 1 ? argv[1] : "libafabric_verbs.so";
+    const char *dev = argc > 2 ? argv[2] : NULL;
+    char err[AFP_ERRTEXT_LEN] = "";
+    setvbuf(stdout, NULL, _IONBF, 0);
+
+    void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    CHECK(h, "dlopen %s: %s", lib, dlerror());
+    afp_get_ops_fn get = (afp_get_ops_fn)dlsym(h, "afp_get_ops");
+    CHECK(get, "no afp_get_ops");
+    ops = get();
+    CHECK(ops->major == AFP_ABI_MAJOR && strcmp(ops->name, "verbs") == 0, "bad table");
+
+    stage = "list_nics";
+    afp_open_args args = {.nic = dev, .rx_depth = RX_DEPTH, .tx_depth = TX_DEPTH};
+    afp_nic_info nics[8];
+    uint32_t nn = 0;
+    int rc = ops->list_nics(&args, nics, 8, &nn, err, sizeof err);
+    CHECK(rc == 0 && nn >= 1, "list_nics: rc %d, %u NICs: %s", rc, nn, err);
+    printf("NIC %s (%s), %llu bit/s\n", nics[0].name, nics[0].fabric,
+           (unsigned long long)nics[0].link_speed_bps);
+
+    stage = "open";
+    char timeout_ms[16];
+    snprintf(timeout_ms, sizeof timeout_ms, "%u", CONNECT_MS);
+    setenv("AFABRIC_VERBS_CONNECT_TIMEOUT_MS", timeout_ms, 1);
+    static struct side A = {.name = "A"}, B = {.name = "B"};
+    rc = ops->open(&args, &A.dom, err, sizeof err);
+    CHECK(rc == 0, "open A: %d %s", rc, err);
+    setenv("AFABRIC_VERBS_TEST_DROP_HELLOS", "2", 1);
+    rc = ops->open(&args, &B.dom, err, sizeof err);
+    unsetenv("AFABRIC_VERBS_TEST_DROP_HELLOS");
+    CHECK(rc == 0, "open B: %d %s", rc, err);
+    afp_caps caps;
+    CHECK(ops->caps(A.dom, &caps) == 0, "caps");
+    printf("provider %s, flags 0x%x, max_msg %llu, inline %llu\n", caps.provider, caps.flags,
+           (unsigned long long)caps.max_msg_size, (unsigned long long)caps.inject_size);
+    CHECK(!(caps.flags & AFP_CAP_IMM_NEEDS_RECV), "immediates must not need the shim's receives");
+    CHECK(caps.wait_fd >= 0, "no wait fd");
+
+    uint8_t addr_a[AFP_MAX_ADDR_LEN], addr_b[AFP_MAX_ADDR_LEN];
+    size_t la = sizeof addr_a, lb = sizeof addr_b;
+    CHECK(ops->address(A.dom, addr_a, &la) == 0 && ops->address(B.dom, addr_b, &lb) == 0,
+          "address");
+    uint64_t a_to_b, b_to_a;
+    CHECK(ops->resolve(A.dom, addr_b, lb, &a_to_b) == 0, "resolve B: %s", ops->errbuf(A.dom));
+    CHECK(ops->resolve(B.dom, addr_a, la, &b_to_a) == 0, "resolve A: %s", ops->errbuf(B.dom));
+    uint8_t junk[8] = {1, 2, 3};
+    uint64_t dummy;
+    CHECK(ops->resolve(A.dom, junk, sizeof junk, &dummy) == AFS_EBADDESC, "junk address taken");
+
+    stage = "register";
+    uint8_t *src = aligned_alloc(4096, REGION), *dst = aligned_alloc(4096, REGION);
+    CHECK(src && dst, "alloc");
+    for (uint32_t i = 0; i < REGION; i++)
+        src[i] = (uint8_t)(i * 2654435761u >> 13);
+    memset(dst, 0, REGION);
+    afp_mr *mr_src, *mr_dst, *mr_rb, *mr_sb;
+    void *d_src, *d_dst, *d_sb;
+    uint64_t k_src, k_dst, k_rb, k_sb, base_src, base_dst, base_rb, base_sb;
+    CHECK(ops->reg_mr(A.dom, src, REGION, 0, -1, 1, &mr_src, &d_src, &k_src, &base_src) == 0,
+          "reg src: %s", ops->errbuf(A.dom));
+    CHECK(ops->reg_mr(B.dom, dst, REGION, AFP_MR_REMOTE, -1, 2, &mr_dst, &d_dst, &k_dst,
+                      &base_dst) == 0,
+          "reg dst: %s", ops->errbuf(B.dom));
+    CHECK(base_dst == (uint64_t)(uintptr_t)dst, "remote base is not the virtual address");
+    CHECK(ops->reg_mr(B.dom, B.recv_buf, sizeof B.recv_buf, 0, -1, 3, &mr_rb, &B.recv_desc, &k_rb,
+                      &base_rb) == 0,
+          "reg B recv: %s", ops->errbuf(B.dom));
+    static char send_buf[MSG_LEN];
+    CHECK(ops->reg_mr(A.dom, send_buf, sizeof send_buf, 0, -1, 4, &mr_sb, &d_sb, &k_sb,
+                      &base_sb) == 0,
+          "reg send: %s", ops->errbuf(A.dom));
+    for (uint32_t i = 0; i < RX_DEPTH; i++)
+        CHECK(ops->post_recv(B.dom, B.recv_buf[i], MSG_LEN, B.recv_desc, i) == 0, "post_recv");
+
+    stage = "paged writes (handshake with 2 lost datagrams)";
+    afp_write wr[NPAGES];
+    uint32_t perm[NPAGES];
+    for (uint32_t i = 0; i < NPAGES; i++)
+        perm[i] = i;
+    srand(7);
+    for (uint32_t i = NPAGES - 1; i > 0; i--) {
+        uint32_t j = (uint32_t)rand() % (i + 1), t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    uint64_t want_sum = 0;
+    for (uint32_t i = 0; i < NPAGES; i++) {
+        wr[i] = (afp_write){.local_addr = src + (size_t)i * PAGE, .local_desc = d_src,
+                            .length = PAGE, .peer = a_to_b,
+                            .remote_addr = base_dst + (uint64_t)perm[i] * PAGE,
+                            .remote_key = k_dst, .ctx = 1000 + i, .imm = 0x1000 + i,
+                            .has_imm = 1};
+        want_sum += 0x1000 + i;
+    }
+    double t0 = now_s();
+    post_all(&A, &B, wr, NPAGES, 10);
+    wait_for(&A, &B, &B.imms, NPAGES, 20);
+    wait_for(&A, &B, &A.writes_done, NPAGES, 20);
+    printf("connect + %u x %u KiB writes: %.3f s\n", NPAGES, PAGE / KIB, now_s() - t0);
+    CHECK(B.imm_sum == want_sum, "immediate values wrong");
+    for (uint32_t i = 0; i < NPAGES; i++)
+        CHECK(memcmp(dst + (size_t)perm[i] * PAGE, src + (size_t)i * PAGE, PAGE) == 0,
+              "page %u landed wrong", i);
+
+    stage = "100000 immediates";
+    B.imms = B.imm_sum = 0;
+    A.writes_done = 0;
+    static afp_write zw[NIMM];
+    uint64_t zsum = 0;
+    for (uint32_t i = 0; i < NIMM; i++) {
+        zw[i] = (afp_write){.length = 0, .peer = a_to_b, .remote_addr = base_dst,
+                            .remote_key = k_dst, .ctx = i, .imm = i * 7u, .has_imm = 1};
+        zsum += (uint64_t)i * 7u;
+    }
+    t0 = now_s();
+    post_all(&A, &B, zw, NIMM, 120);
+    wait_for(&A, &B, &B.imms, NIMM, 120);
+    wait_for(&A, &B, &A.writes_done, NIMM, 120);
+    double dt = now_s() - t0;
+    printf("%u immediates: %.2f s (%.0f/s), no error\n", NIMM, dt, NIMM / dt);
+    CHECK(B.imms == NIMM && B.imm_sum == zsum, "immediates: %llu counted",
+          (unsigned long long)B.imms);
+
+    stage = "send/recv";
+    strcpy(send_buf, "hello over verbs");
+    CHECK(ops->post_send(A.dom, a_to_b, send_buf, strlen(send_buf) + 1, d_sb, 55) == 0,
+          "post_send A: %s", ops->errbuf(A.dom));
+    wait_for(&A, &B, &B.recvs, 1, 10);
+    wait_for(&A, &B, &A.sends_done, 1, 10);
+    bool found = false;
+    for (uint32_t i = 0; i < RX_DEPTH; i++)
+        if (B.recv_seen[i]) {
+            found = strcmp(B.recv_buf[i], "hello over verbs") == 0 &&
+                    B.recv_len[i] == strlen(send_buf) + 1;
+            B.recv_seen[i] = false;
+            CHECK(ops->post_recv(B.dom, B.recv_buf[i], MSG_LEN, B.recv_desc, i) == 0, "repost");
+        }
+    CHECK(found, "message content wrong");
+    /* B -> A: B's queue pairs were made passively; A has no receive posted yet, so the
+     * message waits (RNR retry) until it has one */
+    static char a_rbuf[MSG_LEN];
+    afp_mr *mr_ar;
+    void *d_ar;
+    uint64_t k_ar, b_ar;
+    CHECK(ops->reg_mr(A.dom, a_rbuf, sizeof a_rbuf, 0, -1, 5, &mr_ar, &d_ar, &k_ar, &b_ar) == 0,
+          "reg");
+    static char b_sbuf[64] = "and back";
+    afp_mr *mr_bs;
+    void *d_bs;
+    uint64_t k_bs, b_bs;
+    CHECK(ops->reg_mr(B.dom, b_sbuf, sizeof b_sbuf, 0, -1, 6, &mr_bs, &d_bs, &k_bs, &b_bs) == 0,
+          "reg");
+    CHECK(ops->post_send(B.dom, b_to_a, b_sbuf, 9, d_bs, 66) == 0, "post_send B: %s",
+          ops->errbuf(B.dom));
+    for (int i = 0; i < 50; i++)
+        poll_both(&A, &B);
+    CHECK(ops->post_recv(A.dom, a_rbuf, MSG_LEN, d_ar, 0) == 0, "post_recv A");
+    wait_for(&A, &B, &A.recvs, 1, 10);
+    CHECK(strcmp(a_rbuf, "and back") == 0, "B -> A message wrong");
+
+    stage = "wait fd";
+    afp_caps cb;
+    CHECK(ops->caps(B.dom, &cb) == 0, "caps B");
+    for (int i = 0; i < 100; i++)
+        poll_both(&A, &B);
+    int tw = AFS_EAGAIN;
+    for (int i = 0; i < 1000 && tw == AFS_EAGAIN; i++) {
+        poll_side(&B);
+        tw = ops->trywait(B.dom);
+    }
+    CHECK(tw == 0, "trywait never allowed sleeping");
+    uint64_t recvs_before = B.recvs;
+    CHECK(ops->post_send(A.dom, a_to_b, send_buf, 8, d_sb, 56) == 0, "post_send");
+    struct pollfd pfd = {.fd = cb.wait_fd, .events = POLLIN};
+    double tw0 = now_s();
+    int pr = 0;
+    while (pr == 0 && now_s() - tw0 < 5) {
+        poll_side(&A); /* A must progress its send; B sleeps */
+        pr = poll(&pfd, 1, 10);
+    }
+    CHECK(pr == 1, "B's wait fd did not wake up for an arriving message");
+    wait_for(&A, &B, &B.recvs, recvs_before + 1, 10);
+
+    stage = "peer that never answers";
+    uint8_t ghost[AFP_MAX_ADDR_LEN];
+    memcpy(ghost, addr_a, la);
+    ghost[12] ^= 0x5a; /* another nonce: A ignores handshakes meant for someone else */
+    uint64_t b_to_ghost;
+    CHECK(ops->resolve(B.dom, ghost, la, &b_to_ghost) == 0, "resolve ghost");
+    afp_write gw = {.local_addr = dst, .local_desc = d_dst, .length = 64, .peer = b_to_ghost,
+                    .remote_addr = 4096, .remote_key = 1, .ctx = 9};
+    t0 = now_s();
+    for (;;) {
+        uint32_t posted = 0;
+        rc = ops->post_writes(B.dom, &gw, 1, &posted);
+        CHECK(posted == 0, "a write to nobody was posted");
+        if (rc != AFS_EAGAIN)
+            break;
+        poll_both(&A, &B);
+        CHECK(now_s() - t0 < CONNECT_MS / 1000.0 + 5, "no failure after %.1f s", now_s() - t0);
+    }
+    dt = now_s() - t0;
+    printf("never-answering peer: rc %d after %.2f s: %s\n", rc, dt, ops->errbuf(B.dom));
+    CHECK(rc == AFS_ETIMEDOUT, "expected AFS_ETIMEDOUT, got %d", rc);
+    CHECK(dt >= CONNECT_MS / 1000.0 * 0.9, "failed too early (%.2f s)", dt);
+
+    stage = "forged key";
+    afp_write bad = {.local_addr = src, .local_desc = d_src, .length = 4096, .peer = a_to_b,
+                     .remote_addr = base_dst, .remote_key = k_dst ^ 0x00ff0000u,
+                     .ctx = BADKEY_CTX};
+    A.writes_done = 0;
+    post_all(&A, &B, &bad, 1, 10);
+    t0 = now_s();
+    while (A.errors == 0) {
+        poll_both(&A, &B);
+        CHECK(now_s() - t0 < 30, "no error event for a write with a forged key");
+    }
+    printf("forged key: status %d: %s\n", A.last_error, A.last_errtext);
+    CHECK(A.last_error_ctx == BADKEY_CTX && A.last_error != 0, "error event names ctx %llu",
+          (unsigned long long)A.last_error_ctx);
+    A.errors = 0;
+    B.errors = 0;
+    B.imms = 0;
+    memset(dst, 0, PAGE);
+    afp_write good = {.local_addr = src, .local_desc = d_src, .length = PAGE, .peer = a_to_b,
+                      .remote_addr = base_dst, .remote_key = k_dst, .ctx = 1, .imm = 5,
+                      .has_imm = 1};
+    post_all(&A, &B, &good, 1, 20);
+    wait_for(&A, &B, &B.imms, 1, 20);
+    CHECK(memcmp(dst, src, PAGE) == 0, "write after reconnection landed wrong");
+    printf("reconnected after the key error\n");
+
+    stage = "close";
+    CHECK(ops->dereg_mr(A.dom, mr_src) == 0 && ops->dereg_mr(B.dom, mr_dst) == 0 &&
+              ops->dereg_mr(B.dom, mr_rb) == 0 && ops->dereg_mr(A.dom, mr_sb) == 0 &&
+              ops->dereg_mr(A.dom, mr_ar) == 0 && ops->dereg_mr(B.dom, mr_bs) == 0,
+          "dereg");
+    ops->close(A.dom);
+    ops->close(B.dom);
+    free(src);
+    free(dst);
+    printf("test_verbs: OK\n");
+    return 0;
+}

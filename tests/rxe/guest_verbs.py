@@ -1,0 +1,242 @@
+"""The verbs provider between real processes on Soft-RoCE: runs INSIDE the qemu guest.
+
+Collected only through tests/test_verbs.py, which boots the guest (tests/rxe/guest.py) and
+runs ``python -m pytest tests/rxe/guest_verbs.py`` there (the file name keeps the host's
+pytest from collecting it). Python is 25-50x slower in the guest, so one server process
+with two engines serves most tests (spawning a process costs seconds there), and sizes are
+small; everything is still checked byte by byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import afabric
+from afabric import errors
+
+from ..procs import Ctl, Peer
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("AFABRIC_IN_RXE_GUEST") != "1", reason="runs inside the Soft-RoCE guest only"
+)
+
+P = "verbs"
+REGION = 4 << 20
+PAGE = 4096
+NPAGES = 512
+BARRIER_IMM = 0xBA5E
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def pages(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(NPAGES).astype(np.int64), rng.permutation(NPAGES).astype(np.int64)
+
+
+async def server(ctl: Ctl) -> str:
+    """Two engines (a scatter needs two targets); answers the test's requests in turn."""
+    async with afabric.Engine(P) as e1, afabric.Engine(P) as e2:
+        b1, b2 = np.zeros(REGION, np.uint8), np.zeros(REGION, np.uint8)
+        m1, m2 = e1.register(b1), e2.register(b2)
+        imm = e1.alloc_imm()
+        ctl.put((bytes(e1.address), bytes(e2.address), bytes(m1.descriptor), bytes(m2.descriptor), imm))
+        while True:
+            req = await ctl.get(timeout=300)
+            kind = req[0]
+            if kind == "quit":
+                return "bye"
+            if kind == "contig":  # one write of n bytes at offset off, then its immediate
+                _, n, off, seed = req
+                await e1.expect_imm(imm, 1, timeout=60)
+                ok = np.array_equal(b1[off : off + n], pattern(n, seed))
+                ctl.put(ok and not b1[:off].any() and not b1[off + n :].any())
+            elif kind == "paged":
+                _, seed = req
+                await e1.expect_imm(imm, NPAGES, timeout=60)
+                src_idx, dst_idx = pages(seed)
+                src = pattern(NPAGES * PAGE, seed).reshape(NPAGES, PAGE)
+                ctl.put(bool(np.array_equal(b1.reshape(-1, PAGE)[dst_idx], src[src_idx])))
+            elif kind == "early":  # every arrival is already counted when we ask
+                _, n = req
+                await e1.expect_imm(imm, n, timeout=30)
+                try:
+                    await e1.expect_imm(imm, 1, timeout=0.5)
+                    ctl.put("an arrival was counted twice")
+                except errors.OperationTimeout:
+                    ctl.put("ok")
+            elif kind == "echo":
+                _, rounds = req
+                for _ in range(rounds):
+                    msg = await e1.recv()
+                    n = int.from_bytes(msg[:2], "little")
+                    await e1.send(afabric.Address.from_bytes(msg[2 : 2 + n]), msg[2 + n :][::-1])
+                ctl.put("ok")
+            elif kind == "scatter":
+                _, n, seed = req
+                await asyncio.gather(e1.expect_imm(imm, 1, timeout=60), e2.expect_imm(imm, 1, timeout=60))
+                src = pattern(2 * n, seed)
+                ok = np.array_equal(b1[:n], src[:n]) and np.array_equal(b2[n : 2 * n], src[n:])
+                await asyncio.gather(
+                    e1.expect_imm(BARRIER_IMM, 1, timeout=60), e2.expect_imm(BARRIER_IMM, 1, timeout=60)
+                )
+                ctl.put(bool(ok))
+            elif kind == "clear":
+                b1[:] = 0
+                b2[:] = 0
+                ctl.put("ok")
+
+
+async def vanishing_peer(ctl: Ctl) -> str:
+    """Publishes an address, then closes its engine: a peer that will never answer."""
+    async with afabric.Engine(P) as eng:
+        ctl.put(bytes(eng.address))
+    return "gone"
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[tuple[Peer, Any]]:
+    p = Peer(server)
+    info = asyncio.run(p.get(timeout=120))
+    yield p, info
+    p.put(("quit",))
+    asyncio.run(p.result(timeout=60))
+    p.close()
+
+
+async def clear(p: Peer) -> None:
+    p.put(("clear",))
+    assert await p.get() == "ok"
+
+
+async def test_contiguous_write_with_immediate(srv: tuple[Peer, Any]) -> None:
+    p, (_a1, _a2, d1, _d2, imm) = srv
+    await clear(p)
+    n, off = (3 << 20) + 12345, 4097
+    async with afabric.Engine(P) as eng:
+        src = pattern(n, 11)
+        mr = eng.register(src)
+        p.put(("contig", n, off, 11))
+        await eng.write(mr, afabric.MrDesc.from_bytes(d1), n, dst_offset=off, imm=imm)
+        assert await p.get() is True
+        nic = eng.stats()["nics"][0]
+        assert nic["errors"] == 0
+
+
+async def test_paged_write_with_immediates(srv: tuple[Peer, Any]) -> None:
+    p, (_a1, _a2, d1, _d2, imm) = srv
+    await clear(p)
+    async with afabric.Engine(P) as eng:
+        src = pattern(NPAGES * PAGE, 5)
+        mr = eng.register(src)
+        src_idx, dst_idx = pages(5)
+        p.put(("paged", 5))
+        await eng.write_paged(
+            mr,
+            afabric.MrDesc.from_bytes(d1),
+            page_len=PAGE,
+            src_pages=afabric.Pages(src_idx, PAGE),
+            dst_pages=afabric.Pages(dst_idx, PAGE),
+            imm=imm,
+        )
+        assert await p.get() is True
+
+
+async def test_send_recv(srv: tuple[Peer, Any]) -> None:
+    p, (a1, *_rest) = srv
+    async with afabric.Engine(P) as eng:
+        p.put(("echo", 3))
+        me = bytes(eng.address)
+        for body in (b"", b"x" * 100, bytes(range(256)) * 15):
+            await eng.send(afabric.Address.from_bytes(a1), len(me).to_bytes(2, "little") + me + body)
+            assert await eng.recv() == body[::-1]
+        assert await p.get() == "ok"
+
+
+async def test_early_arrivals_are_kept(srv: tuple[Peer, Any]) -> None:
+    p, (_a1, _a2, d1, _d2, imm) = srv
+    n = 50
+    async with afabric.Engine(P) as eng:
+        mr = eng.register(np.ones(64, np.uint8))
+        desc = afabric.MrDesc.from_bytes(d1)
+        await asyncio.gather(*(eng.write(mr, desc, 64, imm=imm) for _ in range(n)))
+        p.put(("early", n))  # only now does the server ask for them
+        assert await p.get() == "ok"
+
+
+async def test_scatter_and_barrier(srv: tuple[Peer, Any]) -> None:
+    p, (a1, a2, d1, d2, imm) = srv
+    await clear(p)
+    n = 256 << 10
+    async with afabric.Engine(P) as eng:
+        src = pattern(2 * n, 9)
+        mr = eng.register(src)
+        group = eng.peer_group([afabric.Address.from_bytes(a1), afabric.Address.from_bytes(a2)])
+        desc1, desc2 = afabric.MrDesc.from_bytes(d1), afabric.MrDesc.from_bytes(d2)
+        p.put(("scatter", n, 9))
+        targets = [
+            afabric.ScatterTarget(desc1, n, src_offset=0, dst_offset=0),
+            afabric.ScatterTarget(desc2, n, src_offset=n, dst_offset=n),
+        ]
+        await eng.scatter(mr, targets, group=group, imm=imm)
+        await eng.barrier([desc1, desc2], BARRIER_IMM, group=group)
+        assert await p.get() is True
+
+
+async def test_peer_that_starts_late(srv: tuple[Peer, Any]) -> None:
+    """The handshake starts while the peer is stopped (its worker cannot answer): the
+    datagrams are retransmitted and the write completes once it runs again."""
+    p, (_a1, _a2, d1, _d2, imm) = srv
+    await clear(p)
+    assert p.proc.pid is not None
+    async with afabric.Engine(P) as eng:
+        src = pattern(8192, 3)
+        mr = eng.register(src)
+        p.put(("contig", 8192, 0, 3))
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        try:
+            task = asyncio.ensure_future(eng.write(mr, afabric.MrDesc.from_bytes(d1), 8192, imm=imm))
+            await asyncio.sleep(1.5)
+            assert not task.done(), "write completed while the peer was stopped"
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)
+        await asyncio.wait_for(task, 30)
+        assert await p.get() is True
+
+
+async def test_peer_that_never_answers_fails_in_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    v = Peer(vanishing_peer)
+    try:
+        addr = afabric.Address.from_bytes(await v.get(timeout=120))
+        assert await v.result(timeout=60) == "gone"
+    finally:
+        v.close()
+    monkeypatch.setenv("AFABRIC_VERBS_CONNECT_TIMEOUT_MS", "1500")
+    async with afabric.Engine(P) as eng:
+        t0 = time.monotonic()
+        with pytest.raises(errors.OperationTimeout, match="no handshake answer"):
+            await eng.send(addr, b"anyone?")
+        dt = time.monotonic() - t0
+        assert 1.2 < dt < 15, dt
+
+
+async def test_out_of_region_write_rejected_before_posting(srv: tuple[Peer, Any]) -> None:
+    _p, (_a1, _a2, d1, _d2, imm) = srv
+    async with afabric.Engine(P) as eng:
+        mr = eng.register(np.zeros(8192, np.uint8))
+        desc = afabric.MrDesc.from_bytes(d1)
+        with pytest.raises(errors.OutOfRange):
+            await eng.write(mr, desc, 8192, dst_offset=REGION - 4096, imm=imm)
+        with pytest.raises(errors.OutOfRange):
+            await eng.write(mr, desc, 8193)  # beyond the local region
+        assert eng.stats()["nics"][0]["writes"] == 0, "something was posted"

@@ -1,0 +1,104 @@
+"""The verbs provider, for real: Soft-RoCE (rdma_rxe) in a qemu guest (tests/rxe/guest.py).
+
+One guest boot runs, inside the guest, the C provider test (providers/verbs/test_verbs.c,
+compiled here) and the multi-process pytest module tests/rxe/guest_verbs.py; the tests
+below assert on what ran there. Skipped when the host lacks qemu and friends, unless
+$AFABRIC_REQUIRE_RXE=1 (CI), where a broken harness fails instead.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import build_native as bn
+from afabric import registry
+
+from .rxe import guest
+
+GUEST_TESTS = 8  # tests in tests/rxe/guest_verbs.py; all must pass, none may be skipped
+
+_SCRIPT = """\
+set +e
+/tmp/xfer/test_verbs "{lib}" > /tmp/xfer/c.log 2>&1
+echo $? > /tmp/xfer/c.rc
+python -m pytest -p no:cacheprovider -q -ra --junitxml=/tmp/xfer/junit.xml \\
+    tests/rxe/guest_verbs.py > /tmp/xfer/py.log 2>&1
+echo $? > /tmp/xfer/py.rc
+"""
+
+
+@dataclass
+class GuestRun:
+    result: guest.Result
+    files: Path
+
+
+def _read(p: Path) -> str:
+    return p.read_text(errors="replace") if p.exists() else "(missing)"
+
+
+@pytest.fixture(scope="module")
+def guest_run(tmp_path_factory: pytest.TempPathFactory) -> GuestRun:
+    guest.require()
+    import afabric_verbs
+
+    lib = Path(afabric_verbs.library_path())
+    if not lib.exists():
+        pytest.fail(f"{lib} is not built (python build_native.py)")
+    tmp = tmp_path_factory.mktemp("rxe")
+    exe = tmp / "test_verbs"
+    cmd = [*bn.compiler(), "-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-Wall", "-Wextra", "-Werror",
+           f"-I{bn.SHIM_DIR}", str(bn.VERBS_DIR / "test_verbs.c"), "-o", str(exe), "-ldl"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"compiling test_verbs.c failed:\n{proc.stderr}"
+    keep = tmp / "xfer"
+    t0 = time.monotonic()
+    try:
+        res = guest.run(
+            _SCRIPT.format(lib=lib), timeout=540, files={"test_verbs": exe.read_bytes()}, keep=keep
+        )
+    except guest.HarnessError as e:
+        pytest.fail(f"Soft-RoCE guest failed: {e}")
+    print(f"guest: booted in {res.boot_s:.1f} s (guest clock), {time.monotonic() - t0:.1f} s in all")
+    assert res.rc == 0, f"guest script exited {res.rc}:\n{res.output[-4000:]}"
+    return GuestRun(res, keep)
+
+
+@pytest.mark.timeout(600)
+def test_c_provider_test_passes_in_guest(guest_run: GuestRun) -> None:
+    log = _read(guest_run.files / "c.log")
+    print(log)
+    assert _read(guest_run.files / "c.rc").strip() == "0", f"test_verbs failed:\n{log}"
+    for line in ("connect + 64 x 16 KiB writes", "100000 immediates", "never-answering peer: rc -9",
+                 "reconnected after the key error", "test_verbs: OK"):  # fmt: skip
+        assert line in log, f"{line!r} missing from the C test's output:\n{log}"
+
+
+@pytest.mark.timeout(600)
+def test_multiprocess_tests_pass_in_guest(guest_run: GuestRun) -> None:
+    log = _read(guest_run.files / "py.log")
+    junit = guest_run.files / "junit.xml"
+    assert junit.exists(), f"pytest in the guest wrote no report:\n{log}"
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
+    print(log[-3000:])
+    assert counts == {"tests": GUEST_TESTS, "failures": 0, "errors": 0, "skipped": 0}, (
+        f"guest pytest: {counts}\n{log[-6000:]}"
+    )
+
+
+def test_unavailable_without_a_device_says_why() -> None:
+    """On a host without RDMA devices the provider loads, finds no NIC, and says so."""
+    ib = Path("/sys/class/infiniband")
+    if ib.is_dir() and any(ib.iterdir()):
+        pytest.skip("this host has RDMA devices")
+    a = registry.probe("verbs")
+    assert not a.available
+    assert "verbs" in a.reason and "ibv_devinfo" in a.reason, a.reason
