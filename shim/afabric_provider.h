@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #define AFP_ABI_MAJOR 1u
-#define AFP_ABI_MINOR 1u /* 1: AFP_EV_ACTIVITY */
+#define AFP_ABI_MINOR 2u /* 1: AFP_EV_ACTIVITY; 2: post_paged */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
@@ -84,6 +84,28 @@ typedef struct afp_write {
     uint32_t has_imm;
 } afp_write;
 
+/* A whole paged write, for providers that move it in one go (optional `post_paged`): page k
+ * copies `page_len` bytes from local_base + src_offset + src_idx[k] * src_stride to
+ * remote_base + dst_offset + dst_idx[k] * dst_stride. The index arrays stay valid until the
+ * write's completion (one WRITE_DONE/ERROR for all pages, with `ctx`); with has_imm the
+ * target counts `count` arrivals of `imm`, after every page has landed. */
+typedef struct afp_paged {
+    void *local_base;
+    void *local_desc;
+    uint64_t peer;
+    uint64_t remote_base; /* as translated by the shim (virtual or offset) */
+    uint64_t remote_key;
+    uint64_t page_len;
+    uint64_t count;
+    const int64_t *src_idx;
+    uint64_t src_stride, src_offset;
+    const int64_t *dst_idx;
+    uint64_t dst_stride, dst_offset;
+    uint64_t ctx;
+    uint32_t imm;
+    uint32_t has_imm;
+} afp_paged;
+
 enum afp_event_kind {
     AFP_EV_WRITE_DONE = 1, /* ctx, status */
     AFP_EV_SEND_DONE = 2,  /* ctx, status */
@@ -139,6 +161,10 @@ struct afp_ops {
     /* Before sleeping on wait_fd: returns 0 if it is safe to sleep, AFS_EAGAIN if events
      * may be pending (poll again first). */
     int (*trywait)(afp_domain *dom);
+    /* Optional (minor 2): post a whole paged write as one operation (a provider that can
+     * batch pages, e.g. one copy kernel). 0, AFS_EAGAIN (nothing posted) or an error. Used
+     * for engines of one NIC; without it the shim posts one write per page. */
+    int (*post_paged)(afp_domain *dom, const afp_paged *p);
 };
 
 typedef const struct afp_ops *(*afp_get_ops_fn)(void);

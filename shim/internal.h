@@ -258,6 +258,7 @@ typedef struct afs_xfer {
     uint64_t posted_wr;
     uint64_t done_wr;
     bool imm_pending;   /* contiguous multi-WR write: immediate goes after the data */
+    bool whole;         /* paged write handed to the provider whole (post_paged) */
     bool has_imm;
     uint32_t imm;
 

@@ -344,10 +344,41 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
     *nic_out = nic;
 }
 
+/* A paged write handed to a provider that batches pages itself (post_paged): one work
+ * request for the whole write, one completion. */
+static int post_whole(afs_engine *eng, afs_xfer *x)
+{
+    afs_nic *n = &eng->nics[0];
+    afp_paged p = {(void *)(uintptr_t)x->local_addr, x->local_desc[0], x->fi_addr[0],
+                   x->rbase[0], x->rkey[0], x->length, x->count, x->src_idx, x->src_stride,
+                   x->src_offset, x->dst_idx, x->dst_stride, x->dst_offset,
+                   (uint64_t)(uintptr_t)x, x->imm, x->has_imm ? 1u : 0u};
+    uint64_t t_post = afs_now_ns();
+    int rc = eng->ops->post_paged(n->dom, &p);
+    if (rc == AFS_EAGAIN) {
+        afs_count(&n->st_retries, 1);
+        return AFS_EAGAIN;
+    }
+    if (rc) {
+        set_error(x, rc, "posting paged write: %s", eng->ops->errbuf(n->dom));
+        x->total_wr = x->posted_wr;
+        return 0;
+    }
+    x->posted_wr = 1;
+    x->t_first_post = t_post;
+    if (eng->timings)
+        x->t_last_post = afs_now_ns();
+    afs_count(&n->st_writes, 1); /* one work request: `completions` counts it once */
+    afs_count(&n->st_write_bytes, x->count * x->length);
+    return 0;
+}
+
 /* Post up to one round of x's work requests, in runs of consecutive requests for the same
  * NIC. Returns AFS_EAGAIN when a provider's queue is full (stop posting this round). */
 static int post_round(afs_engine *eng, afs_xfer *x)
 {
+    if (x->whole)
+        return post_whole(eng, x);
     afp_write wr[AFS_POST_ROUND];
     uint32_t nic_of[AFS_POST_ROUND];
     uint32_t n = 0;
@@ -754,7 +785,9 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             x->nic0 = eng->rr++ % eng->nnics;
             if (x->kind == AFS_REQ_WRITE)
                 plan_shards(eng, x);
-            x->total_wr = n_data_wrs(x);
+            x->whole = x->kind == AFS_REQ_PAGED && eng->nnics == 1 &&
+                       AFP_HAS_OP(eng->ops, post_paged);
+            x->total_wr = x->whole ? (x->count ? 1 : 0) : n_data_wrs(x);
             x->imm_pending = x->kind == AFS_REQ_WRITE && x->has_imm && x->total_wr > 1;
             if (x->trig_kind != AFS_TRIG_NONE)
                 arm(eng, x, now);
@@ -834,7 +867,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
     for (uint32_t i = 0; i < n; i++) {
         const afp_event *e = &ev[i];
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
-        if (e->kind == AFP_EV_ERROR && !is_rx)
+        if (e->kind == AFP_EV_ERROR) /* a failed receive too: e.g. an oversize message */
             afs_count(&nn->st_errors, 1);
         if (e->kind == AFP_EV_WRITE_DONE || e->kind == AFP_EV_SEND_DONE ||
             (e->kind == AFP_EV_ERROR && !is_rx))
