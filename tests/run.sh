@@ -11,6 +11,12 @@ command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
 ldconfig -p | grep -q 'libfabric.so.1 ' || need_apt+=(libfabric1)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 { command -v ip && command -v tc; } >/dev/null 2>&1 || need_apt+=(iproute2)  # two-rail tests
+# verbs provider: headers to build it; the Soft-RoCE qemu guest (tests/rxe) that tests it
+[ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
+has_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'ok installed'; }
+for p in qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-utils ibverbs-providers perftest; do
+    has_pkg "$p" || need_apt+=("$p")
+done
 if [ ${#need_apt[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
@@ -25,7 +31,7 @@ $py -m pip install -q --upgrade pip
 $py -m pip install -q -e ".[test]" "torch==2.13.0"
 $py -m pip install -q ./examples/plugin_sockets
 
-# Neither the 2.x libfabric run (tests/libfabric2.py) nor the two-rail network-namespace
-# tests (tests/netns.py) may be skipped silently here.
-export AFABRIC_REQUIRE_LIBFABRIC2=1 AFABRIC_REQUIRE_NETNS=1
+# Neither the 2.x libfabric run (tests/libfabric2.py), the two-rail network-namespace
+# tests (tests/netns.py) nor the Soft-RoCE guest (tests/rxe) may be skipped silently here.
+export AFABRIC_REQUIRE_LIBFABRIC2=1 AFABRIC_REQUIRE_NETNS=1 AFABRIC_REQUIRE_RXE=1
 exec $py -m pytest -q -ra "$@"

@@ -51,7 +51,7 @@ REQUIRE_ENV = "AFABRIC_REQUIRE_RXE"
 MODULES = ["crc32_generic", "virtio_pci", "9pnet_virtio", "9p", "dummy", "rdma_rxe", "ib_uverbs"]
 MODULE_ARGS = {"dummy": "numdummies=1"}
 QEMU = "qemu-system-x86_64"
-HOST_TOOLS = [QEMU, "busybox", "modprobe", "depmod", "cpio", "dpkg", "apt-get", "rdma"]
+HOST_TOOLS = [QEMU, "busybox", "modprobe", "depmod", "dpkg", "apt-get", "rdma"]
 MEM_MB = 2048
 
 
@@ -136,7 +136,11 @@ def _kernel_deb(root: Path) -> Path:
     debs = sorted((root / "debs").glob("linux-image-*.deb"))
     if debs:
         return debs[-1]
-    deps = _sh(["apt-cache", "depends", "linux-image-amd64"])
+    try:
+        deps = _sh(["apt-cache", "depends", "linux-image-amd64"])
+    except HarnessError:  # a fresh container without package lists
+        _sh(["apt-get", "update", "-qq"])
+        deps = _sh(["apt-cache", "depends", "linux-image-amd64"])
     m = re.search(r"Depends:\s*(linux-image-\S+-amd64)", deps)
     if not m:
         raise HarnessError(f"apt-cache depends linux-image-amd64 names no kernel:\n{deps}")
