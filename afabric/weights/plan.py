@@ -1,0 +1,517 @@
+"""The routing plan: which training rank sends which slice to which inference rank, at which
+destination offsets. Computed once from metadata, reused unchanged every update.
+
+A :class:`Task` is one slice of one training parameter, prepared by one training rank
+(sliced from its own shard, or from the unsharded tensor when a destination needs data
+that crosses shard boundaries, e.g. a 128-row fp8 tile), converted (dtype cast, or fp8
+with tile scales) into a staging buffer and written to every destination that needs those
+bytes. Writes are columns (task, inference rank, source offset, destination offset,
+length). Tasks go to the least-loaded rank that can prepare them, largest first, so no rank
+sends much more than the average. The plan is plain data: :meth:`Plan.to_bytes` /
+:meth:`Plan.from_bytes` ship it between ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import InvalidArgument
+from .layout import FP8, DestTensor, RankLayout
+from .meta import Box, SourceParam, box_numel, box_shape, dtype_size, intersect
+
+MiB = 1 << 20
+STAGE_ALIGN = 16
+"""fp8 scales follow the data in a task's staging bytes, at a 16-byte boundary."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One slice of one training parameter, prepared by ``sender`` and written to
+    ``n_writes`` places (rows ``first_write ...`` of the plan's write columns)."""
+
+    index: int
+    param: str
+    box: Box
+    out_dtype: str
+    block: int  # fp8 tile size; 0 for a plain copy
+    sender: int  # global rank
+    unshard: bool  # prepared from the unsharded parameter (full_tensor())
+    group: int
+    first_write: int
+    n_writes: int
+
+    @property
+    def fp8(self) -> bool:
+        return self.block > 0
+
+    @property
+    def data_bytes(self) -> int:
+        return box_numel(self.box) * dtype_size(self.out_dtype)
+
+    @property
+    def scale_offset(self) -> int:
+        return -(-self.data_bytes // STAGE_ALIGN) * STAGE_ALIGN
+
+    @property
+    def nbytes(self) -> int:
+        """Staging bytes: the converted slice, then (fp8) its tile scales."""
+        if not self.fp8:
+            return self.data_bytes
+        rows, cols = box_shape(self.box)
+        return self.scale_offset + 4 * (-(-rows // self.block)) * (-(-cols // self.block))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Parameters sharing one mesh and placements: their tasks run together, one group
+    after another. ``unshard``: the parameters every rank of the mesh unshards, in order
+    (``full_tensor()`` is a collective)."""
+
+    key: str
+    mesh_ranks: tuple[int, ...]
+    unshard: tuple[str, ...]
+    first_task: int
+    n_tasks: int
+
+
+@dataclass
+class PlanOptions:
+    """``max_task_bytes``: slices larger than this are cut (bounds staging memory per task).
+    ``direct_min_bytes``: a parameter whose shards would cut a destination slice into
+    pieces smaller than this is unsharded instead (fewer, larger writes).
+    ``unshard``: "auto" (when needed or cheaper), "never" (fail if a destination needs
+    data across shards) or "always" (every sharded parameter)."""
+
+    max_task_bytes: int = 16 * MiB
+    direct_min_bytes: int = 256 << 10
+    unshard: str = "auto"
+
+    def check(self) -> None:
+        if self.unshard not in ("auto", "never", "always"):
+            raise InvalidArgument(f"unshard must be auto, never or always, got {self.unshard!r}")
+        if self.max_task_bytes < 4096:
+            raise InvalidArgument("max_task_bytes must be at least 4096")
+
+
+@dataclass
+class _Piece:
+    """A destination slice: the same (param, box, dtype) wanted by one or more ranks."""
+
+    param: str
+    box: Box
+    out_dtype: str
+    block: int
+    dests: list[tuple[int, int, int]] = field(default_factory=list)  # (inference idx, data, scale off)
+
+
+def copy_segments(piece: Box, band: Box, elt: int) -> list[tuple[int, int, int]]:
+    """``(src, dst, length)`` byte runs taking ``band`` (staged contiguous, C order) to its
+    place in ``piece`` (laid out C order from offset 0); adjacent runs merged."""
+    p, t = box_shape(piece), box_shape(band)
+    rel = [b[0] - q[0] for b, q in zip(band, piece, strict=True)]
+    partial = [d for d in range(len(p)) if t[d] != p[d]]
+    if not partial:
+        return [(0, 0, math.prod(t) * elt)]
+    k = partial[-1]
+    strides = [math.prod(p[d + 1 :]) for d in range(len(p))]
+    seg = t[k] * strides[k]
+    base = sum(rel[d] * strides[d] for d in range(k + 1))
+    if k == 0:
+        return [(0, base * elt, seg * elt)]
+    outer = np.indices(t[:k]).reshape(k, -1)
+    dst = base + (outer * np.array(strides[:k], dtype=np.int64)[:, None]).sum(axis=0)
+    runs: list[tuple[int, int, int]] = []
+    for n, d in enumerate(dst.tolist()):
+        if runs and runs[-1][1] + runs[-1][2] == d * elt and runs[-1][0] + runs[-1][2] == n * seg * elt:
+            s0, d0, ln = runs[-1]
+            runs[-1] = (s0, d0, ln + seg * elt)
+        else:
+            runs.append((n * seg * elt, d * elt, seg * elt))
+    return runs
+
+
+def _row_bands(box: Box, n: int, multiple: int) -> list[Box]:
+    """``box`` cut along dimension 0 into about ``n`` bands whose row counts are multiples
+    of ``multiple`` (the last may be shorter)."""
+    lo, hi = box[0]
+    rows = hi - lo
+    units = -(-rows // multiple)
+    n = max(1, min(n, units))
+    per = -(-units // n) * multiple
+    out = []
+    for r in range(lo, hi, per):
+        out.append(((r, min(r + per, hi)), *box[1:]))
+    return out
+
+
+class Plan:
+    """The static routing plan (see the module docstring)."""
+
+    def __init__(
+        self,
+        trainers: Sequence[int],
+        inference: Sequence[int],
+        sources: Mapping[str, SourceParam],
+        tasks: list[Task],
+        groups: list[Group],
+        writes: npt.NDArray[np.int64],
+        dst_sizes: Sequence[int],
+        header_bytes: int,
+    ) -> None:
+        self.trainers = tuple(trainers)
+        self.inference = tuple(inference)
+        self.sources = dict(sources)
+        self.tasks = tasks
+        self.groups = groups
+        self.writes = writes  # int64 [n, 5]: task, inference index, src, dst, length
+        self.dst_sizes = tuple(dst_sizes)
+        self.header_bytes = header_bytes
+
+    # ---- questions ----
+
+    def trainer_slot(self, rank: int) -> int:
+        """The header slot of training rank ``rank`` (its index among the trainers)."""
+        return self.trainers.index(rank)
+
+    def tasks_of(self, rank: int) -> list[Task]:
+        return [t for t in self.tasks if t.sender == rank]
+
+    def writes_of(self, task: Task) -> npt.NDArray[np.int64]:
+        return self.writes[task.first_write : task.first_write + task.n_writes]
+
+    def sent_bytes(self) -> dict[int, int]:
+        """Bytes each training rank writes per update."""
+        per_task = np.bincount(self.writes[:, 0], weights=self.writes[:, 4], minlength=len(self.tasks))
+        out = dict.fromkeys(self.trainers, 0)
+        for t in self.tasks:
+            out[t.sender] += int(per_task[t.index])
+        return out
+
+    def arrivals(self, rank: int) -> int:
+        """Immediates inference rank ``rank`` counts in one update: one per write to it,
+        plus a begin and a done version word from every trainer."""
+        i = self.inference.index(rank)
+        return int(np.count_nonzero(self.writes[:, 1] == i)) + 2 * len(self.trainers)
+
+    def received_bytes(self) -> dict[int, int]:
+        """Bytes each inference rank receives per update."""
+        per = np.bincount(self.writes[:, 1], weights=self.writes[:, 4], minlength=len(self.inference))
+        return {r: int(per[i]) for i, r in enumerate(self.inference)}
+
+    def unique_bytes(self) -> int:
+        """Bytes of all staged slices (each converted slice once, however many ranks get it)."""
+        return sum(t.nbytes for t in self.tasks)
+
+    def total_bytes(self) -> int:
+        return int(self.writes[:, 4].sum())
+
+    def check_coverage(self, layouts: Sequence[RankLayout]) -> None:
+        """Raise unless every byte of every destination tensor (and fp8 scale) is written
+        exactly once and nothing else is written."""
+        if len(layouts) != len(self.inference):
+            raise InvalidArgument(f"{len(layouts)} layouts for {len(self.inference)} inference ranks")
+        for i, lay in enumerate(layouts):
+            rows = self.writes[self.writes[:, 1] == i]
+            order = np.argsort(rows[:, 3], kind="stable")
+            got = _merge(rows[order, 3], rows[order, 4], f"inference rank {i}")
+            want_s, want_l = [], []
+            for t in lay.tensors:
+                slot = lay.slots[t.name]
+                want_s.append(slot.offset)
+                want_l.append(t.nbytes)
+                if t.fp8:
+                    want_s.append(slot.scale_offset)
+                    want_l.append(t.scale_nbytes)
+            o = np.argsort(np.array(want_s, dtype=np.int64), kind="stable")
+            want = _merge(np.array(want_s, dtype=np.int64)[o], np.array(want_l, dtype=np.int64)[o], "layout")
+            if got != want:
+                raise InvalidArgument(f"inference rank {i}: writes cover {got[:4]}..., tensors are {want[:4]}...")
+
+    # ---- serialization ----
+
+    def to_bytes(self) -> bytes:
+        meta = {
+            "trainers": self.trainers,
+            "inference": self.inference,
+            "dst_sizes": self.dst_sizes,
+            "header_bytes": self.header_bytes,
+            "sources": [
+                [s.name, s.shape, s.dtype, s.mesh_shape, s.mesh_ranks, [p.dim for p in s.placements]]
+                for s in self.sources.values()
+            ],
+            "tasks": [
+                [t.param, t.box, t.out_dtype, t.block, t.sender, t.unshard, t.group, t.first_write, t.n_writes]
+                for t in self.tasks
+            ],
+            "groups": [[g.key, g.mesh_ranks, g.unshard, g.first_task, g.n_tasks] for g in self.groups],
+        }
+        buf = io.BytesIO()
+        raw = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        np.savez(buf, writes=self.writes, meta=raw)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Plan:
+        from .meta import Placement
+
+        try:
+            with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+                writes = np.asarray(z["writes"], dtype=np.int64)
+                meta = json.loads(bytes(z["meta"]).decode())
+        except (OSError, ValueError, KeyError) as e:
+            raise InvalidArgument(f"not a weight transfer plan: {e}") from e
+        sources = {
+            s[0]: SourceParam(
+                s[0], tuple(s[1]), s[2], tuple(s[3]), tuple(s[4]), tuple(Placement(d) for d in s[5])
+            )
+            for s in meta["sources"]
+        }
+
+        def box(b: list[list[int]]) -> Box:
+            return tuple((int(x), int(y)) for x, y in b)
+
+        tasks = [
+            Task(i, t[0], box(t[1]), t[2], int(t[3]), int(t[4]), bool(t[5]), int(t[6]), int(t[7]), int(t[8]))
+            for i, t in enumerate(meta["tasks"])
+        ]
+        groups = [Group(g[0], tuple(g[1]), tuple(g[2]), int(g[3]), int(g[4])) for g in meta["groups"]]
+        return cls(
+            meta["trainers"], meta["inference"], sources, tasks, groups, writes,
+            meta["dst_sizes"], int(meta["header_bytes"]),
+        )  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        sent, recv = self.sent_bytes(), self.received_bytes()
+        return {
+            "tasks": len(self.tasks),
+            "writes": int(self.writes.shape[0]),
+            "total_bytes": self.total_bytes(),
+            "unique_bytes": self.unique_bytes(),
+            "max_sent": max(sent.values(), default=0),
+            "mean_sent": sum(sent.values()) / max(1, len(sent)),
+            "max_received": max(recv.values(), default=0),
+            "unshard_params": sum(len(g.unshard) for g in self.groups),
+        }
+
+
+def _merge(starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], what: str) -> list[tuple[int, int]]:
+    """Sorted ranges merged into maximal runs; raises on an overlap."""
+    out: list[tuple[int, int]] = []
+    for s, n in zip(starts.tolist(), lengths.tolist(), strict=True):
+        if n <= 0:
+            continue
+        if out and s < out[-1][1]:
+            raise InvalidArgument(f"{what}: byte {s} is covered twice")
+        if out and s == out[-1][1]:
+            out[-1] = (out[-1][0], s + n)
+        else:
+            out.append((s, s + n))
+    return out
+
+
+# ---- building ----
+
+
+def _pieces(sources: Mapping[str, SourceParam], layouts: Sequence[RankLayout]) -> dict[str, list[_Piece]]:
+    """Destination slices by source parameter, each listing the ranks and offsets wanting it."""
+    found: dict[tuple[str, Box, str, int], _Piece] = {}
+    for i, lay in enumerate(layouts):
+        for t in lay.tensors:
+            _check_tensor(t, sources)
+            slot = lay.slots[t.name]
+            row_bytes = math.prod(t.shape[1:]) * dtype_size(t.dtype)
+            scale_row_bytes = 4 * t.scale_shape[1] if t.fp8 else 0
+            rows = 0
+            for part in t.parts:
+                block = t.block if t.fp8 else 0
+                key = (part.source, part.box, t.dtype, block)
+                piece = found.setdefault(key, _Piece(part.source, part.box, t.dtype, block))
+                scale = slot.scale_offset + (rows // t.block) * scale_row_bytes if t.fp8 else -1
+                piece.dests.append((i, slot.offset + rows * row_bytes, scale))
+                rows += box_shape(part.box)[0]
+    by_param: dict[str, list[_Piece]] = defaultdict(list)
+    for piece in found.values():
+        by_param[piece.param].append(piece)
+    return by_param
+
+
+def _check_tensor(t: DestTensor, sources: Mapping[str, SourceParam]) -> None:
+    for part in t.parts:
+        src = sources.get(part.source)
+        if src is None:
+            raise InvalidArgument(f"{t.name}: no training parameter named {part.source!r}")
+        if len(part.box) != len(src.shape) or any(
+            not 0 <= lo < hi <= n for (lo, hi), n in zip(part.box, src.shape, strict=True)
+        ):
+            raise InvalidArgument(f"{t.name}: slice {part.box} is outside {part.source}{list(src.shape)}")
+        if t.fp8 and len(src.shape) != 2:
+            raise InvalidArgument(f"{t.name}: fp8 needs a 2-d source, {part.source} is {len(src.shape)}-d")
+
+
+def replica_sets(src: SourceParam) -> list[tuple[Box, list[int]]]:
+    """Distinct non-empty shard boxes and the ranks holding each."""
+    sets: dict[Box, list[int]] = {}
+    for rank, box in src.holders():
+        if box_numel(box) > 0:
+            sets.setdefault(box, []).append(rank)
+    return list(sets.items())
+
+
+def _direct_bands(
+    src: SourceParam, piece: _Piece, opts: PlanOptions
+) -> list[tuple[Box, list[int]]] | None:
+    """Bands of ``piece`` each inside one shard, with the ranks holding it; None when the
+    shards do not suit (an fp8 tile crosses a shard edge, or slices would be tiny)."""
+    elt = dtype_size(piece.out_dtype)
+    out: list[tuple[Box, list[int]]] = []
+    for box, ranks in replica_sets(src):
+        inter = intersect(piece.box, box)
+        if inter is None:
+            continue
+        nbytes = box_numel(inter) * elt
+        if piece.block:
+            (p0, p1), (c0, c1) = piece.box
+            (r0, r1), (i0, i1) = inter
+            if (i0, i1) != (c0, c1) or (r0 - p0) % piece.block or (r1 != p1 and (r1 - p0) % piece.block):
+                return None
+            multiple = piece.block
+        else:
+            tiny = nbytes < opts.direct_min_bytes and inter != piece.box
+            if src.sharded and tiny and opts.unshard != "never":
+                return None
+            multiple = 1
+        n = max(-(-nbytes // opts.max_task_bytes), min(len(ranks), max(1, nbytes // opts.direct_min_bytes)))
+        out.extend((band, ranks) for band in _row_bands(inter, n, multiple))
+    return out
+
+
+def _writes_for(piece: _Piece, band: Box) -> list[tuple[int, int, int, int]]:
+    """``(inference idx, src, dst, length)`` for one band of a piece, to every destination."""
+    out: list[tuple[int, int, int, int]] = []
+    if piece.block:
+        (p0, _), (c0, c1) = piece.box
+        r0, r1 = band[0]
+        cols = c1 - c0
+        scols = -(-cols // piece.block)
+        data = (r1 - r0) * cols
+        sc_src = -(-data // STAGE_ALIGN) * STAGE_ALIGN
+        sc_len = 4 * scols * (-(-(r1 - r0) // piece.block))
+        for i, d_off, s_off in piece.dests:
+            out.append((i, 0, d_off + (r0 - p0) * cols, data))
+            out.append((i, sc_src, s_off + ((r0 - p0) // piece.block) * scols * 4, sc_len))
+        return out
+    segs = copy_segments(piece.box, band, dtype_size(piece.out_dtype))
+    for i, d_off, _ in piece.dests:
+        out.extend((i, s, d_off + d, n) for s, d, n in segs)
+    return out
+
+
+def build_plan(
+    sources: Mapping[str, SourceParam] | Sequence[SourceParam],
+    layouts: Sequence[RankLayout],
+    *,
+    trainers: Sequence[int],
+    inference: Sequence[int] | None = None,
+    options: PlanOptions | None = None,
+) -> Plan:
+    """Plan the transfer from ``sources`` (training parameters; ranks are global ranks
+    listed in ``trainers``) to ``layouts`` (one per inference rank, global ranks
+    ``inference``, default ``len(trainers) ...``)."""
+    opts = options or PlanOptions()
+    opts.check()
+    srcs = dict(sources) if isinstance(sources, Mapping) else {s.name: s for s in sources}
+    trainers = list(trainers)
+    inference = list(inference) if inference is not None else list(range(len(trainers), len(trainers) + len(layouts)))
+    if len(inference) != len(layouts):
+        raise InvalidArgument(f"{len(layouts)} layouts for {len(inference)} inference ranks")
+    if not trainers or len(set(trainers)) != len(trainers):
+        raise InvalidArgument("trainers must be distinct ranks, at least one")
+    for lay in layouts:
+        if lay.trainers != len(trainers):
+            raise InvalidArgument(f"a layout has {lay.trainers} header slots for {len(trainers)} trainers")
+    for s in srcs.values():
+        stray = set(s.mesh_ranks) - set(trainers)
+        if stray:
+            raise InvalidArgument(f"{s.name}: mesh ranks {sorted(stray)} are not trainers")
+
+    pieces = _pieces(srcs, layouts)
+    # (group key, param, band, eligible ranks, unshard, piece)
+    raw: list[tuple[str, str, Box, list[int], bool, _Piece]] = []
+    unshard_params: set[str] = set()
+    for name in sorted(pieces):
+        src = srcs[name]
+        gkey = f"{list(src.mesh_shape)}:{list(src.mesh_ranks)}:{[str(p) for p in src.placements]}"
+        plans: list[list[tuple[Box, list[int]]] | None] = []
+        need = opts.unshard == "always" and src.sharded
+        if not need:
+            for piece in pieces[name]:
+                bands = _direct_bands(src, piece, opts)
+                plans.append(bands)
+                if bands is None:
+                    need = True
+                    break
+        if need and not src.sharded:
+            need = False  # every holder has it whole: direct after all
+            plans = [_direct_bands(src, piece, opts) for piece in pieces[name]]
+        if need:
+            if opts.unshard == "never":
+                raise InvalidArgument(
+                    f"{name}: a destination needs data across shards of {src.placements} "
+                    "(fp8 tiles or slices crossing shard edges): allow unshard"
+                )
+            unshard_params.add(name)
+            ranks = list(src.mesh_ranks)
+            for piece in pieces[name]:
+                nbytes = box_numel(piece.box) * dtype_size(piece.out_dtype)
+                n = max(1, -(-nbytes // opts.max_task_bytes))
+                for band in _row_bands(piece.box, n, piece.block or 1):
+                    raw.append((gkey, name, band, ranks, True, piece))
+        else:
+            for piece, bands in zip(pieces[name], plans, strict=True):
+                assert bands is not None
+                for band, ranks in bands:
+                    raw.append((gkey, name, band, ranks, False, piece))
+
+    # balance: largest first, onto the least-loaded rank that can prepare it
+    load = dict.fromkeys(trainers, 0)
+    order = sorted(
+        range(len(raw)),
+        key=lambda k: -box_numel(raw[k][2]) * dtype_size(raw[k][5].out_dtype) * len(raw[k][5].dests),
+    )
+    sender: dict[int, int] = {}
+    for k in order:
+        _g, _n, band, ranks, _u, piece = raw[k]
+        best = min(ranks, key=lambda r: (load[r], r))
+        sender[k] = best
+        load[best] += box_numel(band) * dtype_size(piece.out_dtype) * len(piece.dests)
+
+    gkeys = sorted({r[0] for r in raw})
+    tasks: list[Task] = []
+    groups: list[Group] = []
+    rows: list[tuple[int, int, int, int, int]] = []
+    for gi, gkey in enumerate(gkeys):
+        members = [k for k in range(len(raw)) if raw[k][0] == gkey]
+        members.sort(key=lambda k: (raw[k][1], raw[k][2]))
+        first = len(tasks)
+        for k in members:
+            _g, name, band, _r, unshard, piece = raw[k]
+            ws = _writes_for(piece, band)
+            t = Task(len(tasks), name, band, piece.out_dtype, piece.block, sender[k], unshard, gi, len(rows), len(ws))
+            rows.extend((t.index, i, s, d, n) for i, s, d, n in ws)
+            tasks.append(t)
+        mesh = srcs[raw[members[0]][1]].mesh_ranks
+        order_params = tuple(dict.fromkeys(raw[k][1] for k in members if raw[k][1] in unshard_params))
+        groups.append(Group(gkey, mesh, order_params, first, len(tasks) - first))
+    writes = np.array(rows, dtype=np.int64).reshape(-1, 5)
+    header = layouts[0].header_bytes if layouts else 16 * len(trainers)
+    used = {n: srcs[n] for n in pieces}
+    return Plan(trainers, inference, used, tasks, groups, writes, [lay.nbytes for lay in layouts], header)
