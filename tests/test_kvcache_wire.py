@@ -20,7 +20,13 @@ from afabric.errors import InvalidArgument
 from afabric.kvcache import CacheFull, KvCacheLayout, PageAllocator, ProtocolError, plan, wire
 
 LAYOUT = KvCacheLayout(
-    num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", tokens_per_page=16, num_pages=256, tail_bytes=128
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=64,
+    dtype="float16",
+    tokens_per_page=16,
+    num_pages=256,
+    tail_bytes=128,
 )
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -45,7 +51,9 @@ def _loop_exceptions() -> None:
     """These tests are synchronous (the blobs come from a short-lived loop of their own)."""
 
 
-def _request(segs: np.ndarray, tokens: int, tail: bool = True, payload: bytes = b"", rid: int = 7) -> wire.Request:
+def _request(
+    segs: np.ndarray, tokens: int, tail: bool = True, payload: bytes = b"", rid: int = 7
+) -> wire.Request:
     _, cache, tail_desc = _blobs()
     return wire.Request(
         rid, LAYOUT.fingerprint(), LAYOUT.num_pages, tokens, 99, tail, 128 if tail else 0, cache,
@@ -104,7 +112,9 @@ def test_small_messages_round_trip(rid: int, status: int, arrivals: int, reason:
     assert wire.parse(wire.encode_cancel(me, rid)) == wire.Cancel(me, rid)
     c = wire.parse(wire.encode_confirm(me, rid, status, arrivals, reason))
     assert isinstance(c, wire.Confirm) and (c.request_id, c.status, c.arrivals) == (rid, status, arrivals)
-    assert c.reason == reason.encode("utf-8", errors="replace")[: wire.MAX_REASON].decode("utf-8", errors="replace")
+    assert c.reason == reason.encode("utf-8", errors="replace")[: wire.MAX_REASON].decode(
+        "utf-8", errors="replace"
+    )
     assert wire.parse(wire.encode_heartbeat(me, role, rid)) == wire.Heartbeat(me, role, rid)
 
 
@@ -146,7 +156,9 @@ def _reframe(kind: int, body: bytes, magic: bytes = wire.MAGIC, version: int = w
     where=st.integers(0, 10**6),
     extra=st.binary(min_size=1, max_size=64),
 )
-def test_mutated_messages_parse_to_themselves_or_fail_cleanly(which: int, op: str, where: int, extra: bytes) -> None:
+def test_mutated_messages_parse_to_themselves_or_fail_cleanly(
+    which: int, op: str, where: int, extra: bytes
+) -> None:
     msgs = _valid_messages()
     msg = msgs[which % len(msgs)]
     head, body = msg[: wire.HEADER_SIZE], msg[wire.HEADER_SIZE :]
@@ -228,7 +240,9 @@ def test_requests_that_do_not_fit_are_refused() -> None:
     with pytest.raises(ProtocolError, match="do not fit"):
         wire.check_request(too_many_pages, LAYOUT, max_write=1 << 30, max_tokens=4096)
     with pytest.raises(ProtocolError, match="immediate 0"):
-        wire.check_request(wire.Request(**{**ok.__dict__, "imm": 0}), LAYOUT, max_write=1 << 30, max_tokens=4096)
+        wire.check_request(
+            wire.Request(**{**ok.__dict__, "imm": 0}), LAYOUT, max_write=1 << 30, max_tokens=4096
+        )
     with pytest.raises(ProtocolError, match="messages of"):
         wire.encode_request(_blobs()[0], ok, 100)
 

@@ -389,6 +389,8 @@ class Prefiller:
         else:
             status, reason = wire.FAILED, job.failure or "failed"
         self.stats[wire.STATUS_NAMES[status]] += 1
+        if status == wire.DONE:
+            self.stats["pages_written"] += job.request.pages
         self._release(job)
         self._remember(job.key, status, arrivals, reason)
         if status != wire.DONE or job.cancel_requested:
