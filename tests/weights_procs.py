@@ -43,7 +43,8 @@ async def member(
     ctl: Ctl, provider: str, rank: int, world: int, port: int, cfg: dict[str, Any]
 ) -> dict[str, Any]:
     """One rank. cfg: trainers, model kwargs, tp, fp8, mesh (None or HSDP shard group),
-    steps, options, die_at (a trainer rank that kills itself mid-update), rank0 (bool)."""
+    steps, options, die_at (a trainer rank that kills itself half way through its writes of
+    step die_step), rank0 (even steps use the rank-0 baseline)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -110,7 +111,7 @@ async def member(
                             os.kill(os.getpid(), signal.SIGKILL)
                 t0 = time.monotonic()
                 try:
-                    if cfg.get("rank0"):
+                    if cfg.get("rank0") and step % 2 == 0:
                         stats = await wt.update_rank0(step)
                     else:
                         stats = await wt.update(step, on_progress=hook)
@@ -145,6 +146,7 @@ async def member(
                     info["version"] = wt.receiver.version()
                     info["fp8_worst"] = worst
                 result["steps"].append(info)
+                await wt.barrier()  # inference has read this version: the next may overwrite it
         finally:
             wt.close()
     dist.destroy_process_group()

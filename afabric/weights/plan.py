@@ -389,7 +389,8 @@ def _direct_bands(
             if src.sharded and tiny and opts.unshard != "never":
                 return None
             multiple = 1
-        n = max(-(-nbytes // opts.max_task_bytes), min(len(ranks), max(1, nbytes // opts.direct_min_bytes)))
+        sent = nbytes * len(piece.dests)
+        n = max(-(-sent // opts.max_task_bytes), min(len(ranks), max(1, nbytes // opts.direct_min_bytes)))
         out.extend((band, ranks) for band in _row_bands(inter, n, multiple))
     return out
 
@@ -471,7 +472,8 @@ def build_plan(
             unshard_params.add(name)
             ranks = list(src.mesh_ranks)
             for piece in pieces[name]:
-                nbytes = box_numel(piece.box) * dtype_size(piece.out_dtype)
+                # cut by bytes sent, so a slice many ranks want is spread over several senders
+                nbytes = box_numel(piece.box) * dtype_size(piece.out_dtype) * len(piece.dests)
                 n = max(1, -(-nbytes // opts.max_task_bytes))
                 for band in _row_bands(piece.box, n, piece.block or 1):
                     raw.append((gkey, name, band, ranks, True, piece))
@@ -481,11 +483,15 @@ def build_plan(
                 for band, ranks in bands:
                     raw.append((gkey, name, band, ranks, False, piece))
 
-    # balance: largest first, onto the least-loaded rank that can prepare it
+    # balance: slices only one rank holds first, then the others largest first, each onto
+    # the least-loaded rank that can prepare it
     load = dict.fromkeys(trainers, 0)
     order = sorted(
         range(len(raw)),
-        key=lambda k: -box_numel(raw[k][2]) * dtype_size(raw[k][5].out_dtype) * len(raw[k][5].dests),
+        key=lambda k: (
+            len(raw[k][3]) > 1,
+            -box_numel(raw[k][2]) * dtype_size(raw[k][5].out_dtype) * len(raw[k][5].dests),
+        ),
     )
     sender: dict[int, int] = {}
     for k in order:
