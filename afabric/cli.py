@@ -370,6 +370,7 @@ def _cmd_bench_overhead(ns: argparse.Namespace) -> int:
 # heavy at module level (the parser is built on every ``afabric`` call).
 _MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench", "soak", "afabric.bench.soak"),
+    ("bench", "moe", "afabric.bench.moe"),
 )
 
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# afabric.moe on the lent GPU machine (kind nvidia-h200-x2): installs the wheel carried in
+# .whl-moe/ (built here with tests/gpu/build_moe_wheel.sh), runs tests/gpu/test_moe.py, then
+# `afabric bench moe` over NVLink (decode and prefill, NCCL baseline in the same run) and
+# over the host proxy (decode). Logs and JSON go to $OUT (at most 8 files come back):
+#   setup.log  moe-tests.log  moe-nvlink.json  moe-proxy.json  bench.log  summary.txt
+# MOE_ITERS (default 10000), MOE_TESTS=0 (skip the tests), MOE_PROXY_ITERS (default 10000).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 AFABRIC_REQUIRE_GPU=1
+PY=${PYTHON:-python3}
+SITE=/tmp/afabric-site
+FAILS=()
+step() { # step LOG NAME SECONDS CMD...
+    local log=$OUT/$1 name=$2 limit=$3
+    shift 3
+    echo "== $name: $*" | tee -a "$log"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc" | tee -a "$log"
+    [ "$rc" -eq 0 ] || FAILS+=("$name (exit $rc)")
+}
+{ nvidia-smi -L; nvidia-smi topo -m; "$PY" -c 'import torch, cupy; print(torch.__version__, cupy.__version__, torch.cuda.device_count())'; } \
+    >>"$OUT/setup.log" 2>&1
+rm -rf "$SITE"
+step setup.log install 120 "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$SITE" .whl-moe/afabric-*.whl
+export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH
+if [ "${MOE_TESTS:-1}" = 1 ]; then
+    step moe-tests.log "pytest test_moe.py" "${MOE_TEST_LIMIT:-300}" "$PY" -m pytest -q -rA -x -p no:cacheprovider \
+        --import-mode=importlib --noconftest tests/gpu/test_moe.py
+fi
+step bench.log "bench moe nvlink" "${MOE_BENCH_LIMIT:-300}" afabric bench moe --path nvlink --iters "${MOE_ITERS:-10000}" \
+    --json "$OUT/moe-nvlink.json"
+step bench.log "bench moe proxy" "${MOE_PROXY_LIMIT:-150}" afabric bench moe --path proxy --workload decode \
+    --iters "${MOE_PROXY_ITERS:-10000}" --no-baseline --json "$OUT/moe-proxy.json"
+{ [ ${#FAILS[@]} -eq 0 ] && echo "all steps passed" || printf 'FAILED: %s\n' "${FAILS[@]}"; } | tee "$OUT/summary.txt"
+[ ${#FAILS[@]} -eq 0 ]
