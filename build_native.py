@@ -9,6 +9,8 @@ build serves every Python version):
   dlopens libfabric at run time, so nothing here links it).
 - ``libafabric_verbs.so`` from ``providers/verbs/*.c`` -> ``providers/verbs/afabric_verbs/``
   (the libibverbs provider plugin; likewise libibverbs' headers at build time only).
+- ``libafabric_nvlink.so`` from ``providers/nvlink/*.c`` -> ``providers/nvlink/afabric_nvlink/``
+  (GPU to GPU within a node through CUDA IPC; needs no CUDA to build: it dlopens libcuda).
 
 Used by ``setup.py`` (``pip install .`` calls :func:`build` from its build_py step) and
 directly::
@@ -39,13 +41,16 @@ ROOT = Path(__file__).resolve().parent
 SHIM_DIR = ROOT / "shim"
 OFI_DIR = ROOT / "providers" / "ofi"
 VERBS_DIR = ROOT / "providers" / "verbs"
+NVLINK_DIR = ROOT / "providers" / "nvlink"
 
 SHIM_NAME = "libafabric_shim.so"
 OFI_NAME = "libafabric_ofi.so"
 VERBS_NAME = "libafabric_verbs.so"
+NVLINK_NAME = "libafabric_nvlink.so"
 DEFAULT_SHIM_OUT = ROOT / "afabric" / "_lib"
 DEFAULT_OFI_OUT = OFI_DIR / "afabric_ofi"
 DEFAULT_VERBS_OUT = VERBS_DIR / "afabric_verbs"
+DEFAULT_NVLINK_OUT = NVLINK_DIR / "afabric_nvlink"
 
 BASE_FLAGS = [
     "-std=c11",
@@ -101,6 +106,7 @@ class Library:
 SHIM = Library(SHIM_NAME, SHIM_DIR, DEFAULT_SHIM_OUT, needs_libfabric=False)
 OFI = Library(OFI_NAME, OFI_DIR, DEFAULT_OFI_OUT, needs_libfabric=True)
 VERBS = Library(VERBS_NAME, VERBS_DIR, DEFAULT_VERBS_OUT, needs_libfabric=False, needs_ibverbs=True)
+NVLINK = Library(NVLINK_NAME, NVLINK_DIR, DEFAULT_NVLINK_OUT, needs_libfabric=False)
 
 
 def compiler() -> list[str]:
@@ -220,8 +226,9 @@ def build(
     sanitize: bool = False,
     debug: bool = False,
     verbose: bool = False,
-    only: Sequence[str] = ("shim", "ofi", "verbs"),
+    only: Sequence[str] = ("shim", "ofi", "verbs", "nvlink"),
     out_dir_verbs: str | os.PathLike[str] | None = None,
+    out_dir_nvlink: str | os.PathLike[str] | None = None,
 ) -> dict[str, Path]:
     """Build the shim and/or the providers; returns {"shim": path, "ofi": path, "verbs": path}.
 
@@ -229,16 +236,19 @@ def build(
     goes next to the libfabric one when only out_dir_ofi is given (``--out DIR``). Serial
     on purpose (one compiler at a time). Raises BuildError with the compiler's output.
     """
-    unknown = set(only) - {"shim", "ofi", "verbs"}
+    unknown = set(only) - {"shim", "ofi", "verbs", "nvlink"}
     if unknown:
-        raise BuildError(f"unknown library {sorted(unknown)}; choose from shim, ofi, verbs")
+        raise BuildError(f"unknown library {sorted(unknown)}; choose from shim, ofi, verbs, nvlink")
     if out_dir_verbs is None:
         out_dir_verbs = out_dir_ofi
+    if out_dir_nvlink is None:
+        out_dir_nvlink = out_dir_ofi
     out: dict[str, Path] = {}
     for key, lib, dest in (
         ("shim", SHIM, out_dir_shim),
         ("ofi", OFI, out_dir_ofi),
         ("verbs", VERBS, out_dir_verbs),
+        ("nvlink", NVLINK, out_dir_nvlink),
     ):
         if key in only:
             out[key] = build_library(lib, dest, sanitize=sanitize, debug=debug, verbose=verbose)
@@ -282,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--debug", action="store_true", help="-O0 -g3")
     ap.add_argument(
         "--only",
-        choices=("shim", "ofi", "verbs"),
+        choices=("shim", "ofi", "verbs", "nvlink"),
         action="append",
         help="build just this library (repeatable; default: both)",
     )
@@ -301,13 +311,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             sanitize=ns.sanitize,
             debug=ns.debug,
             verbose=ns.verbose,
-            only=tuple(ns.only or ("shim", "ofi", "verbs")),
+            only=tuple(ns.only or ("shim", "ofi", "verbs", "nvlink")),
         )
         if ns.print_env:
             if ns.sanitize and "shim" in built:
                 env = sanitizer_env(built["shim"], built.get("ofi"))
                 if "verbs" in built:
                     env["AFABRIC_VERBS_LIB"] = str(built["verbs"].resolve())
+                if "nvlink" in built:
+                    env["AFABRIC_NVLINK_LIB"] = str(built["nvlink"].resolve())
             else:
                 env = {}
                 if "shim" in built:
@@ -316,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     env["AFABRIC_OFI_LIB"] = str(built["ofi"].resolve())
                 if "verbs" in built:
                     env["AFABRIC_VERBS_LIB"] = str(built["verbs"].resolve())
+                if "nvlink" in built:
+                    env["AFABRIC_NVLINK_LIB"] = str(built["nvlink"].resolve())
             for k, v in env.items():
                 print(f"export {k}={shlex.quote(v)}")
         else:

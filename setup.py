@@ -2,11 +2,13 @@
 
 - ``build_py`` also compiles the native libraries (build_native.py) straight into the
   build tree, so they land in the wheel as package data: afabric/_lib/libafabric_shim.so
-  afabric_ofi/libafabric_ofi.so and afabric_verbs/libafabric_verbs.so.
+  afabric_ofi/libafabric_ofi.so, afabric_verbs/libafabric_verbs.so and
+  afabric_nvlink/libafabric_nvlink.so.
 - The wheel is platform-tagged but Python-version independent (``py3-none-linux_x86_64``):
   the libraries are loaded with ctypes, they are not CPython extensions.
 - ``afabric_ofi`` (the first-party libfabric provider plugin) lives in providers/ofi/,
-  ``afabric_verbs`` (the libibverbs one) in providers/verbs/.
+  ``afabric_verbs`` (the libibverbs one) in providers/verbs/, ``afabric_nvlink`` (CUDA IPC
+  between the GPUs of a node) in providers/nvlink/.
 """
 
 from __future__ import annotations
@@ -49,12 +51,16 @@ class BuildPyWithNative(build_py):
             # `pip install -e .`: the packages are used from the source tree.
             shim_dir, ofi_dir = bn.DEFAULT_SHIM_OUT, bn.DEFAULT_OFI_OUT
             verbs_dir = bn.DEFAULT_VERBS_OUT
+            nvlink_dir = bn.DEFAULT_NVLINK_OUT
         else:
             shim_dir = Path(self.build_lib) / "afabric" / "_lib"
             ofi_dir = Path(self.build_lib) / "afabric_ofi"
             verbs_dir = Path(self.build_lib) / "afabric_verbs"
+            nvlink_dir = Path(self.build_lib) / "afabric_nvlink"
         try:
-            built = bn.build(shim_dir, ofi_dir, out_dir_verbs=verbs_dir, verbose=bool(self.verbose))
+            built = bn.build(
+                shim_dir, ofi_dir, out_dir_verbs=verbs_dir, out_dir_nvlink=nvlink_dir, verbose=bool(self.verbose)
+            )
         except bn.BuildError as e:
             raise CompileError(f"afabric: native build failed: {e}") from e
         self._native_outputs = [str(p) for p in built.values()]
@@ -88,13 +94,15 @@ package_data: dict[str, Any] = {
     "afabric": ["_lib/*.so"],
     "afabric_ofi": ["*.so"],
     "afabric_verbs": ["*.so"],
+    "afabric_nvlink": ["*.so"],
 }
 
 setup(
-    packages=[*find_packages(include=["afabric", "afabric.*"]), "afabric_ofi", "afabric_verbs"],
+    packages=[*find_packages(include=["afabric", "afabric.*"]), "afabric_ofi", "afabric_verbs", "afabric_nvlink"],
     package_dir={
         "afabric_ofi": "providers/ofi/afabric_ofi",
         "afabric_verbs": "providers/verbs/afabric_verbs",
+        "afabric_nvlink": "providers/nvlink/afabric_nvlink",
     },
     package_data=package_data,
     zip_safe=False,

@@ -21,7 +21,8 @@ from afabric import cli, registry
 from afabric.errors import AfabricError, PluginError, ProviderUnavailable
 from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec
 
-FIRST_PARTY = {"efa", "tcp", "shm"}
+FIRST_PARTY = {"efa", "tcp", "shm"}  # the libfabric plugin (afabric_ofi)
+OTHER_FIRST_PARTY = {"verbs", "nvlink"}  # afabric_verbs, afabric_nvlink
 PLUGIN_MODULE = "afabric_test_broken_plugins"
 
 
@@ -333,7 +334,7 @@ def _check_info(
     providers = info["providers"]
     assert isinstance(providers, list)
     by_name = {p["name"]: p for p in providers}
-    expected = FIRST_PARTY | ({"sockets"} if _sockets_installed() else set()) | extra
+    expected = FIRST_PARTY | OTHER_FIRST_PARTY | ({"sockets"} if _sockets_installed() else set()) | extra
     assert set(by_name) == expected
     for p in providers:
         assert isinstance(p["available"], bool)

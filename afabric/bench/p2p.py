@@ -228,6 +228,10 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.provider == "nvlink":  # GPU memory on both sides, against the CUDA peer copy
+        from . import p2p_nvlink
+
+        return p2p_nvlink.main(args)
     args.repeat = max(1, int(getattr(args, "repeat", None) or (3 if args.quick else 5)))
     report.check_outputs(args)  # a --plot that cannot be drawn fails before the run, not after it
     args.polling = getattr(args, "polling", None) or "adaptive"

@@ -1,0 +1,55 @@
+"""afabric's first-party CUDA IPC provider plugin: ``nvlink`` (GPU to GPU within a node).
+
+Shipped and discovered exactly like a third-party plugin: this distribution declares the
+entry point ``nvlink`` in the group ``afabric.providers``, pointing at :func:`nvlink`, which
+returns a :class:`afabric.provider.ProviderSpec` naming the native library
+``libafabric_nvlink.so`` installed next to this file. Nothing native is loaded here; the
+library loads the CUDA driver (libcuda.so.1) itself when first used, so the same install
+works on machines without CUDA (the provider is then unavailable, and says why).
+
+What it moves: CUDA device memory into CUDA device memory of any process (or engine) on
+the same node, over NVLink (or PCIe peer-to-peer). Regions are exported with CUDA IPC
+handles (memory from cudaMalloc: torch's caching allocator, CuPy's pool); host memory can
+be a source, never a target. Never picked by ``provider="auto"``: ask for it by name.
+
+Environment:
+
+- ``AFABRIC_NVLINK_LIB``: use this provider library instead of the packaged one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec
+
+__all__ = ["LIBRARY_NAME", "library_path", "nvlink"]
+
+LIBRARY_NAME = "libafabric_nvlink.so"
+
+
+def library_path() -> str:
+    """Absolute path of the nvlink provider library (``$AFABRIC_NVLINK_LIB`` overrides it)."""
+    env = os.environ.get("AFABRIC_NVLINK_LIB")
+    if env:
+        return str(Path(env).resolve())
+    return str(Path(__file__).resolve().parent / LIBRARY_NAME)
+
+
+def nvlink() -> ProviderSpec:
+    """CUDA IPC between the GPUs of one node: writes are GPU copies over NVLink.
+
+    Priority 0: ``provider="auto"`` never picks it (it cannot write into host memory nor
+    reach another node); ``Engine("nvlink")`` asks for it.
+    """
+    return ProviderSpec(
+        name="nvlink",
+        library=library_path(),
+        fabric_provider="nvlink",
+        priority=0,
+        abi_major=PROVIDER_ABI_MAJOR,
+        hint="needs two or more CUDA GPUs with peer access (NVLink or PCIe P2P) and the CUDA "
+        "driver (libcuda.so.1, 12.0 or newer)",
+        description="CUDA IPC between the GPUs of one node (NVLink / PCIe peer-to-peer)",
+    )

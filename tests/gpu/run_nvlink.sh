@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The nvlink provider's checks on the lent two-GPU machine (kind nvidia-h200-x2): installs the
+# wheel built here, runs tests/gpu/test_nvlink.py and `afabric bench p2p --provider nvlink`
+# (nvlink writes against cudaMemcpyPeerAsync of the same bytes, same run). Run after
+#
+#     rm -rf .whl && pip wheel -q --no-deps -w .whl .       # here; carried in .whl/
+#     bash tests/gpu/run_nvlink.sh                          # there; logs go to $OUT
+#
+# Writes (at most 8 files come back): setup.log pytest-nvlink.log bench-nvlink.log
+# p2p-nvlink.json summary.txt. Goes on after a failed step; exits non-zero if any failed.
+# BENCH_ARGS adds arguments to the bench (e.g. "--quick"); WHEEL_DIR is where the wheel is (.whl).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+# NVLink multicast stays off on the shared GPU hosts (afabric never asks for it).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 AFABRIC_REQUIRE_GPU=${AFABRIC_REQUIRE_GPU:-1}
+PY=${PYTHON:-python3}
+SITE=${AFABRIC_SITE:-/tmp/afabric-site}
+FAILS=()
+
+step() { # step LOG NAME SECONDS CMD...
+    local log=$OUT/$1 name=$2 limit=$3
+    shift 3
+    echo "== $name: $*" | tee -a "$log"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')" | tee -a "$log"
+    [ "$rc" -eq 0 ] || FAILS+=("$name (exit $rc)")
+    return 0
+}
+
+{
+    echo "date: $(date -Is)  host: $(hostname)  cpus: $(nproc)"
+    nvidia-smi -L
+    nvidia-smi topo -m
+    nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1
+} 2>&1 | tee -a "$OUT/setup.log"
+
+shopt -s nullglob
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+wheels=("$WHEEL_DIR"/afabric-*.whl)
+if [ ${#wheels[@]} -ne 1 ]; then
+    echo "need exactly one $WHEEL_DIR/afabric-*.whl (found ${#wheels[@]})" | tee -a "$OUT/setup.log"
+    echo "FAILED: no wheel" >"$OUT/summary.txt"
+    exit 2
+fi
+rm -rf "$SITE"
+step setup.log install 300 "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "${wheels[0]}"
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+step setup.log "afabric info" 120 "$PY" -m afabric.cli info
+
+step pytest-nvlink.log "pytest test_nvlink.py" ${PYTEST_LIMIT:-240} "$PY" -m pytest -q -rA -p no:cacheprovider \
+    --import-mode=importlib --noconftest -o timeout=90 tests/gpu/test_nvlink.py
+# shellcheck disable=SC2086 # BENCH_ARGS is a list of words
+step bench-nvlink.log "bench p2p nvlink" ${BENCH_LIMIT:-200} "$PY" -m afabric.cli bench p2p --provider nvlink \
+    --json "$OUT/p2p-nvlink.json" ${BENCH_ARGS:-}
+ls /dev/shm | grep -c afabric-nvl | sed 's/^/nvlink segments left in \/dev\/shm: /' | tee -a "$OUT/setup.log"
+
+{
+    if [ ${#FAILS[@]} -eq 0 ]; then echo "all steps passed"; else echo "FAILED steps:"; printf '  %s\n' "${FAILS[@]}"; fi
+} | tee "$OUT/summary.txt"
+[ ${#FAILS[@]} -eq 0 ]
