@@ -371,6 +371,7 @@ def _cmd_bench_overhead(ns: argparse.Namespace) -> int:
 _MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench", "soak", "afabric.bench.soak"),
     ("bench", "moe", "afabric.bench.moe"),
+    ("", "weights", "afabric.weights.cli"),
 )
 
 

@@ -57,6 +57,7 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     score_bias: bool = False  # DeepSeek's e_score_correction_bias (float32)
+    replica: int = 8  # inference ranks per replica in a typical deployment (planning default)
 
     @property
     def mla(self) -> bool:
@@ -65,17 +66,17 @@ class ModelShape:
 
 PRESETS: dict[str, ModelShape] = {
     "deepseek-v3": ModelShape(
-        "DeepSeek-V3 (671B)", layers=61, hidden=7168, vocab=129280, heads=128, intermediate=18432,
+        "DeepSeek-V3 (671B)", replica=16, layers=61, hidden=7168, vocab=129280, heads=128, intermediate=18432,
         first_dense=3, experts=256, moe_intermediate=2048, shared_experts=1, q_lora_rank=1536,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, score_bias=True,
     ),
     "kimi-k2": ModelShape(
-        "Kimi-K2 (1T)", layers=61, hidden=7168, vocab=163840, heads=64, intermediate=18432,
+        "Kimi-K2 (1T)", replica=16, layers=61, hidden=7168, vocab=163840, heads=64, intermediate=18432,
         first_dense=1, experts=384, moe_intermediate=2048, shared_experts=1, q_lora_rank=1536,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, score_bias=True,
     ),
     "qwen3-235b": ModelShape(
-        "Qwen3-235B-A22B", layers=94, hidden=4096, vocab=151936, heads=64, intermediate=12288,
+        "Qwen3-235B-A22B", replica=8, layers=94, hidden=4096, vocab=151936, heads=64, intermediate=12288,
         first_dense=0, experts=128, moe_intermediate=1536, kv_heads=4, head_dim=128, qk_norm=True,
     ),
 }  # fmt: skip
@@ -161,6 +162,34 @@ def fsdp_sources(m: ModelShape, trainers: list[int], shard_group: int | None = N
     placements = (Placement(), Placement(0)) if g != n else (Placement(0),)
     return [SourceParam(name, shape, dt, mesh_shape, tuple(trainers), placements)
             for name, shape, dt in training_params(m)]  # fmt: skip
+
+
+def moe_sources(
+    m: ModelShape, trainers: list[int], shard_group: int, expert_parallel: int
+) -> list[SourceParam]:
+    """How MoE models are trained at scale: routed experts expert-parallel (expert ``e``
+    whole on rank ``e mod EP`` of each of the ``N / EP`` replicas), everything else HSDP
+    (sharded over groups of ``shard_group`` ranks, replicated across groups)."""
+    n = len(trainers)
+    ep = expert_parallel
+    if ep <= 0 or n % ep:
+        raise InvalidArgument(f"expert parallel size {ep} does not divide {n} trainers")
+    dense = {s.name: s for s in fsdp_sources(m, trainers, shard_group)}
+    out = []
+    for name, shape, dt in training_params(m):
+        parts = name.split(".")
+        if "experts" in parts:
+            e = int(parts[parts.index("experts") + 1])
+            ranks = tuple(trainers[k * ep + e % ep] for k in range(n // ep))
+            out.append(SourceParam(name, shape, dt, (len(ranks),), ranks, (Placement(),)))
+        else:
+            out.append(dense[name])
+    return out
+
+
+def default_expert_parallel(m: ModelShape, trainers: int) -> int:
+    """The largest expert-parallel size dividing both the trainers and the experts."""
+    return math.gcd(trainers, m.experts) if m.experts else 1
 
 
 def _split(name: str, n: int, parts: int, t: int) -> tuple[int, int]:

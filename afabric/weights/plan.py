@@ -500,13 +500,14 @@ def build_plan(
         sender[k] = best
         load[best] += box_numel(band) * dtype_size(piece.out_dtype) * len(piece.dests)
 
-    gkeys = sorted({r[0] for r in raw})
+    by_group: dict[str, list[int]] = defaultdict(list)
+    for k, r in enumerate(raw):
+        by_group[r[0]].append(k)
     tasks: list[Task] = []
     groups: list[Group] = []
     rows: list[tuple[int, int, int, int, int]] = []
-    for gi, gkey in enumerate(gkeys):
-        members = [k for k in range(len(raw)) if raw[k][0] == gkey]
-        members.sort(key=lambda k: (raw[k][1], raw[k][2]))
+    for gi, gkey in enumerate(sorted(by_group)):
+        members = sorted(by_group[gkey], key=lambda k: (raw[k][1], raw[k][2]))
         first = len(tasks)
         for k in members:
             _g, name, band, _r, unshard, piece = raw[k]

@@ -56,6 +56,9 @@ class Sender:
         self.slot = plan.trainer_slot(rank)
         self.params = dict(params)
         self.tasks = plan.tasks_of(rank)
+        self.by_group: dict[int, dict[str, list[Task]]] = defaultdict(lambda: defaultdict(list))
+        for t in self.tasks:
+            self.by_group[t.group][t.param].append(t)
         for t in self.tasks:
             if t.param not in self.params:
                 raise InvalidArgument(f"rank {rank}: the plan has it send {t.param}, which it does not hold")
@@ -101,8 +104,15 @@ class Sender:
 
     async def run(self, version: int, prog: UpdateProgress) -> None:
         await self._words(version, 0)
-        for g in self.plan.groups:
-            await self._run_group(g, prog)
+        pending: list[asyncio.Task[None]] = []
+        try:
+            for gi, g in enumerate(self.plan.groups):
+                await self._run_group(gi, g, prog, pending)
+        finally:
+            results = await asyncio.gather(*pending, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
         await self._words(version, 1)
 
     def _local(self, name: str) -> tuple[Any, Box]:
@@ -144,38 +154,31 @@ class Sender:
             await self.arena.free(off, n)
         prog.add(sum(r[2] for rows in by_dst.values() for r in rows))
 
-    async def _run_group(self, g: Group, prog: UpdateProgress) -> None:
-        mine: dict[str, list[Task]] = defaultdict(list)
-        for t in self.tasks:
-            if t.group == self.plan.groups.index(g):
-                mine[t.param].append(t)
+    async def _run_group(
+        self, gi: int, g: Group, prog: UpdateProgress, pending: list[asyncio.Task[None]]
+    ) -> None:
+        """Prepare and post this rank's tasks of one group; writes stay in flight (in
+        ``pending``) while the next group is prepared, but collectives keep plan order."""
+        mine = self.by_group.get(gi, {})
         in_mesh = self.rank in g.mesh_ranks
         unshard = set(g.unshard) if in_mesh else set()
-        names = sorted(unshard | set(mine))
-        pending: list[asyncio.Task[None]] = []
-        try:
-            for name in names:
-                full = None
-                if name in unshard:
-                    full = await self._prep.call(lambda n=name: self._unshard(n))  # type: ignore[misc]
-                for task in mine.get(name, []):
-                    failed = [p for p in pending if p.done() and p.exception() is not None]
-                    if failed:
-                        raise failed[0].exception()  # type: ignore[misc]
-                    off, n = await self.arena.alloc(task.nbytes)
-                    if task.unshard:
-                        region, rbox = full, full_box(tuple(int(x) for x in full.shape))
-                    else:
-                        region, rbox = self._local(name)
-                    try:
-                        await self._prep.call(lambda t=task, r=region, b=rbox, o=off: self._stage(t, r, b, o))  # type: ignore[misc]
-                    except BaseException:
-                        await self.arena.free(off, n)
-                        raise
-                    pending.append(asyncio.ensure_future(self._post(task, off, n, prog)))
-                del full
-        finally:
-            results = await asyncio.gather(*pending, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        for name in sorted(unshard | set(mine)):
+            full = None
+            if name in unshard:
+                full = await self._prep.call(lambda n=name: self._unshard(n))  # type: ignore[misc]
+            for task in mine.get(name, []):
+                failed = [p for p in pending if p.done() and p.exception() is not None]
+                if failed:
+                    raise failed[0].exception()  # type: ignore[misc]
+                off, n = await self.arena.alloc(task.nbytes)
+                if task.unshard:
+                    region, rbox = full, full_box(tuple(int(x) for x in full.shape))
+                else:
+                    region, rbox = self._local(name)
+                try:
+                    await self._prep.call(lambda t=task, r=region, b=rbox, o=off: self._stage(t, r, b, o))  # type: ignore[misc]
+                except BaseException:
+                    await self.arena.free(off, n)
+                    raise
+                pending.append(asyncio.ensure_future(self._post(task, off, n, prog)))
+            del full
