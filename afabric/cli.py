@@ -369,6 +369,7 @@ def _cmd_bench_overhead(ns: argparse.Namespace) -> int:
 # ``HELP`` (one line), ``add_arguments(parser)`` and ``main(ns) -> int``, and imports nothing
 # heavy at module level (the parser is built on every ``afabric`` call).
 _MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("bench", "kvcache", "afabric.bench.kvcache"),
     ("bench", "soak", "afabric.bench.soak"),
     ("bench", "moe", "afabric.bench.moe"),
     ("", "weights", "afabric.weights.cli"),

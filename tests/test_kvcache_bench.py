@@ -1,0 +1,37 @@
+"""`afabric bench kvcache --quick` runs end to end (a prefill process, the decoder here) and
+reports every quantity; speed is reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.timeout(200)
+def test_bench_kvcache_quick(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "kvcache.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--json", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "kvcache" and doc["provider"] == "shm" and doc["page_bytes"] == 32768
+    assert [r["tokens"] for r in doc["rows"]] == [1024, 4096]
+    for r in doc["rows"]:
+        assert r["pages"] == r["tokens"] // 128
+        for key in ("compute_per_layer_ms", "transfer_per_layer_ms", "ttft_local_ms", "ttft_disagg_ms"):
+            assert r[key] > 0, key
+        assert r["exposed_ms"] >= 0 and 0.0 <= r["hidden_fraction"] <= 1.0
+        # the disaggregated request cannot finish before the prefiller's compute did
+        assert r["ttft_disagg_ms"] >= r["compute_per_layer_ms"] * doc["model"]["layers"] * 0.99
+        assert set(r["samples"]) == {"local", "disagg", "transfer", "exposed", "compute"}
+    assert "TTFT disagg" in proc.stdout and "disagg/local" in proc.stdout
