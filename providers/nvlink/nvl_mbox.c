@@ -12,7 +12,9 @@
 #include <unistd.h>
 
 #define MB_DIR "/dev/shm/"
-#define MB_PREFIX "afabric-nvl-"
+/* "<pid>:afabric-nvl-<token>": the "<pid>:" convention of libfabric's shm files, so tools
+ * (and the test suite's leak check) tell a live process's files from a dead one's */
+#define MB_TAG ":afabric-nvl-"
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -25,7 +27,7 @@ int mb_create(mb_seg *s, uint64_t token, char *err, size_t errlen)
 {
     memset(s, 0, sizeof *s);
     s->fd = -1;
-    snprintf(s->name, sizeof s->name, MB_PREFIX "%d-%016llx", (int)getpid(),
+    snprintf(s->name, sizeof s->name, "%d" MB_TAG "%016llx", (int)getpid(),
              (unsigned long long)token);
     char path[MB_NAME_LEN + 16], tmp[MB_NAME_LEN + 24];
     snprintf(path, sizeof path, MB_DIR "%s", s->name);
@@ -90,7 +92,7 @@ int mb_attach(mb_seg *s, const char *name, uint64_t token, char *err, size_t err
 {
     memset(s, 0, sizeof *s);
     s->fd = -1;
-    if (strlen(name) >= MB_NAME_LEN || strncmp(name, MB_PREFIX, strlen(MB_PREFIX)) != 0 ||
+    if (strlen(name) >= MB_NAME_LEN || !strstr(name, MB_TAG) || name[0] == '.' ||
         strchr(name, '/')) {
         snprintf(err, errlen, "bad nvlink segment name in peer address");
         return -1;
@@ -168,7 +170,7 @@ void mb_reap(void)
         return;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
-        if (strncmp(e->d_name, MB_PREFIX, strlen(MB_PREFIX)) != 0)
+        if (e->d_name[0] == '.' || !strstr(e->d_name, MB_TAG))
             continue;
         int fd = openat(dirfd(d), e->d_name, O_RDWR | O_CLOEXEC);
         if (fd < 0)

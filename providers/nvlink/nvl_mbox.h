@@ -1,6 +1,6 @@
 /*
  * The node-local rendezvous of the nvlink provider: one shared-memory segment per domain
- * (/dev/shm/afabric-nvl-<pid>-<token>), mapped by every peer that resolves the domain's
+ * (/dev/shm/<pid>:afabric-nvl-<token>), mapped by every peer that resolves the domain's
  * address. It holds
  *  - the export table: one entry per remotely writable region (CUDA IPC handle, the
  *    owner's virtual address range, a generation), read by peers with a seqlock, so a

@@ -383,6 +383,17 @@ def test_two_engines_one_process() -> None:
             assert sha(cp.asnumpy(b1)) == sha(h0)
             assert sha(cp.asnumpy(b0)) == sha(h1.reshape(pages, -1)[perm].reshape(-1))
             assert sha(cp.asnumpy(same_dev)) == sha(h1)
+            # a scatter to both engines (one of them itself) and a barrier, one arrival each
+            group = e0.peer_group([e0.address, e1.address])
+            targets = [afabric.ScatterTarget(r1.descriptor, MiB, 0, 5 * MiB),
+                       afabric.ScatterTarget(r_same.descriptor, MiB, MiB, 7 * MiB)]  # fmt: skip
+            k0, k1 = e0.alloc_imm(), e1.alloc_imm()
+            await e0.scatter(s0, targets, group=group, imm=k1)
+            await e1.expect_imm(k1, 1, timeout=30)
+            assert sha(cp.asnumpy(b1[5 * MiB : 6 * MiB])) == sha(h0[:MiB])
+            assert sha(cp.asnumpy(same_dev[7 * MiB : 8 * MiB])) == sha(h0[MiB : 2 * MiB])
+            await e0.barrier([r0.descriptor], k0)
+            await e0.expect_imm(k0, 1, timeout=30)
         finally:
             await e0.aclose()
             await e1.aclose()
