@@ -373,6 +373,7 @@ _MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench", "soak", "afabric.bench.soak"),
     ("bench", "moe", "afabric.bench.moe"),
     ("", "weights", "afabric.weights.cli"),
+    ("bench", "weights", "afabric.bench.weights"),
 )
 
 

@@ -8,7 +8,7 @@ the rank-0 baseline. Nothing here imports torch until it is used.
 """
 
 from .layout import FP8, DestTensor, Part, RankLayout
-from .meta import Box, Placement, SourceParam, source_of
+from .meta import Box, LocalShard, Placement, SourceParam, source_of
 from .models import PRESETS, ModelShape, fsdp_sources, inference_layouts, rank_tensors, small_model, training_params
 from .plan import Group, Plan, PlanOptions, Task, build_plan
 from .prepare import simulate
@@ -21,6 +21,7 @@ __all__ = [
     "Box",
     "DestTensor",
     "Group",
+    "LocalShard",
     "ModelShape",
     "Part",
     "Placement",

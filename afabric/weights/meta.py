@@ -140,16 +140,32 @@ class SourceParam:
         return self.box_at(self.coordinate(i))
 
 
+@dataclass(frozen=True)
+class LocalShard:
+    """A training rank's shard held outside DTensor (e.g. a framework's own sharding, or
+    tensors on a device DTensor's process group cannot serve), with the metadata saying
+    which slice it is. Such parameters are sent straight from the shards; a plan that would
+    need to unshard them is refused (plan with ``unshard="never"``)."""
+
+    tensor: Any
+    meta: SourceParam
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def source_of(name: str, tensor: Any, *, rank: int | None = None) -> SourceParam:
     """Metadata of a training parameter: a DTensor (its mesh and placements, ranks of the
-    mesh as given by ``DeviceMesh.mesh``) or a plain tensor held whole by ``rank``.
+    mesh as given by ``DeviceMesh.mesh``), a :class:`LocalShard`, or a plain tensor held
+    whole by ``rank``.
     Ranks are the process-group ranks the transfer session uses."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if isinstance(tensor, LocalShard):
+        if tensor.meta.name != name:
+            raise InvalidArgument(f"{name}: its LocalShard describes {tensor.meta.name}")
+        return tensor.meta
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
         placements = []

@@ -44,7 +44,7 @@ async def run(s: WeightTransfer, version: int) -> tuple[int, int]:
         buf = torch.zeros(width, dtype=torch.uint8)
         off = 0
         for name, box in prim[s.rank]:
-            local, lbox = s.sender._local(name)
+            local, lbox = s.sender.local(name)
             assert tuple(box) == tuple(lbox)
             flat = local.detach().reshape(-1).view(torch.uint8)
             buf[off : off + flat.numel()].copy_(flat)

@@ -24,7 +24,7 @@ from ..descriptor import MrDesc
 from ..errors import InvalidArgument
 from ..groups import ScatterTarget
 from .arena import Arena
-from .meta import Box, full_box
+from .meta import Box, LocalShard, full_box
 from .plan import Group, Plan, Task
 from .prepare import convert, slice_of, stage_into
 from .progress import UpdateProgress
@@ -115,10 +115,12 @@ class Sender:
                 raise r
         await self._words(version, 1)
 
-    def _local(self, name: str) -> tuple[Any, Box]:
+    def local(self, name: str) -> tuple[Any, Box]:
         from torch.distributed.tensor import DTensor
 
         t = self.params[name]
+        if isinstance(t, LocalShard):
+            t = t.tensor
         local = t.to_local() if isinstance(t, DTensor) else t
         return local, self.plan.sources[name].box_of(self.rank)
 
@@ -174,7 +176,7 @@ class Sender:
                 if task.unshard:
                     region, rbox = full, full_box(tuple(int(x) for x in full.shape))
                 else:
-                    region, rbox = self._local(name)
+                    region, rbox = self.local(name)
                 try:
                     await self._prep.call(lambda t=task, r=region, b=rbox, o=off: self._stage(t, r, b, o))  # type: ignore[misc]
                 except BaseException:
