@@ -281,6 +281,15 @@ def sanitizer_env(
     return env
 
 
+# The variable that points afabric at each library instead of the packaged one.
+ENV_VARS = {
+    "shim": "AFABRIC_SHIM",
+    "ofi": "AFABRIC_OFI_LIB",
+    "verbs": "AFABRIC_VERBS_LIB",
+    "nvlink": "AFABRIC_NVLINK_LIB",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Build afabric's native libraries (shim, libfabric and verbs providers)."
@@ -314,22 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             only=tuple(ns.only or ("shim", "ofi", "verbs", "nvlink")),
         )
         if ns.print_env:
-            if ns.sanitize and "shim" in built:
-                env = sanitizer_env(built["shim"], built.get("ofi"))
-                if "verbs" in built:
-                    env["AFABRIC_VERBS_LIB"] = str(built["verbs"].resolve())
-                if "nvlink" in built:
-                    env["AFABRIC_NVLINK_LIB"] = str(built["nvlink"].resolve())
-            else:
-                env = {}
-                if "shim" in built:
-                    env["AFABRIC_SHIM"] = str(built["shim"].resolve())
-                if "ofi" in built:
-                    env["AFABRIC_OFI_LIB"] = str(built["ofi"].resolve())
-                if "verbs" in built:
-                    env["AFABRIC_VERBS_LIB"] = str(built["verbs"].resolve())
-                if "nvlink" in built:
-                    env["AFABRIC_NVLINK_LIB"] = str(built["nvlink"].resolve())
+            env = sanitizer_env(built["shim"], built.get("ofi")) if ns.sanitize and "shim" in built else {}
+            env.update({ENV_VARS[key]: str(path.resolve()) for key, path in built.items()})
             for k, v in env.items():
                 print(f"export {k}={shlex.quote(v)}")
         else:
