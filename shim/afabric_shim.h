@@ -91,7 +91,7 @@ typedef struct afs_nic_stats {
     uint64_t write_bytes; /* bytes they carried */
     uint64_t sends, recvs;
     uint64_t imms;        /* immediates that arrived */
-    uint64_t errors;      /* failed work requests */
+    uint64_t errors;      /* failed work requests, receives included (e.g. an oversize message) */
     uint64_t retries;     /* posts the provider answered with "try again" */
     uint64_t landed;      /* remote writes seen landing here (where the provider counts them) */
     uint64_t completions; /* write and send work requests completed (with or without error):

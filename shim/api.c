@@ -369,6 +369,9 @@ int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t
         return afs_fail(AFS_ESTALE, "peer handle is not live on this engine");
     if ((rc = peer_current(eng, peer_id)))
         return rc;
+    if (p->max_msg && len > p->max_msg) /* the receiver could not take it: never post it */
+        return afs_fail(AFS_ETOOBIG, "message of %llu bytes exceeds the peer's maximum of %u",
+                        (unsigned long long)len, p->max_msg);
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SEND);
     if (!x)
         return afs_fail(AFS_ENOMEM, "send: out of memory");

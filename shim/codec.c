@@ -4,11 +4,14 @@
  * truncated or corrupted blobs (forged ones with a valid CRC are stopped by the target's
  * provider, which checks the key and range of every remote access).
  *
- * Address:    "AFA1" u8 nics u8 name_len u16 0 u64 incarnation name[name_len]
+ * Address:    "AFA1" u8 nics u8 name_len u16 max_msg u64 incarnation name[name_len]
  *             { u16 len, bytes[len] } x nics   u32 crc
  * Descriptor: "AFD1" u32 addr_len addr[addr_len] u64 base u64 length i32 device u32 nics
  *             { u64 remote_base, u64 key } x nics   u32 crc
- * All integers little-endian.
+ * All integers little-endian. `max_msg` is the largest message the engine receives, so that
+ * senders refuse bigger ones before posting (libfabric 1.17's shm wedges on an oversize
+ * message): below 32768 it is the size in bytes, else 0x8000 | size / 4096 (rounded down,
+ * so never above the real limit); 0 means unknown (no check).
  */
 #include <string.h>
 
@@ -84,7 +87,20 @@ static int check_crc(const uint8_t *buf, uint32_t len, const char *what)
     return 0;
 }
 
-int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics,
+static uint32_t msg_limit_code(uint32_t max_msg)
+{
+    if (max_msg < 0x8000u)
+        return max_msg;
+    uint32_t units = max_msg >> 12;
+    return 0x8000u | (units > 0x7fffu ? 0x7fffu : units);
+}
+
+static uint32_t msg_limit(uint32_t code)
+{
+    return code & 0x8000u ? (code & 0x7fffu) << 12 : code;
+}
+
+int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics, uint32_t max_msg,
                     const uint8_t *const *addrs, const uint32_t *lens, uint8_t *out,
                     uint32_t cap, uint32_t *len)
 {
@@ -95,7 +111,7 @@ int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics,
     put(&w, AFS_ADDR_MAGIC, 4);
     put_u(&w, nics, 1);
     put_u(&w, name_len, 1);
-    put_u(&w, 0, 2);
+    put_u(&w, msg_limit_code(max_msg), 2);
     put_u(&w, incarnation, 8);
     put(&w, provider, (uint32_t)name_len);
     for (uint32_t i = 0; i < nics; i++) {
@@ -118,7 +134,7 @@ static int addr_parse_body(rbuf *r, afs_addr_view *out)
         return afs_fail(AFS_EBADDESC, "not an afabric address (bad magic)");
     uint32_t nics = (uint32_t)get_u(r, 1);
     uint32_t name_len = (uint32_t)get_u(r, 1);
-    (void)get_u(r, 2);
+    out->max_msg = msg_limit((uint32_t)get_u(r, 2));
     out->incarnation = get_u(r, 8);
     if (r->bad)
         return afs_fail(AFS_EBADDESC, "address truncated");

@@ -342,7 +342,8 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
         addrs[i] = eng->nics[i].addr;
         lens[i] = eng->nics[i].addr_len;
     }
-    if ((rc = afs_addr_encode(eng->provider_name, eng->incarnation, eng->nnics, addrs, lens,
+    if ((rc = afs_addr_encode(eng->provider_name, eng->incarnation, eng->nnics,
+                              eng->cfg.max_msg_size, addrs, lens,
                               eng->address, sizeof(eng->address), &eng->address_len)))
         goto out_free;
 
@@ -620,6 +621,7 @@ static int find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const u
     if (rc == 0) {
         memcpy(p->fi_addr, x->ctrl_fi_addr, sizeof(p->fi_addr));
         p->incarnation = v->incarnation;
+        p->max_msg = v->max_msg;
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
         *peer_id = afs_slots_publish(&eng->peers, index);

@@ -126,6 +126,7 @@ void *afs_slots_at(afs_slots *s, uint32_t index); /* raw, NULL if never allocate
 typedef struct afs_addr_view {
     uint64_t incarnation;
     uint32_t nics;
+    uint32_t max_msg; /* largest message the engine receives (rounded down), 0 = unknown */
     char provider[AFS_MAX_PROVNAME + 1];
     const uint8_t *nic_addr[AFS_MAX_NICS];
     uint32_t nic_addr_len[AFS_MAX_NICS];
@@ -142,7 +143,7 @@ typedef struct afs_desc_view {
     uint64_t key[AFS_MAX_NICS];
 } afs_desc_view;
 
-int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics,
+int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics, uint32_t max_msg,
                     const uint8_t *const *addrs, const uint32_t *lens, uint8_t *out,
                     uint32_t cap, uint32_t *len);
 int afs_addr_parse(const uint8_t *buf, uint32_t len, afs_addr_view *out);
@@ -185,6 +186,7 @@ typedef struct afs_peer_entry {
     uint64_t fi_addr[AFS_MAX_NICS];
     uint64_t incarnation;
     _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
+    uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];
 } afs_peer_entry;

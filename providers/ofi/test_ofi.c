@@ -496,6 +496,40 @@ static void run(const char *prov, uint32_t flags)
         printf("  bad key -> target error event op=%u status=%d: %s\n", B.t.last_error.op,
                B.t.last_error.status, B.t.last_error.errtext);
 
+    /* A region registered without AFP_MR_REMOTE is local-only at the provider itself: a
+     * write carrying its very key and address is refused (an error, or dropped) and the
+     * region stays as it was. */
+    stage = "local-only";
+    uint8_t *loc = aligned_alloc(4096, 4096);
+    if (!loc)
+        die("out of memory");
+    memset(loc, 0x5a, 4096);
+    afp_mr *mr_loc;
+    void *desc_loc;
+    uint64_t rkey_loc, base_loc;
+    CHECK(B.d, ops->reg_mr(B.d, loc, 4096, 0, -1, rnd64(), &mr_loc, &desc_loc, &rkey_loc,
+                           &base_loc));
+    afp_write lw = w[0];
+    lw.length = 4096;
+    lw.remote_addr = base_loc;
+    lw.remote_key = rkey_loc;
+    lw.ctx = CTX_BADKEY;
+    lw.has_imm = 0;
+    uint32_t errors_before = A.t.errors, done_before = A.t.write_done;
+    post_all(&A, &B, &lw, 1, true);
+    deadline = now() + 3;
+    while (A.t.errors == errors_before && A.t.write_done == done_before && now() < deadline)
+        poll_both(&A, &B, true);
+    for (uint32_t i = 0; i < 4096; i++)
+        if (loc[i] != 0x5a)
+            die("a remote write changed byte %u of a local-only region", i);
+    printf("  local-only region: write %s, region unchanged\n",
+           A.t.errors != errors_before      ? "refused with an error"
+           : A.t.write_done != done_before ? "reported done (not checked at the initiator)"
+                                            : "never completed");
+    CHECK(B.d, ops->dereg_mr(B.d, mr_loc));
+    free(loc);
+
     stage = "teardown";
     CHECK(A.d, ops->forget(A.d, A.peer));
     CHECK(B.d, ops->forget(B.d, B.peer));
