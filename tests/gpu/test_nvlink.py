@@ -432,6 +432,48 @@ def test_torch_tensors_two_engines() -> None:
     asyncio.run(main())
 
 
+def test_triggered_writes_two_engines() -> None:
+    """Writes the shim posts itself, the KV-cache layer-by-layer pattern: e0's write fires when
+    a GPU watcher reaches a value (bumped by the host here, as a kernel would), and e1 relays
+    what arrived (a paged write, pages reversed) once it has counted that write's immediate."""
+    cp = _cp()
+    half, page = 2 * MiB, 64 * KiB
+    pages = half // page
+
+    async def main() -> None:
+        e0, e1 = await _engines()
+        try:
+            h = pattern(half, 31)
+            src = on_gpu(cp, h, 0)
+            with cp.cuda.Device(0):
+                back_buf = cp.zeros(half, dtype=cp.uint8)
+            with cp.cuda.Device(1):
+                dst = cp.zeros(half, dtype=cp.uint8)
+            s0, r0, r1 = e0.register(src, remote=False), e0.register(back_buf), e1.register(dst)
+            layer, back = e1.alloc_imm(), e0.alloc_imm()
+            w = e0.uvm_watcher(device=0)
+            idx = np.arange(pages, dtype=np.int64)
+            first = asyncio.ensure_future(e0.write(s0, r1.descriptor, half, imm=layer, when=w.reaches(1)))
+            relay = asyncio.ensure_future(
+                e1.write_paged(r1, r0.descriptor, page_len=page, src_pages=afabric.Pages(idx, page),
+                               dst_pages=afabric.Pages(idx[::-1].copy(), page), imm=back,
+                               when=afabric.imm_count(layer, 1))
+            )  # fmt: skip
+            await asyncio.sleep(0.2)
+            assert not first.done() and not relay.done(), "a triggered write went before its trigger"
+            assert not back_buf.any() and not dst.any()
+            w.add(1)
+            await asyncio.wait_for(asyncio.gather(first, relay), 30)
+            await e0.expect_imm(back, pages, timeout=30)
+            assert sha(cp.asnumpy(dst)) == sha(h)
+            assert sha(cp.asnumpy(back_buf)) == sha(h.reshape(pages, page)[::-1].reshape(-1))
+        finally:
+            await e0.aclose()
+            await e1.aclose()
+
+    asyncio.run(main())
+
+
 def reforge(blob: bytes, length: int) -> bytes:
     """Rewrite a descriptor's length and fix its checksum, as an attacker could."""
     addr_len = struct.unpack_from("<I", blob, 4)[0]
