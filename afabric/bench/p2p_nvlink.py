@@ -28,7 +28,7 @@ import numpy as np
 from .. import Engine, MemoryRegion, MrDesc, Pages
 from . import report
 from .loops import run as run_on_loop
-from .p2p import _fmt_size, _py_paged, _py_writes
+from .p2p import Latency, _fmt_size, _latency, _py_paged, _py_writes
 from .progress import Progress
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -114,7 +114,51 @@ def _median_rate(nbytes: int, runs: list[float]) -> float:
     return nbytes / statistics.median(runs) / 1e9
 
 
-async def _measure(args: argparse.Namespace, desc_blob: bytes) -> list[Row]:
+class _Setup:
+    """The engine, source region and imported descriptor every row writes with, and the
+    baseline's buffers."""
+
+    def __init__(self, cp: Any, eng: Engine, mr: MemoryRegion, desc: MrDesc, src: Any, peer_dst: Any) -> None:
+        self.cp, self.eng, self.mr, self.desc, self.src, self.peer_dst = cp, eng, mr, desc, src, peer_dst
+        self.mr_id = mr.check(eng)
+        self.rid, _ = eng._remote(desc)  # the raw loop drives the same imported descriptor
+
+
+async def _write_row(t: _Setup, size: int, args: argparse.Namespace) -> Row:
+    window, iters = _window(size), _iters(size, args.quick)
+    span = max(1, REGION // size)
+    py: list[float] = []
+    raw: list[float] = []
+    for _ in range(args.repeat):
+        py.append(await _py_writes(t.eng, t.mr, t.desc, size, window, iters))
+        raw.append(t.eng._n.bench_write(t.mr_id, t.rid, size, window, iters) / 1e9 / iters)
+    plan = [((i % span) * size, (i % span) * size, size) for i in range(iters)]
+    peer = _peer_copies(t.cp, t.peer_dst, t.src, plan, args.repeat) / iters
+    row = Row("write", size, 1, window, _median_rate(size, py), _median_rate(size, raw))
+    row.peer_gbps = size / peer / 1e9
+    return row
+
+
+async def _paged_row(t: _Setup, page: int, rng: np.random.Generator, args: argparse.Namespace) -> Row:
+    npages = REGION // page
+    count, window = min(PAGES_PER_OP, npages), 4
+    iters = _iters(page * count, args.quick)
+    s_idx = rng.permutation(npages)[:count].astype(np.int64)
+    d_idx = rng.permutation(npages)[:count].astype(np.int64)
+    sp, dp = Pages(s_idx, page), Pages(d_idx, page)
+    py: list[float] = []
+    raw: list[float] = []
+    for _ in range(args.repeat):
+        py.append(await _py_paged(t.eng, t.mr, t.desc, page, sp, dp, window, iters))
+        raw.append(t.eng._n.bench_paged(t.mr_id, t.rid, page, s_idx, d_idx, window, iters) / 1e9 / iters)
+    nbytes = page * count
+    peer = _peer_copies(t.cp, t.peer_dst, t.src, [(0, 0, nbytes)] * iters, args.repeat) / iters
+    row = Row("paged", page, count, window, _median_rate(nbytes, py), _median_rate(nbytes, raw))
+    row.peer_gbps = nbytes / peer / 1e9
+    return row
+
+
+async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row], Latency]:
     cp = _cupy()
     with cp.cuda.Device(SRC_GPU):
         src = (cp.arange(REGION, dtype=cp.uint32) * 2654435761 >> 13).astype(cp.uint8)
@@ -122,56 +166,27 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> list[Row]:
         peer_dst = cp.zeros(REGION, dtype=cp.uint8)  # the baseline's destination, this process
     sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
     pages = QUICK_PAGES if args.quick else PAGE_SIZES
-    bar = Progress(len(sizes) + len(pages))
+    bar = Progress(len(sizes) + len(pages) + 1)
     rows: list[Row] = []
     async with Engine("nvlink", nic=f"cuda{SRC_GPU}", polling=args.polling) as eng:
         desc = MrDesc.from_bytes(desc_blob)
-        mr: MemoryRegion = eng.register(src, remote=False)
-        mr_id = mr.check(eng)
-        rid, _ = eng._remote(desc)  # the raw loop drives the same imported descriptor
-        n = eng._n
+        t = _Setup(cp, eng, eng.register(src, remote=False), desc, src, peer_dst)
         for size in sizes:
             bar.step(f"write {_fmt_size(size)}")
-            window, iters = _window(size), _iters(size, args.quick)
-            span = max(1, REGION // size)
-            row = Row("write", size, 1, window)
-            py: list[float] = []
-            raw: list[float] = []
-            for _ in range(args.repeat):
-                py.append(await _py_writes(eng, mr, desc, size, window, iters))
-                raw.append(n.bench_write(mr_id, rid, size, window, iters) / 1e9 / iters)
-            plan = [((i % span) * size, (i % span) * size, size) for i in range(iters)]
-            peer = _peer_copies(cp, peer_dst, src, plan, args.repeat) / iters
-            row.py_gbps, row.raw_gbps = _median_rate(size, py), _median_rate(size, raw)
-            row.peer_gbps = size / peer / 1e9
-            rows.append(row)
+            rows.append(await _write_row(t, size, args))
             bar.advance()
         rng = np.random.default_rng(1)
         for page in pages:
             bar.step(f"paged {_fmt_size(page)}/pg")
-            npages = REGION // page
-            count = min(PAGES_PER_OP, npages)
-            window = 4
-            iters = _iters(page * count, args.quick)
-            s_idx = rng.permutation(npages)[:count].astype(np.int64)
-            d_idx = rng.permutation(npages)[:count].astype(np.int64)
-            sp, dp = Pages(s_idx, page), Pages(d_idx, page)
-            row = Row("paged", page, count, window)
-            py, raw = [], []
-            for _ in range(args.repeat):
-                py.append(await _py_paged(eng, mr, desc, page, sp, dp, window, iters))
-                raw.append(n.bench_paged(mr_id, rid, page, s_idx, d_idx, window, iters) / 1e9 / iters)
-            nbytes = page * count
-            peer = _peer_copies(cp, peer_dst, src, [(0, 0, nbytes)] * iters, args.repeat) / iters
-            row.py_gbps, row.raw_gbps = _median_rate(nbytes, py), _median_rate(nbytes, raw)
-            row.peer_gbps = nbytes / peer / 1e9
-            rows.append(row)
+            rows.append(await _paged_row(t, page, rng, args))
             bar.advance()
+        bar.step("latency 8 B")
+        lat = await _latency(eng, t.mr, desc, 8, args.quick)
     bar.close()
-    return rows
+    return rows, lat
 
 
-def render(rows: list[Row], header: str) -> str:
+def render(rows: list[Row], lat: Latency, header: str) -> str:
     out = [header, ""]
     out.append(
         f"{'op':<6} {'size':>9} {'pages':>6} {'win':>4} {'py GB/s':>9} {'raw GB/s':>9} "
@@ -187,6 +202,10 @@ def render(rows: list[Row], header: str) -> str:
         "peer: cudaMemcpyPeerAsync of the same bytes, GPU0 -> GPU1, back to back on one stream "
         "(paged rows: one contiguous copy of all the pages' bytes)"
     )
+    out.append(
+        f"awaited {lat.size} B write, one at a time: p50 {lat.p50_us:.1f} µs, p99 {lat.p99_us:.1f} µs "
+        f"(raw C loop: {lat.raw_p50_us:.1f} µs mean; {lat.samples} samples)"
+    )
     return "\n".join(out)
 
 
@@ -201,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
 
-    async def run() -> list[Row]:
+    async def run() -> tuple[list[Row], Latency]:
         proc = ctx.Process(target=_target, args=(child, args.polling, loop), daemon=True)
         proc.start()
         try:
@@ -215,13 +234,13 @@ def main(args: argparse.Namespace) -> int:
             if proc.is_alive():
                 proc.kill()
 
-    rows = run_on_loop(run(), loop)
+    rows, lat = run_on_loop(run(), loop)
     header = (
         f"afabric bench p2p — provider nvlink, GPU{SRC_GPU} -> GPU{DST_GPU} (two processes), "
         f"loop {loop}, polling {args.polling}, {os.cpu_count()} cores, {platform.node()}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
     )
-    print(render(rows, header))
+    print(render(rows, lat, header))
     if report.wants_doc(args):
         doc = {
             "bench": "p2p-nvlink",
@@ -233,6 +252,7 @@ def main(args: argparse.Namespace) -> int:
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "rows": [asdict(r) | {"py_ratio": r.py_ratio, "raw_ratio": r.raw_ratio} for r in rows],
+            "latency": [asdict(lat)],
         }
         report.write_outputs(doc, args)
     return 0
