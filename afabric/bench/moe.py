@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, default=0, help="ranks (GPUs); 0: every GPU")
     p.add_argument("--provider", default="tcp", help="engine provider of the proxy path")
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
+    p.add_argument("--baseline-iters", type=int, default=0, help="timed NCCL calls (0: as --iters)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="1,000 calls (a smoke run, not a measurement)")
 
@@ -242,12 +243,13 @@ def _workload(
     nc = NcclAllToAll(world, rank, EXPERTS, dev)
     nc_out = torch.zeros((world * tokens * TOP_K, HIDDEN), dtype=torch.bfloat16, device=dev)
     t0 = time.monotonic()
+    iters = ns.baseline_iters or ns.iters
     d, c = _timed(
-        lambda: nc.dispatch(x, scales, idx), lambda: nc.combine(nc_out, w, tokens), ns.iters, ns.warmup
+        lambda: nc.dispatch(x, scales, idx), lambda: nc.combine(nc_out, w, tokens), iters, ns.warmup
     )
     out += [asdict(_stats(workload, "nccl", "dispatch", d)), asdict(_stats(workload, "nccl", "combine", c))]
     if rank == 0:
-        print(f"  {workload}: nccl {ns.iters} calls in {time.monotonic() - t0:.1f} s", flush=True)
+        print(f"  {workload}: nccl {iters} calls in {time.monotonic() - t0:.1f} s", flush=True)
     return out
 
 
@@ -312,7 +314,7 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     if ns.quick:
         ns.iters = min(ns.iters, 1000)
-    if ns.iters < 1 or ns.warmup < 0:
+    if ns.iters < 1 or ns.warmup < 0 or ns.baseline_iters < 0:
         print("afabric bench moe: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
     ctx = mp.get_context("spawn")
@@ -330,6 +332,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.json:
         doc = {
             "bench": "moe", "path": ns.path, "world": world, "iters": ns.iters, "warmup": ns.warmup,
+            "baseline_iters": ns.baseline_iters or ns.iters,
             "device": torch.cuda.get_device_name(0), "host": platform.node(),
             "workload": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "dtype": "fp8",
                          "scales_per_token": HIDDEN // SCALE_BLOCK, "tokens": WORKLOADS},

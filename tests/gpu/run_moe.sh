@@ -4,7 +4,8 @@
 # `afabric bench moe` over NVLink (decode and prefill, NCCL baseline in the same run) and
 # over the host proxy (decode). Logs and JSON go to $OUT (at most 8 files come back):
 #   setup.log  moe-tests.log  moe-nvlink.json  moe-proxy.json  bench.log  summary.txt
-# MOE_ITERS (default 10000), MOE_TESTS=0 (skip the tests), MOE_PROXY_ITERS (default 10000).
+# MOE_ITERS (default 10000), MOE_BASELINE_ITERS (NCCL calls, default: as MOE_ITERS),
+# MOE_TESTS=0 (skip the tests), MOE_PROXY=0 (skip the proxy bench), MOE_PROXY_ITERS (10000).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
@@ -33,8 +34,8 @@ if [ "${MOE_TESTS:-1}" = 1 ]; then
         --import-mode=importlib --noconftest tests/gpu/test_moe.py
 fi
 step bench.log "bench moe nvlink" "${MOE_BENCH_LIMIT:-300}" afabric bench moe --path nvlink --iters "${MOE_ITERS:-10000}" \
-    --json "$OUT/moe-nvlink.json"
-step bench.log "bench moe proxy" "${MOE_PROXY_LIMIT:-150}" afabric bench moe --path proxy --workload decode \
+    --baseline-iters "${MOE_BASELINE_ITERS:-0}" --json "$OUT/moe-nvlink.json"
+[ "${MOE_PROXY:-1}" = 1 ] && step bench.log "bench moe proxy" "${MOE_PROXY_LIMIT:-150}" afabric bench moe --path proxy --workload decode \
     --iters "${MOE_PROXY_ITERS:-10000}" --no-baseline --json "$OUT/moe-proxy.json"
 { [ ${#FAILS[@]} -eq 0 ] && echo "all steps passed" || printf 'FAILED: %s\n' "${FAILS[@]}"; } | tee "$OUT/summary.txt"
 [ ${#FAILS[@]} -eq 0 ]
