@@ -235,3 +235,49 @@ def test_dequantize() -> None:
     s = torch.tensor([[2.0, 3.0], [0.5, 1.0]])
     assert torch.equal(ref.dequantize(x, s, 2), torch.tensor([[2.0, 2.0, 3.0, 3.0], [0.5, 0.5, 1.0, 1.0]]))
     assert ref.dequantize(torch.zeros(0, 4).to(torch.float8_e4m3fn), torch.zeros(0, 2), 2).shape == (0, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_capacity_holds_for_any_routing(data: st.DataObject) -> None:
+    """Whatever the routing (distinct ids per token, any masking), no rank receives more
+    (token, expert) entries than expert_capacity: the receive buffers never overflow."""
+    n = data.draw(st.integers(1, 4))
+    e_local = data.draw(st.integers(1, 5))
+    k = data.draw(st.integers(1, min(6, n * e_local)))
+    t = data.draw(st.integers(1, 6))
+    cfg = MoeConfig(max_tokens=t, num_experts=n * e_local, experts_per_token=k, hidden=16, world_size=n)
+    rows = []
+    for _ in range(n):
+        toks = data.draw(st.integers(0, t))
+        idx = []
+        for _ in range(toks):
+            ids = data.draw(st.lists(st.integers(0, n * e_local - 1), min_size=k, max_size=k, unique=True))
+            idx.append([e if data.draw(st.booleans()) or k == 1 else -1 for e in ids])
+        rows.append(torch.tensor(idx, dtype=torch.int32).reshape(toks, k))
+    for r in range(n):
+        assert sum(ref.route(cfg, rows, r).counts) <= cfg.expert_capacity
+
+
+def test_paths_and_arguments() -> None:
+    from afabric.moe.alltoall import _check_args, _proxy_peers
+
+    one_node = MoeConfig(**{**DECODE, "world_size": 4})  # type: ignore[arg-type]
+    two_nodes = MoeConfig(**{**DECODE, "world_size": 4, "node_of": (0, 0, 1, 1)})  # type: ignore[arg-type]
+    assert _proxy_peers(one_node, 1, "auto") == []
+    assert _proxy_peers(one_node, 1, "proxy") == [0, 2, 3]
+    assert _proxy_peers(two_nodes, 1, "auto") == [2, 3]
+    assert _proxy_peers(two_nodes, 2, "auto") == [0, 1]
+    with pytest.raises(InvalidArgument, match="one node"):
+        _proxy_peers(two_nodes, 0, "nvlink")
+    _check_args(one_node, 3, "auto", 0, 30.0)
+    for args, match in [
+        ((one_node, 4, "auto", 0, 1.0), "rank"),
+        ((one_node, True, "auto", 0, 1.0), "rank"),
+        ((one_node, 0, "ib", 0, 1.0), "path"),
+        ((one_node, 0, "auto", 1 << 15, 1.0), "tag"),
+        ((one_node, 0, "auto", 0, 0), "timeout"),
+        (("cfg", 0, "auto", 0, 1.0), "MoeConfig"),
+    ]:
+        with pytest.raises(InvalidArgument, match=match):
+            _check_args(*args)  # type: ignore[arg-type]
