@@ -183,7 +183,9 @@ async def decode_main(prefiller: bytes, provider: str, device: str) -> bool:
     async with afabric.Engine(provider) as eng:
         cache = torch.zeros(lay.shape(), dtype=torch.float32, device=dev)
         tail = torch.zeros(lay.tail_region_bytes, dtype=torch.uint8, device=dev)
-        async with Decoder(eng, lay, cache=cache, tail=tail) as dec:
+        # on GPUs one page per write: the nvlink provider copies a page per warp, in parallel
+        max_write = lay.block_bytes if device == "cuda" else 2 << 20
+        async with Decoder(eng, lay, cache=cache, tail=tail, max_write=max_write) as dec:
             peer = afabric.Address.from_bytes(prefiller)
             reqs = await asyncio.gather(
                 *(dec.submit(peer, n, payload=prompt(i, n)) for i, n in enumerate(LENGTHS))

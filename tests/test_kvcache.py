@@ -30,7 +30,9 @@ from .conftest import libfabric_version
 from .procs import Ctl, Peer
 
 PAGES = 128
-HB, DEAD = 0.2, 3.0  # heartbeat interval and peer timeout (s): a loaded 2-core box stays under it
+# heartbeat interval and peer timeouts (s): DEAD where a test kills a peer (short, and still
+# far above what a loaded 2-core box stalls for), SLOW elsewhere (no false alarm, ever)
+HB, DEAD, SLOW = 0.2, 3.0, 30.0
 LAYOUT: dict[str, Any] = {
     "num_layers": 6, "num_kv_heads": 2, "head_dim": 16, "dtype": "float16", "tokens_per_page": 8,
     "num_pages": PAGES, "tail_bytes": 64, "tail_slots": 16,
@@ -56,15 +58,16 @@ def seed_of(payload: bytes) -> int:
 
 
 async def prefill_proc(
-    ctl: Ctl, provider: str, layout_kw: dict[str, Any], staging_pages: int, delay: float, op_timeout: float
-) -> dict[str, int]:
+    ctl: Ctl, provider: str, layout_kw: dict[str, Any], staging_pages: int, delay: float, op_timeout: float,
+    dead: float,
+) -> dict[str, int]:  # fmt: skip
     """A prefiller whose model takes ``delay`` s per layer; answers "state" with its
     bookkeeping until told "stop"."""
     lay = KvCacheLayout(**layout_kw)
     stage = lay.with_pages(staging_pages)
     async with afabric.Engine(provider, op_timeout=op_timeout) as eng:
         cache = np.zeros(stage.shape(), dtype=np.float16)
-        async with Prefiller(eng, stage, cache=cache, heartbeat_interval=HB, peer_timeout=DEAD) as pf:
+        async with Prefiller(eng, stage, cache=cache, heartbeat_interval=HB, peer_timeout=dead) as pf:
             loop = asyncio.get_running_loop()
 
             def work(job: PrefillJob) -> None:
@@ -95,9 +98,9 @@ async def prefill_proc(
 
 def start_prefiller(
     peers: list[Peer], provider: str, layout: dict[str, Any] = LAYOUT, staging: int = PAGES,
-    delay: float = 0.0, op_timeout: float = 20.0,
+    delay: float = 0.0, op_timeout: float = 20.0, dead: float = SLOW,
 ) -> Peer:  # fmt: skip
-    p = Peer(prefill_proc, provider, layout, staging, delay, op_timeout)
+    p = Peer(prefill_proc, provider, layout, staging, delay, op_timeout, dead)
     peers.append(p)
     return p
 
@@ -111,10 +114,12 @@ async def state(p: Peer) -> dict[str, int]:
 # ---- decoder-side checks ----
 
 
-def decoder(eng: afabric.Engine, layout: dict[str, Any] = LAYOUT) -> tuple[Decoder, np.ndarray]:
+def decoder(
+    eng: afabric.Engine, layout: dict[str, Any] = LAYOUT, dead: float = SLOW
+) -> tuple[Decoder, np.ndarray]:
     lay = KvCacheLayout(**layout)
     cache = np.zeros(lay.shape(), dtype=np.float16)
-    return Decoder(eng, lay, cache=cache, heartbeat_interval=HB, peer_timeout=DEAD, drain_timeout=10), cache
+    return Decoder(eng, lay, cache=cache, heartbeat_interval=HB, peer_timeout=dead, drain_timeout=10), cache
 
 
 def check_landed(dec: Decoder, cache: np.ndarray, req: Any, seed: int) -> None:
@@ -236,7 +241,7 @@ async def test_prefiller_killed_mid_request(provider: str, peers: list[Peer], sh
     p = start_prefiller(peers, provider, delay=0.3)
     addr = afabric.Address.from_bytes(await p.get())
     async with afabric.Engine(provider, op_timeout=3.0) as eng:
-        dec, cache = decoder(eng)
+        dec, cache = decoder(eng, dead=DEAD)
         async with dec:
             r = await dec.submit(addr, 100, payload=(9).to_bytes(8, "little"))
             await until(lambda: layer_landed(cache, r, 0, 9, lay), 30, "first layer")
@@ -263,7 +268,7 @@ async def decode_proc(ctl: Ctl, provider: str, prefiller: bytes) -> None:
 
 
 async def test_decoder_killed_mid_request(provider: str, peers: list[Peer], shm_cleanup: None) -> None:
-    p = start_prefiller(peers, provider, delay=0.3, op_timeout=3.0)
+    p = start_prefiller(peers, provider, delay=0.3, op_timeout=3.0, dead=DEAD)
     addr_b = await p.get()
     d = Peer(decode_proc, provider, addr_b)
     peers.append(d)
@@ -381,7 +386,7 @@ async def test_replicated_cache_filled_by_balanced_random_ranks(provider: str, p
     async with afabric.Engine(provider) as eng:
         dec, cache = decoder(eng, MLA)
         async with dec:
-            lengths = [300, 47, 200]
+            lengths = [300, 47, 200, 5]
             reqs = [
                 await dec.submit(addrs, n, payload=(40 + i).to_bytes(8, "little"))
                 for i, n in enumerate(lengths)

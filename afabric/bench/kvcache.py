@@ -264,7 +264,9 @@ async def _measure(
         fabric = eng.fabric_provider
         cache = torch.zeros(lay.shape(), dtype=kv_dtype, device=dev)
         tail = torch.zeros(lay.tail_region_bytes, dtype=torch.uint8, device=dev)
-        async with Decoder(eng, lay, cache=cache, tail=tail, peer_timeout=60.0) as dec:
+        async with Decoder(
+            eng, lay, cache=cache, tail=tail, peer_timeout=60.0, max_write=args.max_write
+        ) as dec:
             peer = Address.from_bytes(prefiller)
 
             async def remote(tokens: int, mode: bytes) -> tuple[float, float, float]:
@@ -366,7 +368,16 @@ def main(args: argparse.Namespace) -> int:
     hidden = getattr(args, "hidden", None) or base.hidden
     shape = ModelShape(layers, hidden, base.heads, base.kv_heads, max(base.ffn * hidden // base.hidden, 1))
     args.repeat = max(1, int(getattr(args, "repeat", None) or (1 if quick else 3)))
+    # one 32 KiB page per write on GPUs: the nvlink provider's copy kernel moves a page per
+    # warp (many small units in parallel); larger writes are fewer work requests elsewhere
+    args.max_write = getattr(args, "max_write", None) or (32 << 10 if device == "cuda" else 2 << 20)
     loop = getattr(args, "loop", None) or "asyncio"
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            print("afabric: error: --device cuda needs two GPUs (prefill on cuda:0, decode on cuda:1)")
+            return 2
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
@@ -401,7 +412,8 @@ def main(args: argparse.Namespace) -> int:
         f"{platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
         f"model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads / {shape.kv_heads} KV "
         f"heads x {HEAD_DIM}, ffn {shape.ffn} ({shape.flops_per_token_layer() / 1e6:.1f} MFLOP per token and "
-        f"layer, no attention); 32 KiB pages ({TOKENS_PER_PAGE} tokens); medians of {args.repeat} run(s)\n"
+        f"layer, no attention); 32 KiB pages ({TOKENS_PER_PAGE} tokens), writes up to {args.max_write} B; "
+        f"medians of {args.repeat} run(s)\n"
         "TTFT local: the decoder computes the prefill itself (baseline, same run); TTFT disagg: submit -> "
         "every page and the tail landed; exposed: landed - end of compute; hidden: 1 - exposed / "
         "transfer alone"
@@ -421,6 +433,7 @@ def main(args: argparse.Namespace) -> int:
             "model": asdict(shape),
             "page_bytes": TOKENS_PER_PAGE * HEAD_DIM * 2,
             "repeat": args.repeat,
+            "max_write": args.max_write,
             "rows": [asdict(r) for r in rows],
             "goal": {"exposed_pct_under": GOAL_EXPOSED_PCT, "tokens": GOAL_TOKENS},
         }

@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from ..address import Address
 from ..engine import Engine
-from ..errors import AfabricError, InvalidArgument, OperationTimeout, UsageError
+from ..errors import AfabricError, EngineClosed, InvalidArgument, OperationTimeout, UsageError
 from ..memory import MemoryRegion
 from . import plan, wire
 from .allocator import PageAllocator
@@ -218,9 +218,10 @@ class Decoder:
                 [asyncio.ensure_future(r.cancel()) for r in pending],
                 timeout=self.peer_timeout + self.drain_timeout,
             )
-        for t in self._tasks:
+        leftover = [r._closing for r in self._requests.values() if r._closing is not None]
+        for t in [*self._tasks, *leftover]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *leftover]:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
@@ -258,12 +259,14 @@ class Decoder:
                 self._free_tails.append(tail_slot)
             raise
         segs = plan.segments(pages, self.max_run)
-        shares = plan.split_among(segs, len(addrs), self._rng)
         tail_rank = self._rng.randrange(len(addrs))
-        ranks = [
-            _Rank(a, plan.arrivals(self.layout, s) + (1 if i == tail_rank and tail_slot is not None else 0))
-            for i, (a, s) in enumerate(zip(addrs, shares, strict=True))
+        # a prefiller with no share (a short prompt, several replicas) is not asked at all
+        work = [
+            (a, s, i == tail_rank and tail_slot is not None)
+            for i, (a, s) in enumerate(zip(addrs, plan.split_among(segs, len(addrs), self._rng), strict=True))
         ]
+        work = [(a, s, t) for a, s, t in work if s.size or t]
+        ranks = [_Rank(a, plan.arrivals(self.layout, s) + (1 if t else 0)) for a, s, t in work]
         self._next_id += 1
         rid = self._next_id
         imm = self.eng.alloc_imm()
@@ -276,8 +279,8 @@ class Decoder:
         me = bytes(self.eng.address)
         try:
             messages = [
-                wire.encode_request(me, self._message(req, share, i == tail_rank), self.eng.max_message_size)
-                for i, share in enumerate(shares)
+                wire.encode_request(me, self._message(req, share, with_tail), self.eng.max_message_size)
+                for _, share, with_tail in work
             ]
         except BaseException:
             self._requests.pop(rid, None)
@@ -304,7 +307,6 @@ class Decoder:
 
     def _message(self, req: DecodeRequest, share: npt.NDArray[np.int64], with_tail: bool) -> wire.Request:
         assert self._mr is not None and self._mr.descriptor is not None
-        with_tail = with_tail and req.tail_slot is not None
         tail_desc = self._tail_mr.descriptor if with_tail and self._tail_mr is not None else None
         return wire.Request(
             req.request_id, self._fingerprint, self.layout.num_pages, req.num_tokens, req.imm, with_tail,
@@ -432,7 +434,10 @@ class Decoder:
 
     async def _receive(self) -> None:
         while True:
-            msg = await self.eng.recv()
+            try:
+                msg = await self.eng.recv()
+            except EngineClosed:
+                return
             try:
                 m = wire.parse(msg)
             except ProtocolError as e:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import Engine
-from ..errors import AfabricError, InvalidArgument, UsageError
+from ..errors import AfabricError, EngineClosed, InvalidArgument, UsageError
 from ..memory import MemoryRegion
 from ..pages import Pages
 from . import plan, wire
@@ -285,6 +285,8 @@ class Prefiller:
             try:
                 async with job:
                     await compute(job)
+            except RequestCancelled as e:
+                self.log.info("request %d: %s", job.request_id, e)
             except AfabricError as e:
                 self.log.warning("request %d failed: %s", job.request_id, e)
             except Exception:
@@ -455,7 +457,10 @@ class Prefiller:
 
     async def _receive(self) -> None:
         while True:
-            msg = await self.eng.recv()
+            try:
+                msg = await self.eng.recv()
+            except EngineClosed:
+                return
             try:
                 m = wire.parse(msg)
             except ProtocolError as e:
