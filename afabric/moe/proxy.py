@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -52,10 +51,13 @@ class HostRegion:
 def _pinned(nbytes: int) -> HostRegion:
     import cupy
 
-    host = int(cupy.cuda.runtime.hostAlloc(nbytes, 3))  # cudaHostAllocPortable | Mapped
-    ctypes.memset(host, 0, nbytes)
-    # with unified addressing (every 64-bit CUDA platform) the GPU sees it at the same address
-    dev = int(cupy.cuda.runtime.pointerGetAttributes(host).devicePointer)
+    rt = cupy.cuda.runtime
+    host = int(rt.hostAlloc(nbytes, 3))  # cudaHostAllocPortable | Mapped
+    # with unified addressing (every 64-bit CUDA platform) the GPU sees it at the same
+    # address, and the runtime can clear it (the flag words must start below epoch 1)
+    dev = int(rt.pointerGetAttributes(host).devicePointer)
+    rt.memset(dev, 0, nbytes)
+    rt.deviceSynchronize()
     return HostRegion(host, dev, nbytes)
 
 
