@@ -262,7 +262,9 @@ def run(
     with tempfile.TemporaryDirectory(prefix="afabric-rxe-") as xfer_s:
         xfer = Path(xfer_s)
         exports = "\n".join(f"export {k}='{v}'" for k, v in (env or {}).items())
-        (xfer / "cmd.sh").write_text(_WRAPPER.format(pydir=Path(sys.executable).parent, env=exports, script=script))
+        (xfer / "cmd.sh").write_text(
+            _WRAPPER.format(pydir=Path(sys.executable).parent, env=exports, script=script)
+        )
         for name, data in (files or {}).items():
             (xfer / name).write_bytes(data)
             (xfer / name).chmod(0o755)
@@ -289,7 +291,8 @@ def run(
             out = (xfer / "out.log").read_text(errors="replace") if (xfer / "out.log").exists() else ""
             cons = (e.stdout or b"").decode(errors="replace")
             raise HarnessError(
-                f"guest ran past {timeout:.0f} s\n--- console ---\n{cons[-4000:]}\n--- output ---\n{out[-8000:]}"
+                f"guest ran past {timeout:.0f} s\n--- console ---\n{cons[-4000:]}\n"
+                f"--- output ---\n{out[-8000:]}"
             ) from e
         total = time.monotonic() - t0
         console = proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
