@@ -100,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hidden", type=int, default=None, metavar="N", help="model width (default: 256 CPU, 4096 GPU)"
     )
     p.add_argument(
+        "--max-write", type=int, default=None, metavar="BYTES",
+        help="largest write the decoder asks for: runs of pages up to this many bytes per head "
+        "(default: 2 MiB on CPU; 32 KiB, one page per write, with --device cuda)",
+    )  # fmt: skip
+    p.add_argument(
         "--repeat", type=int, default=None, metavar="N", help="runs per length and mode (default 3)"
     )
     p.add_argument(
@@ -149,8 +154,10 @@ class _Model:
         )
 
     def embed(self, tokens: int) -> Any:
-        g = self.torch.Generator(device="cpu").manual_seed(tokens)
-        return self.torch.randn(tokens, self.shape.hidden, generator=g).to(self.device, self.dtype)
+        """The prompt's embeddings (random, made on the device)."""
+        x = self.torch.randn(tokens, self.shape.hidden, device=self.device, dtype=self.dtype)
+        self.sync()
+        return x
 
     def layer(self, x: Any) -> tuple[Any, Any]:
         """(next x, K and V as [2, kv_heads, tokens, head_dim] in 16 bits)."""
@@ -212,14 +219,15 @@ async def _prefill(conn: Connection, provider: str, device: str, shape: ModelSha
             aloop = asyncio.get_running_loop()
 
             def work(job: PrefillJob) -> tuple[float, float, list[float]]:
-                t0 = time.monotonic()
                 stamps: list[float] = []
                 if job.payload == b"transfer":
+                    t0 = time.monotonic()
                     for _ in range(shape.layers):
                         job.layer_done()
                     job.tail_done()
                     return t0, time.monotonic(), stamps
                 x = model.embed(job.num_tokens)
+                t0 = time.monotonic()
                 for layer in range(shape.layers):
                     x, kv = model.layer(x)
                     store_layer(cache, layer, job.first_page, kv)
@@ -281,7 +289,7 @@ async def _measure(
 
             def local(tokens: int) -> float:
                 pages = dec.allocator.alloc(lay.pages_for(tokens), contiguous=True)
-                t0 = time.monotonic()
+                t0 = time.monotonic()  # the embeddings count, as they do in the disaggregated TTFT
                 x = model.embed(tokens)
                 for layer in range(shape.layers):
                     x, kv = model.layer(x)
