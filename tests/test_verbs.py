@@ -1,9 +1,10 @@
 """The verbs provider, for real: Soft-RoCE (rdma_rxe) in a qemu guest (tests/rxe/guest.py).
 
 One guest boot runs, inside the guest, the C provider test (providers/verbs/test_verbs.c,
-compiled here) and the multi-process pytest module tests/rxe/guest_verbs.py; the tests
-below assert on what ran there. Skipped when the host lacks qemu and friends, unless
-$AFABRIC_REQUIRE_RXE=1 (CI), where a broken harness fails instead.
+compiled here; once against the release library, once with the test and the library built
+with ASan+UBSan, leak detection on) and the multi-process pytest module
+tests/rxe/guest_verbs.py; the tests below assert on what ran there. Skipped when the host
+lacks qemu and friends, unless $AFABRIC_REQUIRE_RXE=1 (CI), where a broken harness fails.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _SCRIPT = """\
 set +e
 /tmp/xfer/test_verbs "{lib}" > /tmp/xfer/c.log 2>&1
 echo $? > /tmp/xfer/c.rc
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    /tmp/xfer/test_verbs_asan /tmp/xfer/libafabric_verbs_asan.so > /tmp/xfer/c_asan.log 2>&1
+echo $? > /tmp/xfer/c_asan.rc
 python -m pytest -p no:cacheprovider -q -ra --junitxml=/tmp/xfer/junit.xml \\
     tests/rxe/guest_verbs.py > /tmp/xfer/py.log 2>&1
 echo $? > /tmp/xfer/py.rc
@@ -52,17 +56,22 @@ def guest_run(tmp_path_factory: pytest.TempPathFactory) -> GuestRun:
     if not lib.exists():
         pytest.fail(f"{lib} is not built (python build_native.py)")
     tmp = tmp_path_factory.mktemp("rxe")
-    exe = tmp / "test_verbs"
-    cmd = [*bn.compiler(), "-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-Wall", "-Wextra", "-Werror",
-           f"-I{bn.SHIM_DIR}", str(bn.VERBS_DIR / "test_verbs.c"), "-o", str(exe), "-ldl"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, f"compiling test_verbs.c failed:\n{proc.stderr}"
+    exe, exe_asan = tmp / "test_verbs", tmp / "test_verbs_asan"
+    for out, opt in ((exe, ["-O2"]), (exe_asan, bn.SANITIZE_FLAGS)):
+        cmd = [*bn.compiler(), "-std=c11", "-D_GNU_SOURCE", "-g", *opt, "-Wall", "-Wextra", "-Werror",
+               f"-I{bn.SHIM_DIR}", str(bn.VERBS_DIR / "test_verbs.c"), "-o", str(out), "-ldl"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, f"compiling test_verbs.c failed:\n{proc.stderr}"
+    lib_asan = bn.build_library(bn.VERBS, tmp / "asan", sanitize=True)
+    files = {
+        "test_verbs": exe.read_bytes(),
+        "test_verbs_asan": exe_asan.read_bytes(),
+        "libafabric_verbs_asan.so": lib_asan.read_bytes(),
+    }
     keep = tmp / "xfer"
     t0 = time.monotonic()
     try:
-        res = guest.run(
-            _SCRIPT.format(lib=lib), timeout=540, files={"test_verbs": exe.read_bytes()}, keep=keep
-        )
+        res = guest.run(_SCRIPT.format(lib=lib), timeout=540, files=files, keep=keep)
     except guest.HarnessError as e:
         pytest.fail(f"Soft-RoCE guest failed: {e}")
     print(f"guest: booted in {res.boot_s:.1f} s (guest clock), {time.monotonic() - t0:.1f} s in all")
@@ -78,6 +87,13 @@ def test_c_provider_test_passes_in_guest(guest_run: GuestRun) -> None:
     for line in ("connect + 64 x 16 KiB writes", "100000 immediates", "never-answering peer: rc -9",
                  "reconnected after the key error", "test_verbs: OK"):  # fmt: skip
         assert line in log, f"{line!r} missing from the C test's output:\n{log}"
+
+
+@pytest.mark.timeout(600)
+def test_c_provider_test_is_clean_under_asan_in_guest(guest_run: GuestRun) -> None:
+    log = _read(guest_run.files / "c_asan.log")
+    assert _read(guest_run.files / "c_asan.rc").strip() == "0", f"test_verbs (ASan) failed:\n{log}"
+    assert "test_verbs: OK" in log and "ERROR: AddressSanitizer" not in log, log
 
 
 @pytest.mark.timeout(600)
