@@ -351,7 +351,7 @@ def header_api() -> set[str]:
 
 def test_builds_are_warning_free_by_default(release_build: dict[str, Path]) -> None:
     """The release build (the fixture) compiled with these flags, so without a warning."""
-    assert set(release_build) == {"shim", "ofi"}
+    assert set(release_build) == {"shim", "ofi", "verbs", "nvlink"}
     for mode in ({}, {"sanitize": True}, {"debug": True}):
         flags = bn.flags(**mode)
         for flag in ("-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"):
@@ -371,3 +371,4 @@ def test_shim_exports_only_its_api(release_build: dict[str, Path]) -> None:
 
 def test_provider_exports_only_get_ops(release_build: dict[str, Path]) -> None:
     assert exported(release_build["ofi"]) == {"afp_get_ops"}
+    assert exported(release_build["nvlink"]) == {"afp_get_ops"}
