@@ -340,14 +340,17 @@ async def test_malformed_requests_are_refused_and_others_unaffected(provider: st
                 good_msg[:20] + bytes([good_msg[20] ^ 1]) + good_msg[21:],  # corrupted
                 np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes(),
             ]  # fmt: skip
+            # a cancel that overtakes its (valid) request: the request is dropped when it comes
+            sends += [wire.encode_cancel(me, 109), *wire.encode_request(me, req(109, [[0, 0, 5]]), 65536)]
             for m in sends:
                 await rogue.send(addr, m)
             # the parseable bad requests are answered with a refusal each
             refused: dict[int, str] = {}
-            while set(refused) < set(bad_requests) | {108}:
+            while set(refused) < set(bad_requests) | {108, 109}:
                 m = wire.parse(await asyncio.wait_for(rogue.recv(), 30))
                 if isinstance(m, wire.Confirm):
-                    assert m.status == wire.REJECTED and m.arrivals == 0
+                    want = wire.CANCELLED if m.request_id == 109 else wire.REJECTED
+                    assert m.status == want and m.arrivals == 0, m
                     refused[m.request_id] = m.reason
             assert "past the cache" in refused[101] and "overlap" in refused[102]
             assert "geometry" in refused[103] and "descriptor" in refused[104] and "twice" in refused[108]
