@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from afabric import errors
-from afabric import weights as W
+from afabric import weights as aw
 from afabric.weights.meta import chunk_range
 from afabric.weights.quant import dequantize_blocks, quantize_blocks
 
@@ -23,12 +23,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 BLOCKS = [4, 8]
 
 
-def _full(sources: list[W.SourceParam], seed: int) -> dict[str, torch.Tensor]:
+def _full(sources: list[aw.SourceParam], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {s.name: torch.randn(s.shape, generator=g).to(getattr(torch, s.dtype)) for s in sources}
 
 
-def _expected(t: W.DestTensor, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+def _expected(t: aw.DestTensor, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """The bytes a destination tensor (and its scales) should hold, from whole weights."""
     x = torch.cat([full[p.source][tuple(slice(a, b) for a, b in p.box)] for p in t.parts], dim=0)
     if t.fp8:
@@ -37,9 +37,9 @@ def _expected(t: W.DestTensor, full: dict[str, torch.Tensor]) -> list[torch.Tens
     return [x.to(getattr(torch, t.dtype)).contiguous().view(torch.uint8).reshape(-1)]
 
 
-def _verify(plan: W.Plan, layouts: list[W.RankLayout], full: dict[str, torch.Tensor]) -> None:
+def _verify(plan: aw.Plan, layouts: list[aw.RankLayout], full: dict[str, torch.Tensor]) -> None:
     plan.check_coverage(layouts)
-    bufs = W.simulate(plan, full)
+    bufs = aw.simulate(plan, full)
     for i, lay in enumerate(layouts):
         for t in lay.tensors:
             slot = lay.slots[t.name]
@@ -52,26 +52,26 @@ def _verify(plan: W.Plan, layouts: list[W.RankLayout], full: dict[str, torch.Ten
 
 
 @st.composite
-def meshes(draw: Any, ndim: int, trainers: list[int]) -> tuple[tuple[int, ...], tuple[W.Placement, ...]]:
+def meshes(draw: Any, ndim: int, trainers: list[int]) -> tuple[tuple[int, ...], tuple[aw.Placement, ...]]:
     n = len(trainers)
     if n >= 4 and n % 2 == 0 and draw(st.booleans()):
         shape: tuple[int, ...] = (2, n // 2)
     else:
         shape = (n,)
-    pl = st.sampled_from([W.Placement(), *(W.Placement(d) for d in range(ndim))])
+    pl = st.sampled_from([aw.Placement(), *(aw.Placement(d) for d in range(ndim))])
     return shape, tuple(draw(pl) for _ in shape)
 
 
 @st.composite
-def scenarios(draw: Any) -> tuple[list[W.SourceParam], list[W.RankLayout], list[int], int, W.PlanOptions]:
+def scenarios(draw: Any) -> tuple[list[aw.SourceParam], list[aw.RankLayout], list[int], int, aw.PlanOptions]:
     n_tr = draw(st.integers(1, 5))
     trainers = list(range(n_tr))
     fp8 = draw(st.booleans())
     block = draw(st.sampled_from(BLOCKS))
     tp = draw(st.integers(1, 3))
     n_inf = tp * draw(st.integers(1, 2))
-    sources: list[W.SourceParam] = []
-    per_rank: list[list[W.DestTensor]] = [[] for _ in range(tp)]
+    sources: list[aw.SourceParam] = []
+    per_rank: list[list[aw.DestTensor]] = [[] for _ in range(tp)]
     for k in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(["col", "row", "fused", "whole1d"]))
         if kind == "whole1d":
@@ -83,20 +83,20 @@ def scenarios(draw: Any) -> tuple[list[W.SourceParam], list[W.RankLayout], list[
         src_dtype = draw(st.sampled_from(["bfloat16", "float32"]))
         names = [f"p{k}"] if kind != "fused" else [f"p{k}a", f"p{k}b"]
         for nm in names:
-            sources.append(W.SourceParam(nm, shape, src_dtype, mshape, tuple(trainers), pls))
-        dtype = W.FP8 if fp8 and kind != "whole1d" else draw(st.sampled_from(["bfloat16", "float32"]))
+            sources.append(aw.SourceParam(nm, shape, src_dtype, mshape, tuple(trainers), pls))
+        dtype = aw.FP8 if fp8 and kind != "whole1d" else draw(st.sampled_from(["bfloat16", "float32"]))
         for t in range(tp):
             if kind == "whole1d":
-                parts = (W.Part(names[0], ((0, shape[0]),)),)
+                parts = (aw.Part(names[0], ((0, shape[0]),)),)
             elif kind == "col":  # column-parallel: rows split
-                parts = (W.Part(names[0], (chunk_range(0, shape[0], tp, t), (0, shape[1]))),)
+                parts = (aw.Part(names[0], (chunk_range(0, shape[0], tp, t), (0, shape[1]))),)
             elif kind == "row":  # row-parallel: columns split
-                parts = (W.Part(names[0], ((0, shape[0]), chunk_range(0, shape[1], tp, t))),)
+                parts = (aw.Part(names[0], ((0, shape[0]), chunk_range(0, shape[1], tp, t))),)
             else:  # fused, e.g. gate/up: each split by rows, stacked
-                parts = tuple(W.Part(nm, (chunk_range(0, shape[0], tp, t), (0, shape[1]))) for nm in names)
-            per_rank[t].append(W.DestTensor(f"t{k}", dtype, parts, block=block))
-    layouts = [W.RankLayout(per_rank[i % tp], n_tr) for i in range(n_inf)]
-    opts = W.PlanOptions(
+                parts = tuple(aw.Part(nm, (chunk_range(0, shape[0], tp, t), (0, shape[1]))) for nm in names)
+            per_rank[t].append(aw.DestTensor(f"t{k}", dtype, parts, block=block))
+    layouts = [aw.RankLayout(per_rank[i % tp], n_tr) for i in range(n_inf)]
+    opts = aw.PlanOptions(
         max_task_bytes=draw(st.sampled_from([4096, 1 << 20])),
         direct_min_bytes=draw(st.sampled_from([1, 64, 1 << 20])),
         unshard=draw(st.sampled_from(["auto", "always"])),
@@ -108,9 +108,9 @@ def scenarios(draw: Any) -> tuple[list[W.SourceParam], list[W.RankLayout], list[
 @given(scenarios())
 def test_plans_cover_every_byte_once(sc: Any) -> None:
     sources, layouts, trainers, seed, opts = sc
-    plan = W.build_plan(sources, layouts, trainers=trainers, options=opts)
+    plan = aw.build_plan(sources, layouts, trainers=trainers, options=opts)
     _verify(plan, layouts, _full(sources, seed))
-    again = W.Plan.from_bytes(plan.to_bytes())
+    again = aw.Plan.from_bytes(plan.to_bytes())
     assert again.tasks == plan.tasks and again.groups == plan.groups
     assert torch.equal(torch.from_numpy(again.writes), torch.from_numpy(plan.writes))
     # every task is prepared by a rank that can: a holder of its slice, or (unsharded) a mesh rank
@@ -129,11 +129,12 @@ def test_balanced_when_every_rank_can_send(trainers: int, params: int, rows: int
     """Unsharded parameters may go to any mesh rank: the busiest rank sends at most the
     average plus one task's bytes (greedy, largest first)."""
     tr = list(range(trainers))
-    sources = [W.SourceParam(f"p{k}", (rows * (k + 1), 64), "bfloat16", (trainers,), tuple(tr), (W.Placement(0),))
+    shard0 = (aw.Placement(0),)
+    sources = [aw.SourceParam(f"p{k}", (rows * (k + 1), 64), "bfloat16", (trainers,), tuple(tr), shard0)
                for k in range(params)]  # fmt: skip
-    layout = W.RankLayout([W.DestTensor(s.name, "bfloat16", (W.Part(s.name, ((0, s.shape[0]), (0, 64))),))
+    layout = aw.RankLayout([aw.DestTensor(s.name, "bfloat16", (aw.Part(s.name, ((0, s.shape[0]), (0, 64))),))
                            for s in sources], trainers)  # fmt: skip
-    plan = W.build_plan(sources, [layout, layout], trainers=tr, options=W.PlanOptions(unshard="always"))
+    plan = aw.build_plan(sources, [layout, layout], trainers=tr, options=aw.PlanOptions(unshard="always"))
     sent = plan.sent_bytes()
     biggest = max(t.data_bytes * 2 for t in plan.tasks)
     assert max(sent.values()) <= sum(sent.values()) / trainers + biggest
@@ -152,8 +153,8 @@ def test_shard_boxes_match_dtensor(shape: list[int], mesh_shape: tuple[int, ...]
 
     dims = [data.draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh_shape]
     n = math.prod(mesh_shape)
-    src = W.SourceParam("p", tuple(shape), "bfloat16", mesh_shape, tuple(range(n)),
-                        tuple(W.Placement(d) for d in dims))  # fmt: skip
+    src = aw.SourceParam("p", tuple(shape), "bfloat16", mesh_shape, tuple(range(n)),
+                        tuple(aw.Placement(d) for d in dims))  # fmt: skip
     placements = [Replicate() if d is None else Shard(d) for d in dims]
     for i in range(n):
         coord = src.coordinate(i)
@@ -168,38 +169,42 @@ def test_fp8_error_bound() -> None:
     w = (torch.randn(40, 24) * 3).to(torch.bfloat16)
     data, scale = quantize_blocks(w, 8)
     err = (dequantize_blocks(data, scale, 8) - w.float()).abs()
-    tile_max = w.float().abs().reshape(5, 8, 3, 8).amax(dim=(1, 3)).repeat_interleave(8, 0).repeat_interleave(8, 1)
+    tile_max = (
+        w.float().abs().reshape(5, 8, 3, 8).amax(dim=(1, 3)).repeat_interleave(8, 0).repeat_interleave(8, 1)
+    )
     assert (err <= tile_max / 16 + 1e-6).all()  # e4m3 rounds to 3 mantissa bits
 
 
 def test_bad_layouts_refused() -> None:
-    src = W.SourceParam("a", (12, 16), "bfloat16", (2,), (0, 1), (W.Placement(0),))
+    src = aw.SourceParam("a", (12, 16), "bfloat16", (2,), (0, 1), (aw.Placement(0),))
     with pytest.raises(errors.InvalidArgument, match="not a multiple"):
-        W.DestTensor("t", W.FP8, (W.Part("a", ((0, 6), (0, 16))), W.Part("a", ((6, 12), (0, 16)))), block=4)
+        aw.DestTensor(
+            "t", aw.FP8, (aw.Part("a", ((0, 6), (0, 16))), aw.Part("a", ((6, 12), (0, 16)))), block=4
+        )
     with pytest.raises(errors.InvalidArgument, match="block boundary"):
-        W.DestTensor("t", W.FP8, (W.Part("a", ((2, 12), (0, 16))),), block=4)
-    lay = W.RankLayout([W.DestTensor("t", "bfloat16", (W.Part("b", ((0, 1), (0, 16))),))], 2)
+        aw.DestTensor("t", aw.FP8, (aw.Part("a", ((2, 12), (0, 16))),), block=4)
+    lay = aw.RankLayout([aw.DestTensor("t", "bfloat16", (aw.Part("b", ((0, 1), (0, 16))),))], 2)
     with pytest.raises(errors.InvalidArgument, match="no training parameter"):
-        W.build_plan([src], [lay], trainers=[0, 1])
-    lay = W.RankLayout([W.DestTensor("t", "bfloat16", (W.Part("a", ((0, 13), (0, 16))),))], 2)
+        aw.build_plan([src], [lay], trainers=[0, 1])
+    lay = aw.RankLayout([aw.DestTensor("t", "bfloat16", (aw.Part("a", ((0, 13), (0, 16))),))], 2)
     with pytest.raises(errors.InvalidArgument, match="outside"):
-        W.build_plan([src], [lay], trainers=[0, 1])
-    lay = W.RankLayout([W.DestTensor("t", W.FP8, (W.Part("a", ((4, 12), (0, 16))),), block=4)], 2)
+        aw.build_plan([src], [lay], trainers=[0, 1])
+    lay = aw.RankLayout([aw.DestTensor("t", aw.FP8, (aw.Part("a", ((4, 12), (0, 16))),), block=4)], 2)
     with pytest.raises(errors.InvalidArgument, match="allow unshard"):
-        W.build_plan([src], [lay], trainers=[0, 1], options=W.PlanOptions(unshard="never"))
+        aw.build_plan([src], [lay], trainers=[0, 1], options=aw.PlanOptions(unshard="never"))
     with pytest.raises(errors.InvalidArgument, match="not a weight transfer plan"):
-        W.Plan.from_bytes(b"junk")
+        aw.Plan.from_bytes(b"junk")
 
 
-@pytest.mark.parametrize("preset", sorted(W.PRESETS))
+@pytest.mark.parametrize("preset", sorted(aw.PRESETS))
 def test_presets_plan_small_scale(preset: str) -> None:
     """Each preset's real layouts (two layers) plan and cover every byte (16 -> 8 ranks)."""
     from afabric.weights.models import with_layers
 
-    m = with_layers(W.PRESETS[preset], 2)
+    m = with_layers(aw.PRESETS[preset], 2)
     tr = list(range(16))
-    layouts = W.inference_layouts(m, 8, 8, 16, fp8=True)
-    plan = W.build_plan(W.fsdp_sources(m, tr), layouts, trainers=tr)
+    layouts = aw.inference_layouts(m, 8, 8, 16, fp8=True)
+    plan = aw.build_plan(aw.fsdp_sources(m, tr), layouts, trainers=tr)
     plan.check_coverage(layouts)
     s = plan.summary()
     assert s["max_sent"] <= 1.1 * s["mean_sent"]

@@ -31,9 +31,7 @@ async def run_world(provider: str, peers: list[Peer], n_inf: int, cfg: dict[str,
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    ("provider", "fp8"), [("tcp", False), ("shm", True)], ids=["tcp-bf16", "shm-fp8"]
-)
+@pytest.mark.parametrize(("provider", "fp8"), [("tcp", False), ("shm", True)], ids=["tcp-bf16", "shm-fp8"])
 async def test_two_steps_uneven_shards(provider: str, fp8: bool, peers: list[Peer]) -> None:
     """3 trainers (uneven Shard(0)) -> 2 inference ranks (TP 2, fused q/k/v and gate/up)."""
     cfg = {"trainers": 3, "model": MODEL, "tp": 2, "fp8": fp8, "steps": 2,

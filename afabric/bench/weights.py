@@ -30,11 +30,20 @@ HELP = "RL weight update: N trainers -> M inference processes, point-to-point vs
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainers", type=int, default=8, help="training processes (default 8)")
     p.add_argument("--inference", type=int, default=4, help="inference processes (default 4)")
-    p.add_argument("--inference-tp", type=int, default=None, metavar="N",
-                   help="inference ranks per replica (default: all of them, one replica)")
+    p.add_argument(
+        "--inference-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="inference ranks per replica (default: all of them, one replica)",
+    )
     p.add_argument("--provider", default="shm", help="provider for the point-to-point writes (default shm)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the trainers' shards live and are prepared (default cpu)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the trainers' shards live and are prepared (default cpu)",
+    )
     p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
     p.add_argument("--experts", type=int, default=16, help="routed experts per layer (default 16)")
@@ -42,9 +51,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=16, help="attention heads of 128 (default 16)")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
-    p.add_argument("--fp8", action="store_true", help="inference holds fp8 linear layers (128x128 tile scales)")
-    p.add_argument("--staging-mib", type=int, default=64, help="each trainer's staging buffer (default 64 MiB)")
-    p.add_argument("--repeat", type=int, default=None, help="timed updates per method (default 5, 2 with --quick)")
+    p.add_argument(
+        "--fp8", action="store_true", help="inference holds fp8 linear layers (128x128 tile scales)"
+    )
+    p.add_argument(
+        "--staging-mib", type=int, default=64, help="each trainer's staging buffer (default 64 MiB)"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=None, help="timed updates per method (default 5, 2 with --quick)"
+    )
     p.add_argument("--quick", action="store_true", help="a small model and 2 updates per method (CI-sized)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any update may take (default 300)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
@@ -54,8 +69,9 @@ def _model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.quick:
         return {"layers": 2, "hidden": 512, "experts": 4, "moe_intermediate": 256, "heads": 4,
                 "kv_heads": 2, "vocab": 4096}  # fmt: skip
-    return {"layers": ns.layers, "hidden": ns.hidden, "experts": ns.experts, "moe_intermediate": ns.moe_intermediate,
-            "heads": ns.heads, "kv_heads": ns.kv_heads, "vocab": ns.vocab}  # fmt: skip
+    return {"layers": ns.layers, "hidden": ns.hidden, "experts": ns.experts,
+            "moe_intermediate": ns.moe_intermediate, "heads": ns.heads, "kv_heads": ns.kv_heads,
+            "vocab": ns.vocab}  # fmt: skip
 
 
 def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], conn: Connection) -> None:
@@ -69,68 +85,79 @@ def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], conn: Connectio
         conn.close()
 
 
+def _trainer_params(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """This trainer's FSDP shards (random bf16): DTensors on the CPU; on CUDA, shards on
+    the rank's GPU described by LocalShard (DTensor's gloo collectives cannot serve them)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .. import weights as aw
+
+    trainers = list(range(cfg["trainers"]))
+    cuda = cfg["device"] == "cuda"
+    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
+    mesh = None if cuda else DeviceMesh("cpu", trainers)
+    g = torch.Generator(device=dev).manual_seed(1234 + rank)
+    params: dict[str, Any] = {}
+    for meta in aw.fsdp_sources(aw.small_model(**cfg["model"]), trainers):
+        shape = tuple(b - a for a, b in meta.box_of(rank))
+        local = (torch.randn(shape, generator=g, device=dev) * 0.02).to(getattr(torch, meta.dtype))
+        if mesh is None:
+            params[meta.name] = aw.LocalShard(local, meta)
+        else:
+            stride = torch.empty(meta.shape, device="meta").stride()
+            params[meta.name] = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=torch.Size(meta.shape), stride=stride
+            )
+    return params
+
+
 async def _rank_async(rank: int, world: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
 
     from .. import Engine
-    from .. import weights as W
+    from .. import weights as aw
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg["timeout"]))  # fmt: skip
     n = cfg["trainers"]
     trainers, inference = list(range(n)), list(range(n, world))
-    model = W.small_model(**cfg["model"])
     cuda = cfg["device"] == "cuda"
-    mesh = None if cuda else DeviceMesh("cpu", trainers)
-    params: dict[str, Any] | None = None
-    tensors = None
+    params, tensors = None, None
     if rank in trainers:
-        params = {}
-        dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
-        g = torch.Generator(device=dev).manual_seed(1234 + rank)
-        for meta in W.fsdp_sources(model, trainers):
-            box = meta.box_of(rank)
-            shape = tuple(b - a for a, b in box)
-            local = (torch.randn(shape, generator=g, device=dev) * 0.02).to(getattr(torch, meta.dtype))
-            if cuda:
-                params[meta.name] = W.LocalShard(local, meta)
-            else:
-                assert mesh is not None
-                params[meta.name] = DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=torch.Size(meta.shape),
-                    stride=torch.empty(meta.shape, device="meta").stride(),
-                )  # fmt: skip
+        params = _trainer_params(rank, cfg)
     else:
-        tensors = W.rank_tensors(model, cfg["tp"], (rank - n) % cfg["tp"], cfg["fp8"])
-    opts = W.PlanOptions(unshard="never" if cuda else "auto")
+        if not cuda:
+            DeviceMesh("cpu", trainers)  # every rank takes part in creating the trainers' mesh
+        tensors = aw.rank_tensors(
+            aw.small_model(**cfg["model"]), cfg["tp"], (rank - n) % cfg["tp"], cfg["fp8"]
+        )
     out: dict[str, Any] = {"p2p": [], "rank0": []}
     async with Engine(cfg["provider"]) as eng:
-        wt = await W.WeightTransfer.connect(
-            eng, trainers=trainers, inference=inference, params=params, tensors=tensors, options=opts,
-            staging_bytes=cfg["staging"], device=f"cuda:{rank % torch.cuda.device_count()}" if cuda else None,
+        wt = await aw.WeightTransfer.connect(
+            eng, trainers=trainers, inference=inference, params=params, tensors=tensors,
+            options=aw.PlanOptions(unshard="never" if cuda else "auto"), staging_bytes=cfg["staging"],
+            device=f"cuda:{rank % torch.cuda.device_count()}" if cuda and params else None,
             timeout=cfg["timeout"], progress=False,
         )  # fmt: skip
         try:
-            version = 0
             for k in range(cfg["repeat"] + 1):  # the first of each is a warm-up
-                version += 1
-                p = await wt.update(version)
-                version += 1
-                r = await wt.update_rank0(version)
+                p = await wt.update(2 * k + 1)
+                r = await wt.update_rank0(2 * k + 2)
                 if k:
                     out["p2p"].append(p.seconds)
                     out["rank0"].append(r.seconds)
             if rank == 0:
-                out["plan"] = wt.plan.summary()
-                out["sent"] = wt.plan.sent_bytes()
-                out["received"] = wt.plan.received_bytes()
-                out["payload"] = sum(lay.payload_bytes() for lay in wt.layouts)
-                out["params"] = W.models.param_count(model)
-                out["unshard_params"] = sum(len(gr.unshard) for gr in wt.plan.groups)
+                out.update(
+                    plan=wt.plan.summary(), sent=wt.plan.sent_bytes(), received=wt.plan.received_bytes(),
+                    payload=sum(lay.payload_bytes() for lay in wt.layouts),
+                    params=aw.models.param_count(aw.small_model(**cfg["model"])),
+                    unshard_params=sum(len(gr.unshard) for gr in wt.plan.groups),
+                )  # fmt: skip
         finally:
             wt.close()
     dist.destroy_process_group()
@@ -149,24 +176,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n < 1e10 else f"{n / 1e9:.1f} GB"
 
 
-def main(ns: argparse.Namespace) -> int:
-    if ns.trainers < 1 or ns.inference < 1:
-        print("afabric: error: --trainers and --inference must be at least 1")
-        return 2
-    tp = ns.inference_tp or ns.inference
-    if ns.inference % tp:
-        print(f"afabric: error: --inference-tp {tp} does not divide {ns.inference} inference processes")
-        return 2
-    repeat = ns.repeat if ns.repeat is not None else (2 if ns.quick else 5)
-    cfg = {"trainers": ns.trainers, "model": _model_kwargs(ns), "tp": tp, "fp8": ns.fp8, "device": ns.device,
-           "provider": ns.provider, "staging": ns.staging_mib << 20, "repeat": max(1, repeat),
-           "timeout": ns.timeout}  # fmt: skip
-    world = ns.trainers + ns.inference
+def _run(world: int, cfg: dict[str, Any], wait: float) -> tuple[list[Any], str | None]:
+    """Start every rank, wait for all; ``(results, None)`` or ``(partial, why it failed)``."""
     port = _free_port()
     ctx = mp.get_context("spawn")
     procs, conns = [], []
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # twelve processes on a few cores: no thread pools each
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # a dozen processes on a few cores: no thread pool in each
     try:
         for r in range(world):
             a, b = ctx.Pipe()
@@ -176,14 +192,13 @@ def main(ns: argparse.Namespace) -> int:
             procs.append(pr)
             conns.append(a)
     finally:
-        if env_threads is None:
+        if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    t0 = time.monotonic()
+            os.environ["OMP_NUM_THREADS"] = saved
+    deadline = time.monotonic() + wait
     results: list[Any] = [None] * world
     failed = None
-    deadline = t0 + ns.timeout * (2 * repeat + 4) + 120
     try:
         for r, c in enumerate(conns):
             if not c.poll(max(1.0, deadline - time.monotonic())):
@@ -203,33 +218,54 @@ def main(ns: argparse.Namespace) -> int:
             if failed is not None and pr.is_alive() and pr.pid is not None:
                 pr.kill()
             pr.join(10)
+    return results, failed
+
+
+def main(ns: argparse.Namespace) -> int:
+    if ns.trainers < 1 or ns.inference < 1:
+        print("afabric: error: --trainers and --inference must be at least 1")
+        return 2
+    tp = ns.inference_tp or ns.inference
+    if ns.inference % tp:
+        print(f"afabric: error: --inference-tp {tp} does not divide {ns.inference} inference processes")
+        return 2
+    repeat = max(1, ns.repeat if ns.repeat is not None else (2 if ns.quick else 5))
+    cfg = {"trainers": ns.trainers, "model": _model_kwargs(ns), "tp": tp, "fp8": ns.fp8, "device": ns.device,
+           "provider": ns.provider, "staging": ns.staging_mib << 20, "repeat": repeat,
+           "timeout": ns.timeout}  # fmt: skip
+    results, failed = _run(ns.trainers + ns.inference, cfg, ns.timeout * (2 * repeat + 4) + 120)
     if failed is not None:
         print(f"afabric: error: {failed}")
         return 1
     res = results[0]
+    _report(ns, cfg, res)
+    if ns.json:
+        med_p, med_r = statistics.median(res["p2p"]), statistics.median(res["rank0"])
+        with open(ns.json, "w") as f:
+            json.dump({"bench": "weights", "argv": getattr(ns, "argv", []), "config": cfg,
+                       "p2p_seconds": res["p2p"], "rank0_seconds": res["rank0"], "ratio": med_r / med_p,
+                       "sent": res["sent"], "received": res["received"], "plan": res["plan"],
+                       "payload_bytes": res["payload"], "params": res["params"]}, f, indent=1)  # fmt: skip
+    return 0
+
+
+def _report(ns: argparse.Namespace, cfg: dict[str, Any], res: dict[str, Any]) -> None:
     p2p, r0 = res["p2p"], res["rank0"]
-    sent = list(res["sent"].values())
-    recv = list(res["received"].values())
+    sent, recv = list(res["sent"].values()), list(res["received"].values())
     summary = res["plan"]
-    med_p, med_r = statistics.median(p2p), statistics.median(r0)
+    tp = cfg["tp"]
     print(f"afabric bench weights: {ns.trainers} trainers -> {ns.inference} inference ({ns.inference // tp} "
           f"replica(s) of TP {tp}); provider {ns.provider}; device {ns.device}; "
-          f"{'fp8' if ns.fp8 else 'bf16'} inference weights")
+          f"{'fp8' if ns.fp8 else 'bf16'} inference weights")  # fmt: skip
     print(f"model: {res['params'] / 1e6:.1f} M parameters, {cfg['model']}; plan: {summary['tasks']} slices, "
-          f"{summary['writes']} writes, {res['unshard_params']} parameters unsharded")
+          f"{summary['writes']} writes, {res['unshard_params']} parameters unsharded")  # fmt: skip
     print(f"p2p bytes per update: {_gb(sum(sent))} in all; per trainer {_gb(statistics.mean(sent))} mean, "
-          f"{_gb(max(sent))} max; per inference rank {_gb(max(recv))} max")
-    print(f"rank-0 bytes per update: everything through trainer 0 and inference 0 "
-          f"({_gb(summary['unique_bytes'])} converted once, {_gb(res['payload'])} scattered in all)")
+          f"{_gb(max(sent))} max; per inference rank {_gb(max(recv))} max")  # fmt: skip
+    print(f"rank-0 bytes per update: all through trainer 0 and inference 0 ({_gb(summary['unique_bytes'])} "
+          f"converted once, {_gb(res['payload'])} scattered in all)")  # fmt: skip
     print(f"{'method':<8} {'median s':>9} {'min s':>9} {'max s':>9} {'GB/s':>8}")
     for name, xs in (("p2p", p2p), ("rank-0", r0)):
         med = statistics.median(xs)
         print(f"{name:<8} {med:9.3f} {min(xs):9.3f} {max(xs):9.3f} {res['payload'] / med / 1e9:8.2f}")
-    print(f"ratio    rank-0 / p2p = {med_r / med_p:.2f}x  ({len(p2p)} timed updates each, after a warm-up)")
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump({"bench": "weights", "argv": getattr(ns, "argv", []), "config": cfg,
-                       "p2p_seconds": p2p, "rank0_seconds": r0, "ratio": med_r / med_p,
-                       "sent": res["sent"], "received": res["received"], "plan": summary,
-                       "payload_bytes": res["payload"], "params": res["params"]}, f, indent=1)  # fmt: skip
-    return 0
+    ratio = statistics.median(r0) / statistics.median(p2p)
+    print(f"ratio    rank-0 / p2p = {ratio:.2f}x  ({len(p2p)} timed updates each, after a warm-up)")

@@ -9,7 +9,15 @@ the rank-0 baseline. Nothing here imports torch until it is used.
 
 from .layout import FP8, DestTensor, Part, RankLayout
 from .meta import Box, LocalShard, Placement, SourceParam, source_of
-from .models import PRESETS, ModelShape, fsdp_sources, inference_layouts, rank_tensors, small_model, training_params
+from .models import (
+    PRESETS,
+    ModelShape,
+    fsdp_sources,
+    inference_layouts,
+    rank_tensors,
+    small_model,
+    training_params,
+)
 from .plan import Group, Plan, PlanOptions, Task, build_plan
 from .prepare import simulate
 from .receiver import Receiver, WeightUpdateFailed

@@ -16,19 +16,42 @@ HELP = "RL weight transfer: plan a model's update at scale (afabric weights plan
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="weights_command", metavar="COMMAND", required=True)
     p = sub.add_parser("plan", help="per-rank bytes and projected update time, P2P vs rank-0")
-    p.add_argument("--model", required=True, metavar="PRESET",
-                   help="kimi-k2, deepseek-v3 or qwen3-235b (published shapes)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET",
+        help="kimi-k2, deepseek-v3 or qwen3-235b (published shapes)",
+    )
     p.add_argument("--trainers", type=int, default=256, help="training ranks, one NIC each (default 256)")
     p.add_argument("--inference", type=int, default=128, help="inference ranks, one NIC each (default 128)")
     p.add_argument("--nic-gbps", type=float, default=400.0, help="NIC speed per rank in Gb/s (default 400)")
-    p.add_argument("--inference-tp", type=int, default=None, metavar="N",
-                   help="ranks per inference replica (default: the preset's, 16 or 8)")
-    p.add_argument("--shard-group", type=int, default=8, metavar="G",
-                   help="training ranks sharing one shard of the non-expert weights (HSDP; default 8, a node)")
-    p.add_argument("--expert-parallel", type=int, default=None, metavar="EP",
-                   help="training ranks the routed experts are spread over (default: gcd(trainers, experts))")
-    p.add_argument("--nvlink-gbps", type=float, default=3600.0,
-                   help="intra-node speed for unsharding within a shard group (default 3600 Gb/s)")
+    p.add_argument(
+        "--inference-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks per inference replica (default: the preset's, 16 or 8)",
+    )
+    p.add_argument(
+        "--shard-group",
+        type=int,
+        default=8,
+        metavar="G",
+        help="training ranks sharing one shard of the non-expert weights (HSDP; default 8, a node)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=None,
+        metavar="EP",
+        help="training ranks the routed experts are spread over (default: gcd(trainers, experts))",
+    )
+    p.add_argument(
+        "--nvlink-gbps",
+        type=float,
+        default=3600.0,
+        help="intra-node speed for unsharding within a shard group (default 3600 Gb/s)",
+    )
     p.add_argument("--bf16", action="store_true", help="inference keeps bf16 (default: fp8 linear layers)")
     p.add_argument("--layers", type=int, default=None, help="plan only this many layers (quick look)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the numbers as JSON")
@@ -37,9 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def project(ns: argparse.Namespace) -> dict[str, Any]:
     """Build the plan and the projection (the numbers ``main`` prints)."""
     from ..errors import InvalidArgument
-    from .models import PRESETS, default_expert_parallel, inference_layouts, moe_sources, param_count, with_layers
-    from .plan import build_plan, replica_sets
     from .meta import box_numel, dtype_size
+    from .models import (
+        PRESETS,
+        default_expert_parallel,
+        inference_layouts,
+        moe_sources,
+        param_count,
+        with_layers,
+    )
+    from .plan import build_plan, replica_sets
 
     if ns.model not in PRESETS:
         raise InvalidArgument(f"unknown model {ns.model!r}: one of {', '.join(sorted(PRESETS))}")
@@ -59,7 +89,7 @@ def project(ns: argparse.Namespace) -> dict[str, Any]:
     built = time.perf_counter() - t0
     speed = ns.nic_gbps * 1e9 / 8
     sent, recv = plan.sent_bytes(), plan.received_bytes()
-    busiest = max(max(sent.values()), max(recv.values()))
+    busiest = max(*sent.values(), *recv.values())
     # unsharding: what each rank all-gathers within its shard group (bytes it lacks)
     unshard_in = dict.fromkeys(trainers, 0)
     for g in plan.groups:
@@ -79,17 +109,30 @@ def project(ns: argparse.Namespace) -> dict[str, Any]:
     p2p_s = busiest / speed
     unshard_s = max(unshard_in.values()) / (ns.nvlink_gbps * 1e9 / 8)
     rank0_s = (gather_in + unique + scatter_out) / speed
+    p2p = {
+        "trainer_mean": sum(sent.values()) / len(sent),
+        "trainer_max": max(sent.values()),
+        "inference_max": max(recv.values()),
+        "busiest_nic": busiest,
+        "seconds": max(p2p_s, unshard_s),
+        "nic_seconds": p2p_s,
+        "unshard_per_rank": max(unshard_in.values()),
+        "unshard_seconds": unshard_s,
+    }
+    rank0 = {
+        "gather_into_trainer0": gather_in,
+        "send": unique,
+        "scatter_from_inference0": scatter_out,
+        "busiest_nic": max(gather_in, unique, scatter_out),
+        "seconds": rank0_s,
+    }
     return {
         "model": m.name, "params": param_count(m), "layers": m.layers,
         "trainers": ns.trainers, "inference": ns.inference, "inference_tp": tp, "expert_parallel": ep,
         "shard_group": min(ns.shard_group, ns.trainers), "fp8": not ns.bf16, "nic_gbps": ns.nic_gbps,
+        "nvlink_gbps": ns.nvlink_gbps,
         "slices": len(plan.tasks), "writes": int(plan.writes.shape[0]), "plan_seconds": built,
-        "p2p": {"trainer_mean": sum(sent.values()) / len(sent), "trainer_max": max(sent.values()),
-                "inference_max": max(recv.values()), "busiest_nic": busiest, "seconds": max(p2p_s, unshard_s),
-                "nic_seconds": p2p_s, "unshard_per_rank": max(unshard_in.values()), "unshard_seconds": unshard_s},
-        "rank0": {"gather_into_trainer0": gather_in, "send": unique, "scatter_from_inference0": scatter_out,
-                  "busiest_nic": max(gather_in, unique, scatter_out), "seconds": rank0_s},
-        "ratio": rank0_s / max(p2p_s, unshard_s),
+        "p2p": p2p, "rank0": rank0, "ratio": rank0_s / max(p2p_s, unshard_s),
     }  # fmt: skip
 
 
@@ -101,18 +144,26 @@ def main(ns: argparse.Namespace) -> int:
     r = project(ns)
     p, z = r["p2p"], r["rank0"]
     dtype = "fp8 linear layers" if r["fp8"] else "bf16"
-    print(f"model      {r['model']}: {r['params'] / 1e9:,.1f} B parameters, {r['layers']} layers; inference {dtype}")
-    print(f"ranks      {r['trainers']} trainers (experts over {r['expert_parallel']}, other weights sharded over "
-          f"{r['shard_group']}) -> {r['inference']} inference ({r['inference'] // r['inference_tp']} replicas "
-          f"of {r['inference_tp']})")
+    replicas = r["inference"] // r["inference_tp"]
+    print(f"model      {r['model']}: {r['params'] / 1e9:,.1f} B parameters, {r['layers']} layers; "
+          f"inference {dtype}")  # fmt: skip
+    print(
+        f"ranks      {r['trainers']} trainers (experts over {r['expert_parallel']}, other weights sharded "
+        f"over {r['shard_group']}) -> {r['inference']} inference ({replicas} replicas of {r['inference_tp']})"
+    )
     print(f"plan       {r['slices']:,} slices, {r['writes']:,} writes, built in {r['plan_seconds']:.1f} s")
-    print(f"p2p        per trainer {_gb(p['trainer_mean'])} mean, {_gb(p['trainer_max'])} max; "
-          f"per inference rank {_gb(p['inference_max'])} max")
-    print(f"           busiest NIC {_gb(p['busiest_nic'])} -> {p['nic_seconds']:.2f} s at {r['nic_gbps']:g} Gb/s; "
-          f"unsharding {_gb(p['unshard_per_rank'])} per rank in its shard group -> {p['unshard_seconds']:.2f} s "
-          "(overlapped)")
-    print(f"rank-0     gather {_gb(z['gather_into_trainer0'])} into trainer 0, send {_gb(z['send'])}, "
-          f"scatter {_gb(z['scatter_from_inference0'])} -> {z['seconds']:.1f} s at {r['nic_gbps']:g} Gb/s")
+    print(
+        f"p2p        per trainer {_gb(p['trainer_mean'])} mean, {_gb(p['trainer_max'])} max; "
+        f"per inference rank {_gb(p['inference_max'])} max"
+    )
+    nic = f"{r['nic_gbps']:g} Gb/s"
+    print(f"           busiest NIC {_gb(p['busiest_nic'])} -> {p['nic_seconds']:.2f} s at {nic}; unsharding "
+          f"{_gb(p['unshard_per_rank'])} per rank within its shard group -> {p['unshard_seconds']:.3f} s at "
+          f"{r['nvlink_gbps']:g} Gb/s (overlapped)")  # fmt: skip
+    print(
+        f"rank-0     gather {_gb(z['gather_into_trainer0'])} into trainer 0, send {_gb(z['send'])}, "
+        f"scatter {_gb(z['scatter_from_inference0'])} -> {z['seconds']:.1f} s at {nic}"
+    )
     print(f"projected  p2p {p['seconds']:.2f} s vs rank-0 {z['seconds']:.1f} s: {r['ratio']:.0f}x")
     if ns.json:
         with open(ns.json, "w") as f:

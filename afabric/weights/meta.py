@@ -90,11 +90,13 @@ class SourceParam:
     def __post_init__(self) -> None:
         dtype_size(self.dtype)
         if len(self.placements) != len(self.mesh_shape):
-            raise InvalidArgument(f"{self.name}: {len(self.placements)} placements for a "
-                                  f"{len(self.mesh_shape)}-d mesh")
+            raise InvalidArgument(
+                f"{self.name}: {len(self.placements)} placements for a {len(self.mesh_shape)}-d mesh"
+            )
         if math.prod(self.mesh_shape) != len(self.mesh_ranks):
-            raise InvalidArgument(f"{self.name}: mesh shape {self.mesh_shape} does not match "
-                                  f"{len(self.mesh_ranks)} ranks")
+            raise InvalidArgument(
+                f"{self.name}: mesh shape {self.mesh_shape} does not match {len(self.mesh_ranks)} ranks"
+            )
         if len(set(self.mesh_ranks)) != len(self.mesh_ranks):
             raise InvalidArgument(f"{self.name}: a rank appears twice in the mesh")
         for p in self.placements:

@@ -83,8 +83,16 @@ PRESETS: dict[str, ModelShape] = {
 
 
 def small_model(
-    *, layers: int = 2, hidden: int = 512, experts: int = 4, moe_intermediate: int = 256,
-    heads: int = 4, kv_heads: int = 2, head_dim: int = 128, vocab: int = 1024, first_dense: int = 1,
+    *,
+    layers: int = 2,
+    hidden: int = 512,
+    experts: int = 4,
+    moe_intermediate: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 128,
+    vocab: int = 1024,
+    first_dense: int = 1,
     intermediate: int | None = None,
 ) -> ModelShape:
     """A GQA MoE model of any size (the benchmark's and the tests' model)."""
@@ -202,79 +210,103 @@ def _rows(r: tuple[int, int], cols: int) -> Box:
     return (r, (0, cols))
 
 
+def _whole(dst: str, src: str, shape: tuple[int, ...], dtype: str = "bfloat16") -> DestTensor:
+    return DestTensor(dst, dtype, (Part(src, tuple((0, n) for n in shape)),))
+
+
+def _mla(m: ModelShape, tp: int, t: int, lin: str, a: str, q: str) -> list[DestTensor]:
+    """DeepSeek's multi-head latent attention: q_a and kv_a fused and replicated, q_b and
+    kv_b split by heads, o_proj by its input columns."""
+    h = m.hidden
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    kvd = m.qk_nope_head_dim + m.v_head_dim
+    vd = m.v_head_dim
+    hr = _split("heads", m.heads, tp, t)
+    kva = m.kv_lora_rank + m.qk_rope_head_dim
+    return [
+        DestTensor(q + "fused_qkv_a_proj", lin, (Part(a + "q_a_proj.weight", _rows((0, m.q_lora_rank), h)),
+                                                 Part(a + "kv_a_proj_with_mqa.weight", _rows((0, kva), h)))),
+        _whole(q + "q_a_layernorm", a + "q_a_layernorm.weight", (m.q_lora_rank,)),
+        _whole(q + "kv_a_layernorm", a + "kv_a_layernorm.weight", (m.kv_lora_rank,)),
+        DestTensor(q + "q_b_proj", lin,
+                   (Part(a + "q_b_proj.weight", _rows((hr[0] * qk, hr[1] * qk), m.q_lora_rank)),)),
+        DestTensor(q + "kv_b_proj", lin,
+                   (Part(a + "kv_b_proj.weight", _rows((hr[0] * kvd, hr[1] * kvd), m.kv_lora_rank)),)),
+        DestTensor(q + "o_proj", lin, (Part(a + "o_proj.weight", ((0, h), (hr[0] * vd, hr[1] * vd))),)),
+    ]  # fmt: skip
+
+
+def _gqa(m: ModelShape, tp: int, t: int, lin: str, a: str, q: str) -> list[DestTensor]:
+    """Grouped-query attention: q/k/v fused and split by heads (a rank keeps a copy of its
+    key/value head when there are fewer than ranks), o_proj split by input columns."""
+    h, d = m.hidden, m.head_dim
+    hr = _split("heads", m.heads, tp, t)
+    if m.kv_heads >= tp:
+        kr = _split("kv heads", m.kv_heads, tp, t)
+    else:
+        k = t * m.kv_heads // tp
+        kr = (k, k + 1)
+    out = [
+        DestTensor(q + "qkv_proj", lin, (Part(a + "q_proj.weight", _rows((hr[0] * d, hr[1] * d), h)),
+                                         Part(a + "k_proj.weight", _rows((kr[0] * d, kr[1] * d), h)),
+                                         Part(a + "v_proj.weight", _rows((kr[0] * d, kr[1] * d), h)))),
+        DestTensor(q + "o_proj", lin, (Part(a + "o_proj.weight", ((0, h), (hr[0] * d, hr[1] * d))),)),
+    ]  # fmt: skip
+    if m.qk_norm:
+        out += [
+            _whole(q + "q_norm", a + "q_norm.weight", (d,)),
+            _whole(q + "k_norm", a + "k_norm.weight", (d,)),
+        ]
+    return out
+
+
+def _moe(m: ModelShape, tp: int, t: int, lin: str, mlp: str, q: str) -> list[DestTensor]:
+    """Router replicated; routed experts whole, spread over the replica's ranks (w13 = gate
+    and up fused); shared experts tensor-parallel."""
+    h, mi = m.hidden, m.moe_intermediate
+    out = [_whole(q + "mlp.gate", mlp + "gate.weight", (m.experts, h))]
+    if m.score_bias:
+        out.append(_whole(q + "mlp.e_score_correction_bias", mlp + "gate.e_score_correction_bias",
+                          (m.experts,), "float32"))  # fmt: skip
+    for e in range(*chunk_range(0, m.experts, tp, t)):
+        src = f"{mlp}experts.{e}."
+        out.append(
+            DestTensor(
+                f"{q}mlp.experts.{e}.w13",
+                lin,
+                (
+                    Part(src + "gate_proj.weight", _rows((0, mi), h)),
+                    Part(src + "up_proj.weight", _rows((0, mi), h)),
+                ),
+            )
+        )
+        out.append(
+            DestTensor(f"{q}mlp.experts.{e}.w2", lin, (Part(src + "down_proj.weight", ((0, h), (0, mi))),))
+        )
+    if m.shared_experts:
+        out += _tp_mlp(
+            q + "mlp.shared_experts.", mlp + "shared_experts.", mi * m.shared_experts, h, tp, t, lin
+        )
+    return out  # fmt: skip
+
+
 def rank_tensors(m: ModelShape, tp: int, t: int, fp8: bool) -> list[DestTensor]:
     """The tensors inference rank ``t`` of a ``tp``-rank replica holds."""
-    bf = "bfloat16"
-    lin = FP8 if fp8 else bf
+    lin = FP8 if fp8 else "bfloat16"
     h = m.hidden
-    out: list[DestTensor] = []
-
-    def whole(dst: str, src: str, shape: tuple[int, ...], dtype: str = bf) -> None:
-        out.append(DestTensor(dst, dtype, (Part(src, tuple((0, n) for n in shape)),)))
-
     vr = chunk_range(0, m.vocab, tp, t)
-    out.append(DestTensor("embed_tokens", bf, (Part("model.embed_tokens.weight", _rows(vr, h)),)))
+    out = [DestTensor("embed_tokens", "bfloat16", (Part("model.embed_tokens.weight", _rows(vr, h)),))]
     for li in range(m.layers):
         p, q = f"model.layers.{li}.", f"layers.{li}."
-        whole(q + "input_layernorm", p + "input_layernorm.weight", (h,))
-        whole(q + "post_attention_layernorm", p + "post_attention_layernorm.weight", (h,))
-        a = p + "self_attn."
-        if m.mla:
-            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-            hr = _split("heads", m.heads, tp, t)
-            kva = m.kv_lora_rank + m.qk_rope_head_dim
-            out.append(DestTensor(q + "fused_qkv_a_proj", lin, (
-                Part(a + "q_a_proj.weight", _rows((0, m.q_lora_rank), h)),
-                Part(a + "kv_a_proj_with_mqa.weight", _rows((0, kva), h)))))  # fmt: skip
-            whole(q + "q_a_layernorm", a + "q_a_layernorm.weight", (m.q_lora_rank,))
-            whole(q + "kv_a_layernorm", a + "kv_a_layernorm.weight", (m.kv_lora_rank,))
-            out.append(DestTensor(q + "q_b_proj", lin, (
-                Part(a + "q_b_proj.weight", _rows((hr[0] * qk, hr[1] * qk), m.q_lora_rank)),)))
-            kvd = m.qk_nope_head_dim + m.v_head_dim
-            out.append(DestTensor(q + "kv_b_proj", lin, (
-                Part(a + "kv_b_proj.weight", _rows((hr[0] * kvd, hr[1] * kvd), m.kv_lora_rank)),)))
-            vd = m.v_head_dim
-            out.append(DestTensor(q + "o_proj", lin, (
-                Part(a + "o_proj.weight", ((0, h), (hr[0] * vd, hr[1] * vd))),)))
-        else:
-            d = m.head_dim
-            hr = _split("heads", m.heads, tp, t)
-            if m.kv_heads >= tp:
-                kr = _split("kv heads", m.kv_heads, tp, t)
-            else:  # fewer kv heads than ranks: each rank keeps a copy of its head
-                k = t * m.kv_heads // tp
-                kr = (k, k + 1)
-            out.append(DestTensor(q + "qkv_proj", lin, (
-                Part(a + "q_proj.weight", _rows((hr[0] * d, hr[1] * d), h)),
-                Part(a + "k_proj.weight", _rows((kr[0] * d, kr[1] * d), h)),
-                Part(a + "v_proj.weight", _rows((kr[0] * d, kr[1] * d), h)))))  # fmt: skip
-            out.append(DestTensor(q + "o_proj", lin, (
-                Part(a + "o_proj.weight", ((0, h), (hr[0] * d, hr[1] * d))),)))
-            if m.qk_norm:
-                whole(q + "q_norm", a + "q_norm.weight", (d,))
-                whole(q + "k_norm", a + "k_norm.weight", (d,))
-        mlp = p + "mlp."
+        out.append(_whole(q + "input_layernorm", p + "input_layernorm.weight", (h,)))
+        out.append(_whole(q + "post_attention_layernorm", p + "post_attention_layernorm.weight", (h,)))
+        out += (_mla if m.mla else _gqa)(m, tp, t, lin, p + "self_attn.", q)
         if li < m.first_dense:
-            out += _tp_mlp(q + "mlp.", mlp, m.intermediate, h, tp, t, lin)
-            continue
-        whole(q + "mlp.gate", mlp + "gate.weight", (m.experts, h))
-        if m.score_bias:
-            whole(q + "mlp.e_score_correction_bias", mlp + "gate.e_score_correction_bias",
-                  (m.experts,), "float32")  # fmt: skip
-        er = chunk_range(0, m.experts, tp, t)
-        mi = m.moe_intermediate
-        for e in range(*er):
-            src = f"{mlp}experts.{e}."
-            out.append(DestTensor(f"{q}mlp.experts.{e}.w13", lin, (
-                Part(src + "gate_proj.weight", _rows((0, mi), h)),
-                Part(src + "up_proj.weight", _rows((0, mi), h)))))  # fmt: skip
-            out.append(DestTensor(f"{q}mlp.experts.{e}.w2", lin, (
-                Part(src + "down_proj.weight", ((0, h), (0, mi))),)))
-        if m.shared_experts:
-            out += _tp_mlp(q + "mlp.shared_experts.", mlp + "shared_experts.",
-                           mi * m.shared_experts, h, tp, t, lin)  # fmt: skip
-    whole("norm", "model.norm.weight", (h,))
-    out.append(DestTensor("lm_head", bf, (Part("lm_head.weight", _rows(vr, h)),)))
+            out += _tp_mlp(q + "mlp.", p + "mlp.", m.intermediate, h, tp, t, lin)
+        else:
+            out += _moe(m, tp, t, lin, p + "mlp.", q)
+    out.append(_whole("norm", "model.norm.weight", (h,)))
+    out.append(DestTensor("lm_head", "bfloat16", (Part("lm_head.weight", _rows(vr, h)),)))
     return out
 
 

@@ -18,14 +18,14 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import InvalidArgument
-from .layout import FP8, DestTensor, RankLayout
+from .layout import DestTensor, RankLayout
 from .meta import Box, SourceParam, box_numel, box_shape, dtype_size, intersect
 
 MiB = 1 << 20
@@ -234,7 +234,9 @@ class Plan:
             o = np.argsort(np.array(want_s, dtype=np.int64), kind="stable")
             want = _merge(np.array(want_s, dtype=np.int64)[o], np.array(want_l, dtype=np.int64)[o], "layout")
             if got != want:
-                raise InvalidArgument(f"inference rank {i}: writes cover {got[:4]}..., tensors are {want[:4]}...")
+                raise InvalidArgument(
+                    f"inference rank {i}: writes cover {got[:4]}..., tensors are {want[:4]}..."
+                )
 
     # ---- serialization ----
 
@@ -249,7 +251,17 @@ class Plan:
                 for s in self.sources.values()
             ],
             "tasks": [
-                [t.param, t.box, t.out_dtype, t.block, t.sender, t.unshard, t.group, t.first_write, t.n_writes]
+                [
+                    t.param,
+                    t.box,
+                    t.out_dtype,
+                    t.block,
+                    t.sender,
+                    t.unshard,
+                    t.group,
+                    t.first_write,
+                    t.n_writes,
+                ]
                 for t in self.tasks
             ],
             "groups": [[g.key, g.mesh_ranks, g.unshard, g.first_task, g.n_tasks] for g in self.groups],
@@ -366,9 +378,7 @@ def replica_sets(src: SourceParam) -> list[tuple[Box, list[int]]]:
     return list(sets.items())
 
 
-def _direct_bands(
-    src: SourceParam, piece: _Piece, opts: PlanOptions
-) -> list[tuple[Box, list[int]]] | None:
+def _direct_bands(src: SourceParam, piece: _Piece, opts: PlanOptions) -> list[tuple[Box, list[int]]] | None:
     """Bands of ``piece`` each inside one shard, with the ranks holding it; None when the
     shards do not suit (an fp8 tile crosses a shard edge, or slices would be tiny)."""
     elt = dtype_size(piece.out_dtype)
@@ -416,6 +426,81 @@ def _writes_for(piece: _Piece, band: Box) -> list[tuple[int, int, int, int]]:
     return out
 
 
+_Raw = tuple[str, str, Box, list[int], bool, _Piece]
+"""A slice before assignment: (group key, param, band, ranks able to send it, unshard, piece)."""
+
+
+def _check_inputs(
+    srcs: Mapping[str, SourceParam], layouts: Sequence[RankLayout], trainers: list[int], inference: list[int]
+) -> None:
+    if len(inference) != len(layouts):
+        raise InvalidArgument(f"{len(layouts)} layouts for {len(inference)} inference ranks")
+    if not trainers or len(set(trainers)) != len(trainers):
+        raise InvalidArgument("trainers must be distinct ranks, at least one")
+    for lay in layouts:
+        if lay.trainers != len(trainers):
+            raise InvalidArgument(f"a layout has {lay.trainers} header slots for {len(trainers)} trainers")
+    for s in srcs.values():
+        stray = set(s.mesh_ranks) - set(trainers)
+        if stray:
+            raise InvalidArgument(f"{s.name}: mesh ranks {sorted(stray)} are not trainers")
+
+
+def _slices_of(src: SourceParam, pieces: list[_Piece], opts: PlanOptions) -> tuple[list[_Raw], bool]:
+    """A parameter's slices, and whether it must be unsharded: straight from the shards
+    when every destination slice suits them, else cut from the whole parameter."""
+    gkey = f"{list(src.mesh_shape)}:{list(src.mesh_ranks)}:{[str(p) for p in src.placements]}"
+    direct: list[list[tuple[Box, list[int]]]] = []
+    need = opts.unshard == "always" and src.sharded
+    for piece in [] if need else pieces:
+        bands = _direct_bands(src, piece, opts)
+        if bands is None:
+            need = src.sharded  # whole everywhere: any holder can cut any slice
+            if not need:
+                bands = _direct_bands(src, piece, replace(opts, unshard="never"))
+                assert bands is not None
+            else:
+                break
+        direct.append(bands)
+    if not need:
+        return [
+            (gkey, src.name, b, r, False, p)
+            for p, bands in zip(pieces, direct, strict=True)
+            for b, r in bands
+        ], False
+    if opts.unshard == "never":
+        raise InvalidArgument(
+            f"{src.name}: a destination needs data across shards of {src.placements} "
+            "(fp8 tiles or slices crossing shard edges): allow unshard"
+        )
+    out: list[_Raw] = []
+    for piece in pieces:
+        # cut by bytes sent, so a slice many ranks want is spread over several senders
+        nbytes = box_numel(piece.box) * dtype_size(piece.out_dtype) * len(piece.dests)
+        n = max(1, -(-nbytes // opts.max_task_bytes))
+        out.extend(
+            (gkey, src.name, b, list(src.mesh_ranks), True, piece)
+            for b in _row_bands(piece.box, n, piece.block or 1)
+        )
+    return out, True
+
+
+def _load(r: _Raw) -> int:
+    return box_numel(r[2]) * dtype_size(r[5].out_dtype) * len(r[5].dests)
+
+
+def _assign(raw: list[_Raw], trainers: list[int]) -> list[int]:
+    """The sender of every slice: slices only one rank holds first, then the others
+    largest first, each onto the least-loaded rank that can prepare it."""
+    load = dict.fromkeys(trainers, 0)
+    sender = [0] * len(raw)
+    for k in sorted(range(len(raw)), key=lambda k: (len(raw[k][3]) > 1, -_load(raw[k]))):
+        best = min(raw[k][3], key=lambda r: (load[r], r))
+        sender[k] = best
+        load[best] += _load(raw[k])
+    return sender
+
+
 def build_plan(
     sources: Mapping[str, SourceParam] | Sequence[SourceParam],
     layouts: Sequence[RankLayout],
@@ -430,76 +515,18 @@ def build_plan(
     opts = options or PlanOptions()
     opts.check()
     srcs = dict(sources) if isinstance(sources, Mapping) else {s.name: s for s in sources}
-    trainers = list(trainers)
-    inference = list(inference) if inference is not None else list(range(len(trainers), len(trainers) + len(layouts)))
-    if len(inference) != len(layouts):
-        raise InvalidArgument(f"{len(layouts)} layouts for {len(inference)} inference ranks")
-    if not trainers or len(set(trainers)) != len(trainers):
-        raise InvalidArgument("trainers must be distinct ranks, at least one")
-    for lay in layouts:
-        if lay.trainers != len(trainers):
-            raise InvalidArgument(f"a layout has {lay.trainers} header slots for {len(trainers)} trainers")
-    for s in srcs.values():
-        stray = set(s.mesh_ranks) - set(trainers)
-        if stray:
-            raise InvalidArgument(f"{s.name}: mesh ranks {sorted(stray)} are not trainers")
-
+    tr = list(trainers)
+    inf = list(inference) if inference is not None else list(range(len(tr), len(tr) + len(layouts)))
+    _check_inputs(srcs, layouts, tr, inf)
     pieces = _pieces(srcs, layouts)
-    # (group key, param, band, eligible ranks, unshard, piece)
-    raw: list[tuple[str, str, Box, list[int], bool, _Piece]] = []
+    raw: list[_Raw] = []
     unshard_params: set[str] = set()
     for name in sorted(pieces):
-        src = srcs[name]
-        gkey = f"{list(src.mesh_shape)}:{list(src.mesh_ranks)}:{[str(p) for p in src.placements]}"
-        plans: list[list[tuple[Box, list[int]]] | None] = []
-        need = opts.unshard == "always" and src.sharded
-        if not need:
-            for piece in pieces[name]:
-                bands = _direct_bands(src, piece, opts)
-                plans.append(bands)
-                if bands is None:
-                    need = True
-                    break
-        if need and not src.sharded:
-            need = False  # every holder has it whole: direct after all
-            plans = [_direct_bands(src, piece, opts) for piece in pieces[name]]
-        if need:
-            if opts.unshard == "never":
-                raise InvalidArgument(
-                    f"{name}: a destination needs data across shards of {src.placements} "
-                    "(fp8 tiles or slices crossing shard edges): allow unshard"
-                )
+        slices, unshard = _slices_of(srcs[name], pieces[name], opts)
+        raw.extend(slices)
+        if unshard:
             unshard_params.add(name)
-            ranks = list(src.mesh_ranks)
-            for piece in pieces[name]:
-                # cut by bytes sent, so a slice many ranks want is spread over several senders
-                nbytes = box_numel(piece.box) * dtype_size(piece.out_dtype) * len(piece.dests)
-                n = max(1, -(-nbytes // opts.max_task_bytes))
-                for band in _row_bands(piece.box, n, piece.block or 1):
-                    raw.append((gkey, name, band, ranks, True, piece))
-        else:
-            for piece, bands in zip(pieces[name], plans, strict=True):
-                assert bands is not None
-                for band, ranks in bands:
-                    raw.append((gkey, name, band, ranks, False, piece))
-
-    # balance: slices only one rank holds first, then the others largest first, each onto
-    # the least-loaded rank that can prepare it
-    load = dict.fromkeys(trainers, 0)
-    order = sorted(
-        range(len(raw)),
-        key=lambda k: (
-            len(raw[k][3]) > 1,
-            -box_numel(raw[k][2]) * dtype_size(raw[k][5].out_dtype) * len(raw[k][5].dests),
-        ),
-    )
-    sender: dict[int, int] = {}
-    for k in order:
-        _g, _n, band, ranks, _u, piece = raw[k]
-        best = min(ranks, key=lambda r: (load[r], r))
-        sender[k] = best
-        load[best] += box_numel(band) * dtype_size(piece.out_dtype) * len(piece.dests)
-
+    sender = _assign(raw, tr)
     by_group: dict[str, list[int]] = defaultdict(list)
     for k, r in enumerate(raw):
         by_group[r[0]].append(k)
@@ -512,13 +539,24 @@ def build_plan(
         for k in members:
             _g, name, band, _r, unshard, piece = raw[k]
             ws = _writes_for(piece, band)
-            t = Task(len(tasks), name, band, piece.out_dtype, piece.block, sender[k], unshard, gi, len(rows), len(ws))
+            t = Task(
+                len(tasks),
+                name,
+                band,
+                piece.out_dtype,
+                piece.block,
+                sender[k],
+                unshard,
+                gi,
+                len(rows),
+                len(ws),
+            )
             rows.extend((t.index, i, s, d, n) for i, s, d, n in ws)
             tasks.append(t)
         mesh = srcs[raw[members[0]][1]].mesh_ranks
         order_params = tuple(dict.fromkeys(raw[k][1] for k in members if raw[k][1] in unshard_params))
         groups.append(Group(gkey, mesh, order_params, first, len(tasks) - first))
     writes = np.array(rows, dtype=np.int64).reshape(-1, 5)
-    header = layouts[0].header_bytes if layouts else 16 * len(trainers)
+    header = layouts[0].header_bytes if layouts else 16 * len(tr)
     used = {n: srcs[n] for n in pieces}
-    return Plan(trainers, inference, used, tasks, groups, writes, [lay.nbytes for lay in layouts], header)
+    return Plan(tr, inf, used, tasks, groups, writes, [lay.nbytes for lay in layouts], header)

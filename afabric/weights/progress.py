@@ -20,7 +20,13 @@ def _gib(n: float) -> str:
 
 class UpdateProgress:
     def __init__(
-        self, what: str, total: int, *, show: bool | None, callback: ProgressCallback | None, period: float = 1.0
+        self,
+        what: str,
+        total: int,
+        *,
+        show: bool | None,
+        callback: ProgressCallback | None,
+        period: float = 1.0,
     ) -> None:
         self.what = what
         self.total = total

@@ -14,6 +14,7 @@ as its slices are staged.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -129,7 +130,9 @@ class Sender:
 
         t = self.params.get(name)
         if not isinstance(t, DTensor):
-            raise InvalidArgument(f"{name}: the plan unshards it, but rank {self.rank} holds no DTensor of it")
+            raise InvalidArgument(
+                f"{name}: the plan unshards it, but rank {self.rank} holds no DTensor of it"
+            )
         return t.full_tensor()
 
     def _stage(self, task: Task, region: Any, region_box: Box, off: int) -> None:
@@ -167,18 +170,19 @@ class Sender:
         for name in sorted(unshard | set(mine)):
             full = None
             if name in unshard:
-                full = await self._prep.call(lambda n=name: self._unshard(n))  # type: ignore[misc]
+                full = await self._prep.call(functools.partial(self._unshard, name))
             for task in mine.get(name, []):
-                failed = [p for p in pending if p.done() and p.exception() is not None]
-                if failed:
-                    raise failed[0].exception()  # type: ignore[misc]
+                for p in pending:
+                    if p.done() and (exc := p.exception()) is not None:
+                        raise exc
                 off, n = await self.arena.alloc(task.nbytes)
                 if task.unshard:
+                    assert full is not None
                     region, rbox = full, full_box(tuple(int(x) for x in full.shape))
                 else:
                     region, rbox = self.local(name)
                 try:
-                    await self._prep.call(lambda t=task, r=region, b=rbox, o=off: self._stage(t, r, b, o))  # type: ignore[misc]
+                    await self._prep.call(functools.partial(self._stage, task, region, rbox, off))
                 except BaseException:
                     await self.arena.free(off, n)
                     raise

@@ -54,6 +54,26 @@ def _dist() -> Any:
 class WeightTransfer:
     """One rank's end of a weight transfer session (a trainer or an inference rank)."""
 
+    engine: Engine
+    rank: int
+    trainers: list[int]
+    inference: list[int]
+    role: str
+    """"trainer" or "inference"."""
+    timeout: float
+    progress: bool | None
+    plan: Plan
+    layouts: list[RankLayout]
+    receiver: Receiver | None
+    """The inference rank's weights (None on trainers)."""
+    sender: Sender | None
+    ctrl: Any
+    trainer_group: Any
+    inference_group: Any
+    _ctl: Worker
+    _broken: str | None
+    _last_version: int
+
     def __init__(self) -> None:
         raise UsageError("use `await WeightTransfer.connect(...)`")
 
@@ -106,10 +126,10 @@ class WeightTransfer:
         self.timeout = float(timeout)
         self.progress = progress
         self._ctl = Worker(f"afabric-weights-ctl-{self.rank}")
-        self._broken: str | None = None
+        self._broken = None
         self._last_version = -1
-        self.receiver: Receiver | None = None
-        self.sender: Sender | None = None
+        self.receiver = None
+        self.sender = None
         tmo = timedelta(seconds=self.timeout)
         self.ctrl = await self._control(lambda: dist.new_group(backend="gloo", timeout=tmo), "new_group")
         self.trainer_group = await self._control(
@@ -118,36 +138,65 @@ class WeightTransfer:
         self.inference_group = await self._control(
             lambda: dist.new_group(self.inference, backend="gloo", timeout=tmo), "new_group"
         )
-        payload: tuple[Any, ...]
-        if self.role == "inference":
-            assert tensors is not None
-            self.receiver = Receiver(engine, list(tensors), len(self.trainers), dest_device)
-            payload = ("inference", self.rank, self.receiver.layout.tensors,
-                       bytes(self.receiver.mr.descriptor), bytes(engine.address), self.receiver.imm)  # fmt: skip
+        peers = await self._exchange(params, tensors, dest_device)
+        self.layouts = [RankLayout(peers[r][0], len(self.trainers)) for r in self.inference]
+        self.plan = await self._agree_plan(peers["sources"], options)
+        if self.role == "trainer":
+            from .sender import Sender
+
+            assert params is not None
+            self.sender = Sender(
+                engine, self.plan, self.rank, params,
+                descs=[peers[r][1] for r in self.inference], addresses=[peers[r][2] for r in self.inference],
+                imms=[peers[r][3] for r in self.inference], staging_bytes=staging_bytes, device=device,
+            )  # fmt: skip
+        return self
+
+    async def _exchange(
+        self, params: Mapping[str, Any] | None, tensors: Sequence[DestTensor] | None, dest_device: str
+    ) -> dict[Any, Any]:
+        """Gather every rank's metadata: ``{inference rank: (tensors, descriptor, address,
+        immediate)}`` on every rank, and ``"sources"``: every trainer's parameter metadata,
+        on the first trainer only (it plans)."""
+        dist = _dist()
+        world = dist.get_world_size()
+        payload: tuple[Any, ...] = ("trainer", self.rank)
+        metas: list[SourceParam] = []
+        if tensors is not None:
+            self.receiver = Receiver(self.engine, list(tensors), len(self.trainers), dest_device)
+            desc, addr = bytes(self.receiver.mr.descriptor), bytes(self.engine.address)
+            payload = ("inference", self.rank, self.receiver.layout.tensors, desc, addr, self.receiver.imm)
         else:
             assert params is not None
-            metas = [source_of(name, t, rank=self.rank) for name, t in params.items()]
-            payload = ("trainer", self.rank, metas)
+            metas = [source_of(n, t, rank=self.rank) for n, t in params.items()]
         gathered: list[Any] = [None] * world
         await self._control(lambda: dist.all_gather_object(gathered, payload, group=self.ctrl), "gather")
-        layouts, descs, addrs, imms = {}, {}, {}, {}
-        sources: dict[str, SourceParam] = {}
+        first = self.trainers[0]
+        every: list[Any] | None = [None] * world if self.rank == first else None
+        await self._control(
+            lambda: dist.gather_object(metas, every, dst=first, group=self.ctrl), "gather parameters"
+        )
+        out: dict[Any, Any] = {"sources": [m for ms in every or [] for m in ms]}
         for item in gathered:
             if item[0] == "inference":
-                _, r, ts, d, a, imm = item
-                layouts[r], descs[r], addrs[r], imms[r] = ts, d, a, imm
-            else:
-                for s in item[2]:
-                    seen = sources.setdefault(s.name, s)
-                    if seen != s:
-                        raise InvalidArgument(f"trainers disagree about {s.name}: {seen} vs {s}")
-        rank_layouts = [RankLayout(layouts[r], len(self.trainers)) for r in self.inference]
+                out[item[1]] = item[2:]
+        return out
+
+    async def _agree_plan(self, metas: list[SourceParam], options: PlanOptions | None) -> Plan:
+        """The first trainer builds the plan; every rank gets it (or the reason it failed)."""
+        dist = _dist()
         box: list[Any] = [None]
         if self.rank == self.trainers[0]:
             try:
-                box[0] = build_plan(
-                    sources, rank_layouts, trainers=self.trainers, inference=self.inference, options=options
-                ).to_bytes()
+                sources: dict[str, SourceParam] = {}
+                for m in metas:
+                    seen = sources.setdefault(m.name, m)
+                    if seen != m:
+                        raise InvalidArgument(f"trainers disagree about {m.name}: {seen} vs {m}")
+                plan = build_plan(
+                    sources, self.layouts, trainers=self.trainers, inference=self.inference, options=options
+                )
+                box[0] = plan.to_bytes()
             except InvalidArgument as e:
                 box[0] = f"{e}"
         await self._control(
@@ -155,19 +204,7 @@ class WeightTransfer:
         )
         if isinstance(box[0], str):
             raise InvalidArgument(f"planning failed: {box[0]}")
-        self.plan = Plan.from_bytes(box[0])
-        self.layouts = rank_layouts
-        if self.role == "trainer":
-            from .sender import Sender
-
-            assert params is not None
-            self.sender = Sender(
-                engine, self.plan, self.rank, params,
-                descs=[descs[r] for r in self.inference], addresses=[addrs[r] for r in self.inference],
-                imms=[imms[r] for r in self.inference],
-                staging_bytes=staging_bytes, device=device,
-            )  # fmt: skip
-        return self
+        return Plan.from_bytes(box[0])
 
     # ---- control plane ----
 
@@ -234,7 +271,9 @@ class WeightTransfer:
             prog.finish()
         elif self.receiver is not None:
             try:
-                await self.engine.expect_imm(self.receiver.imm, self.plan.arrivals(self.rank), timeout=self.timeout)
+                await self.engine.expect_imm(
+                    self.receiver.imm, self.plan.arrivals(self.rank), timeout=self.timeout
+                )
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 failure = e
         all_ok = await self._agree(failure is None, version)

@@ -5,6 +5,7 @@ on a dead peer can be abandoned after a deadline (the thread is left to gloo's t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -40,11 +41,17 @@ class Worker:
         self._q.put((fn, fut))
         return await fut
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread once its current call returns (waiting up to ``timeout``: a
+        thread still inside torch when the interpreter exits would abort the process)."""
         self._q.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
 
-def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+def _settle(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: Any, exc: BaseException | None
+) -> None:
     def done() -> None:
         if fut.done():
             return
@@ -53,7 +60,5 @@ def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: A
         else:
             fut.set_result(result)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
         loop.call_soon_threadsafe(done)
-    except RuntimeError:  # the loop is closed: nobody awaits any more
-        pass
