@@ -132,6 +132,19 @@ struct vb_peer {
     uint64_t next_hello_ns, hello_gap_ns, deadline_ns, fail_until_ns;
 };
 
+/* The few CUDA driver calls the dma-buf path needs (no CUDA headers at build time). */
+#define CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD 1
+#define CU_POINTER_ATTRIBUTE_CONTEXT 1
+
+struct vb_cuda {
+    void *handle;
+    int (*init)(unsigned flags);
+    int (*pointer_get_attribute)(void *data, int attribute, uint64_t ptr);
+    int (*ctx_push)(void *ctx);
+    int (*ctx_pop)(void **ctx);
+    int (*get_handle)(void *handle, uint64_t ptr, size_t size, int type, uint64_t flags);
+};
+
 struct afp_domain {
     const struct vb_lib *lib;
     struct ibv_context *ctx;
@@ -172,8 +185,8 @@ struct afp_domain {
     uint32_t nstash, stash_at;
     uint32_t unacked_events;
 
-    void *cuda; /* libcuda handle for dma-buf export, loaded on first device registration */
-    int (*cu_get_handle)(void *handle, uint64_t ptr, size_t size, int type, uint64_t flags);
+    struct vb_cuda *cuda; /* CUDA driver entry points for dma-buf export, loaded on first
+                             device registration (NULL: not tried yet or unavailable) */
     bool cuda_tried;
 
     char dev_name[AFP_NAME_LEN];
@@ -597,8 +610,10 @@ static void vb_close(afp_domain *d)
         (void)d->lib->dealloc_pd(d->pd);
     if (d->ctx)
         (void)d->lib->close_device(d->ctx);
-    if (d->cuda)
-        dlclose(d->cuda);
+    if (d->cuda) {
+        dlclose(d->cuda->handle);
+        free(d->cuda);
+    }
     free(d->ud_buf);
     free(d->peers);
     free(d->pool);
@@ -1238,20 +1253,37 @@ static void on_hello(afp_domain *d, const uint8_t *buf, uint32_t len)
 /* ------------------------------------------------------------------------------------ */
 /* Memory registration                                                                   */
 
-#define CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD 1
-
 static void cuda_load(afp_domain *d)
 {
     if (d->cuda_tried)
         return;
     d->cuda_tried = true;
-    d->cuda = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
-    if (d->cuda)
-        d->cu_get_handle = (__typeof__(d->cu_get_handle))dlsym(d->cuda,
-                                                              "cuMemGetHandleForAddressRange");
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (!h)
+        return;
+    struct vb_cuda *c = calloc(1, sizeof *c);
+    if (!c) {
+        dlclose(h);
+        return;
+    }
+    c->handle = h;
+    c->init = (__typeof__(c->init))dlsym(h, "cuInit");
+    c->pointer_get_attribute =
+        (__typeof__(c->pointer_get_attribute))dlsym(h, "cuPointerGetAttribute");
+    c->ctx_push = (__typeof__(c->ctx_push))dlsym(h, "cuCtxPushCurrent_v2");
+    c->ctx_pop = (__typeof__(c->ctx_pop))dlsym(h, "cuCtxPopCurrent_v2");
+    c->get_handle = (__typeof__(c->get_handle))dlsym(h, "cuMemGetHandleForAddressRange");
+    if (!c->init || !c->pointer_get_attribute || !c->ctx_push || !c->ctx_pop ||
+        !c->get_handle || c->init(0) != 0) { /* a driver older than 11.7 has no dma-buf */
+        dlclose(h);
+        free(c);
+        return;
+    }
+    d->cuda = c;
 }
 
-/* CUDA memory as a dma-buf (no nvidia-peermem needed); NULL with *why set if not. */
+/* CUDA memory as a dma-buf (no nvidia-peermem needed); NULL with *why set if not. The
+ * export runs in the memory's own context, pushed on this (worker) thread for the call. */
 static struct ibv_mr *reg_dmabuf(afp_domain *d, void *addr, uint64_t len, int access,
                                  const char **why)
 {
@@ -1260,19 +1292,32 @@ static struct ibv_mr *reg_dmabuf(afp_domain *d, void *addr, uint64_t len, int ac
         *why = "libibverbs has no ibv_reg_dmabuf_mr";
         return NULL;
     }
-    if (!d->cu_get_handle) {
-        *why = "the CUDA driver cannot export dma-bufs";
+    struct vb_cuda *c = d->cuda;
+    if (!c) {
+        *why = "the CUDA driver cannot export dma-bufs (needs CUDA 11.7+)";
         return NULL;
     }
-    uint64_t page = 4096, a = (uint64_t)(uintptr_t)addr;
+    uint64_t a = (uint64_t)(uintptr_t)addr;
+    long ps = sysconf(_SC_PAGESIZE);
+    uint64_t page = ps > 0 ? (uint64_t)ps : 4096;
     uint64_t base = a & ~(page - 1), end = (a + len + page - 1) & ~(page - 1);
+    void *ctx = NULL, *popped = NULL;
+    if (c->pointer_get_attribute(&ctx, CU_POINTER_ATTRIBUTE_CONTEXT, a) != 0 || !ctx ||
+        c->ctx_push(ctx) != 0) {
+        *why = "not CUDA device memory (cuPointerGetAttribute)";
+        return NULL;
+    }
     int fd = -1;
-    int cr = d->cu_get_handle(&fd, base, end - base, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+    int cr = c->get_handle(&fd, base, end - base, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+    (void)c->ctx_pop(&popped);
     if (cr != 0 || fd < 0) {
-        *why = "cuMemGetHandleForAddressRange failed";
+        *why = "cuMemGetHandleForAddressRange refused the range";
         return NULL;
     }
     struct ibv_mr *mr = d->lib->reg_dmabuf_mr(d->pd, a - base, len, a, fd, access);
+    if (!mr && errno == EINVAL && (access & IBV_ACCESS_RELAXED_ORDERING))
+        mr = d->lib->reg_dmabuf_mr(d->pd, a - base, len, a, fd,
+                                   access & ~IBV_ACCESS_RELAXED_ORDERING);
     int e = errno;
     close(fd); /* the registration holds its own reference */
     if (!mr) {
@@ -1302,7 +1347,7 @@ static int vb_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, in
                      uint64_t *remote_base)
 {
     (void)requested_key; /* the device picks keys (AFP_CAP_PROV_KEY) */
-    (void)device;
+    (void)device; /* CUDA memory is exported in the context it belongs to */
     int access = d->access;
     if (flags & AFP_MR_REMOTE)
         access |= IBV_ACCESS_REMOTE_WRITE;
@@ -1313,7 +1358,7 @@ static int vb_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, in
     }
     if (flags & AFP_MR_DEVICE) {
         const char *why = "";
-        mr = reg_dmabuf(d, addr, len, access & ~IBV_ACCESS_RELAXED_ORDERING, &why);
+        mr = reg_dmabuf(d, addr, len, access, &why);
         if (!mr) {
             mr = reg_plain(d, addr, len, access); /* nvidia-peermem */
             if (!mr) {
