@@ -39,16 +39,23 @@ EPOCH_RING = 1 << 16  # epochs a host may run ahead of the GPU (imm values and f
 _DISPATCH, _COMBINE = 0, 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HostRegion:
-    """Pinned host memory mapped into the GPU: ``host`` for the CPU, ``dev`` for kernels."""
+    """Host memory the proxy's engine reads or writes: ``host`` for the CPU, ``dev`` for
+    kernels. Pinned and mapped into the GPU for a CUDA rank; a plain numpy buffer
+    (``array``) for a rank without a GPU (the proxy's own tests)."""
 
     host: int
     dev: int
     nbytes: int
+    array: np.ndarray[Any, np.dtype[np.uint8]] | None = None
 
 
-def _pinned(nbytes: int) -> HostRegion:
+def _region(nbytes: int, device: int | None) -> HostRegion:
+    if device is None:
+        arr = np.zeros(nbytes, dtype=np.uint8)
+        addr = int(arr.__array_interface__["data"][0])
+        return HostRegion(addr, addr, nbytes, arr)
     import cupy
 
     rt = cupy.cuda.runtime
@@ -61,14 +68,22 @@ def _pinned(nbytes: int) -> HostRegion:
     return HostRegion(host, dev, nbytes)
 
 
+def _free(region: HostRegion) -> None:
+    if region.array is None:
+        import cupy
+
+        cupy.cuda.runtime.freeHost(region.host)
+
+
 class Proxy:
     """Engine, regions and armed operations for this rank's proxy peers."""
 
     def __init__(
-        self, cfg: MoeConfig, rank: int, peers: list[int], provider: str, tag: int, device: int
+        self, cfg: MoeConfig, rank: int, peers: list[int], provider: str, tag: int, device: int | None
     ) -> None:
         self.cfg = cfg
-        self.device = device  # (the loop thread has its own current CUDA device: never ask it)
+        # the loop thread has its own current CUDA device: never ask it. None: no GPU (tests)
+        self.device = device
         self.rank = rank
         self.peers = peers
         self.tag = tag
@@ -78,18 +93,28 @@ class Proxy:
         self.cslot = cfg.combine_slot_bytes
         self.phases = 1 if cfg.private_tokens >= cfg.max_tokens else 2
         self.lengths = (lay.private_bytes(cfg.private_tokens), lay.private_bytes(cfg.max_tokens))
-        self.dsend = _pinned(2 * n * self.dslot)
-        self.drecv = _pinned(2 * n * self.dslot)
-        self.csend = _pinned(2 * n * self.cslot)
-        self.crecv = _pinned(2 * n * self.cslot)
-        self.flags = _pinned(4096)  # [0]: dispatch epoch, [8]: combine epoch
+        self._regions: list[HostRegion] = []
         self.epochs = np.zeros(EPOCH_RING, dtype=np.uint64)  # sources of the flag writes
         self._pending: set[concurrent.futures.Future[None]] = set()
         self._errors: list[BaseException] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="afabric-moe-proxy", daemon=True)
-        self._thread.start()
-        self.eng: Engine = self._call(self._open(provider))
+        try:
+            self.dsend = self._new_region(2 * n * self.dslot)
+            self.drecv = self._new_region(2 * n * self.dslot)
+            self.csend = self._new_region(2 * n * self.cslot)
+            self.crecv = self._new_region(2 * n * self.cslot)
+            self.flags = self._new_region(4096)  # [0]: dispatch epoch, [8]: combine epoch
+            self._thread.start()
+            self.eng: Engine = self._call(self._open(provider))
+        except BaseException:
+            self._stop()
+            raise
+
+    def _new_region(self, nbytes: int) -> HostRegion:
+        region = _region(nbytes, self.device)
+        self._regions.append(region)
+        return region
 
     # ---- the loop thread ----
 
@@ -197,8 +222,7 @@ class Proxy:
     # ---- lifetime ----
 
     def close(self) -> None:
-        import cupy
-
+        """Disarm what is still armed, close the engine, stop the thread, free the memory."""
         if not self._thread.is_alive():
             return
         for fut in list(self._pending):
@@ -206,7 +230,14 @@ class Proxy:
         try:
             self._call(self.eng.aclose(timeout=5.0), timeout=30.0)
         finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30.0)
-            for region in (self.dsend, self.drecv, self.csend, self.crecv, self.flags):
-                cupy.cuda.runtime.freeHost(region.host)
+        if not self._thread.is_alive():
+            self._loop.close()
+        regions, self._regions = self._regions, []
+        for region in regions:
+            _free(region)
