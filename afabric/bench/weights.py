@@ -44,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="where the trainers' shards live and are prepared (default cpu)",
     )
+    p.add_argument(
+        "--shards",
+        choices=("dtensor", "local"),
+        default=None,
+        help="trainer shards as DTensors (default on cpu) or LocalShard tensors with their metadata "
+        "(always with cuda: no unsharding then)",
+    )
     p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
     p.add_argument("--experts", type=int, default=16, help="routed experts per layer (default 16)")
@@ -97,7 +104,7 @@ def _trainer_params(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     trainers = list(range(cfg["trainers"]))
     cuda = cfg["device"] == "cuda"
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
-    mesh = None if cuda else DeviceMesh("cpu", trainers)
+    mesh = None if cfg["shards"] == "local" else DeviceMesh("cpu", trainers)
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
     params: dict[str, Any] = {}
     for meta in aw.fsdp_sources(aw.small_model(**cfg["model"]), trainers):
@@ -127,11 +134,12 @@ async def _rank_async(rank: int, world: int, port: int, cfg: dict[str, Any]) -> 
     n = cfg["trainers"]
     trainers, inference = list(range(n)), list(range(n, world))
     cuda = cfg["device"] == "cuda"
+    local = cfg["shards"] == "local"
     params, tensors = None, None
     if rank in trainers:
         params = _trainer_params(rank, cfg)
     else:
-        if not cuda:
+        if not local:
             DeviceMesh("cpu", trainers)  # every rank takes part in creating the trainers' mesh
         tensors = aw.rank_tensors(
             aw.small_model(**cfg["model"]), cfg["tp"], (rank - n) % cfg["tp"], cfg["fp8"]
@@ -140,7 +148,7 @@ async def _rank_async(rank: int, world: int, port: int, cfg: dict[str, Any]) -> 
     async with Engine(cfg["provider"]) as eng:
         wt = await aw.WeightTransfer.connect(
             eng, trainers=trainers, inference=inference, params=params, tensors=tensors,
-            options=aw.PlanOptions(unshard="never" if cuda else "auto"), staging_bytes=cfg["staging"],
+            options=aw.PlanOptions(unshard="never" if local else "auto"), staging_bytes=cfg["staging"],
             device=f"cuda:{rank % torch.cuda.device_count()}" if cuda and params else None,
             timeout=cfg["timeout"], progress=False,
         )  # fmt: skip
@@ -230,8 +238,12 @@ def main(ns: argparse.Namespace) -> int:
         print(f"afabric: error: --inference-tp {tp} does not divide {ns.inference} inference processes")
         return 2
     repeat = max(1, ns.repeat if ns.repeat is not None else (2 if ns.quick else 5))
+    shards = "local" if ns.device == "cuda" else (ns.shards or "dtensor")
+    if ns.device == "cuda" and ns.shards == "dtensor":
+        print("afabric: error: --device cuda takes --shards local (DTensor's gloo collectives are host-only)")
+        return 2
     cfg = {"trainers": ns.trainers, "model": _model_kwargs(ns), "tp": tp, "fp8": ns.fp8, "device": ns.device,
-           "provider": ns.provider, "staging": ns.staging_mib << 20, "repeat": repeat,
+           "provider": ns.provider, "staging": ns.staging_mib << 20, "repeat": repeat, "shards": shards,
            "timeout": ns.timeout}  # fmt: skip
     results, failed = _run(ns.trainers + ns.inference, cfg, ns.timeout * (2 * repeat + 4) + 120)
     if failed is not None:
@@ -255,7 +267,7 @@ def _report(ns: argparse.Namespace, cfg: dict[str, Any], res: dict[str, Any]) ->
     summary = res["plan"]
     tp = cfg["tp"]
     print(f"afabric bench weights: {ns.trainers} trainers -> {ns.inference} inference ({ns.inference // tp} "
-          f"replica(s) of TP {tp}); provider {ns.provider}; device {ns.device}; "
+          f"replica(s) of TP {tp}); provider {ns.provider}; device {ns.device}; {cfg['shards']} shards; "
           f"{'fp8' if ns.fp8 else 'bf16'} inference weights")  # fmt: skip
     print(f"model: {res['params'] / 1e6:.1f} M parameters, {cfg['model']}; plan: {summary['tasks']} slices, "
           f"{summary['writes']} writes, {res['unshard_params']} parameters unsharded")  # fmt: skip
