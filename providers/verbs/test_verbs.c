@@ -11,8 +11,9 @@
  * handshake datagrams it receives (AFABRIC_VERBS_TEST_DROP_HELLOS), so the connection
  * only comes up if A retransmits. Then: 64 shuffled 16 KiB writes with immediates in one
  * post_writes call (chains of 4 per doorbell), verified byte by byte; 100,000 zero-length
- * writes with immediates, all counted at B with no error (the provider's immediate
- * receive queue must never run dry); SEND/RECV both ways (B's side of the connection was
+ * writes with immediates, all counted at B with no error, and the device's RNR counters
+ * (hw_counters/send_rnr_err, rcvd_rnr_err) unchanged: the provider's immediate receive
+ * queue never ran dry; SEND/RECV both ways (B's side of the connection was
  * made passively); B's wait fd wakes for a message that arrives after trywait allowed
  * sleeping; a write to an address no peer answers fails with AFS_ETIMEDOUT within the
  * connect timeout; a write with a forged key fails with an error event (no hang), and
@@ -107,6 +108,21 @@ static void poll_side(struct side *s)
             break;
         }
     }
+}
+
+/* A device counter from sysfs (rxe and mlx5 keep RNR counts there); -1 if absent. */
+static long long hw_counter(const char *dev, const char *name)
+{
+    char path[256];
+    snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports/1/hw_counters/%s", dev, name);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    long long v = -1;
+    if (fscanf(f, "%lld", &v) != 1)
+        v = -1;
+    fclose(f);
+    return v;
 }
 
 static void poll_both(struct side *a, struct side *b)
@@ -262,6 +278,8 @@ int main(int argc, char **argv)
                             .remote_key = k_dst, .ctx = i, .imm = i * 7u, .has_imm = 1};
         zsum += (uint64_t)i * 7u;
     }
+    long long rnr_sent = hw_counter(nics[0].name, "send_rnr_err");
+    long long rnr_rcvd = hw_counter(nics[0].name, "rcvd_rnr_err");
     t0 = now_s();
     post_all(&A, &B, zw, NIMM, 120);
     wait_for(&A, &B, &B.imms, NIMM, 120);
@@ -270,6 +288,13 @@ int main(int argc, char **argv)
     printf("%u immediates: %.2f s (%.0f/s), no error\n", NIMM, dt, NIMM / dt);
     CHECK(B.imms == NIMM && B.imm_sum == zsum, "immediates: %llu counted",
           (unsigned long long)B.imms);
+    long long rnr_sent2 = hw_counter(nics[0].name, "send_rnr_err");
+    long long rnr_rcvd2 = hw_counter(nics[0].name, "rcvd_rnr_err");
+    if (rnr_sent >= 0 && rnr_rcvd >= 0) {
+        printf("RNR NAKs during the burst: sent %lld, received %lld\n", rnr_sent2 - rnr_sent,
+               rnr_rcvd2 - rnr_rcvd);
+        CHECK(rnr_sent2 == rnr_sent && rnr_rcvd2 == rnr_rcvd, "the immediate queue ran dry");
+    }
 
     stage = "send/recv";
     strcpy(send_buf, "hello over verbs");
