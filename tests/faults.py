@@ -103,9 +103,10 @@ async def victim_target(ctl: Ctl, provider: str, nbytes: int, env: dict[str, str
             sink.cancel()
 
 
-async def bystander(ctl: Ctl, provider: str, nbytes: int, seed: int, rounds: int) -> bool:
+async def bystander(ctl: Ctl, provider: str, nbytes: int, seed: int, rounds: int) -> int:
     """A peer that must be unaffected by faults elsewhere: each round it publishes an
-    immediate, waits for `nbytes` of pattern `seed` with one arrival, checks and clears."""
+    immediate, waits for `nbytes` of pattern `seed` with one arrival, checks and clears.
+    Returns its pid."""
     async with afabric.Engine(provider) as eng:
         buf = np.zeros(nbytes, dtype=np.uint8)
         mr = eng.register(buf)
@@ -118,7 +119,7 @@ async def bystander(ctl: Ctl, provider: str, nbytes: int, seed: int, rounds: int
             assert np.array_equal(buf, want), "bystander's data is wrong"
             buf[:] = 0
             ctl.put("ok")
-        return True
+        return os.getpid()
 
 
 async def imm_sender(ctl: Ctl, provider: str, desc_b: bytes, imm: int) -> None:

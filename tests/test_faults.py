@@ -203,13 +203,13 @@ async def test_peer_killed_during(provider: str, op: str, peers: list[Peer], shm
         else:
             victim_pid = await kill_target(eng, provider, op, kill_after, peers)
         await bystander_served(eng, provider, other, other_desc_b)
-        assert await other.result() is True
+        other_pid = await other.result()
     close_peers(peers)
     check_held(before, held(), f"{provider} {op}")
-    left = set(os.listdir("/dev/shm")) - shm_before
-    assert all(n.split(":")[0] == str(victim_pid) for n in left), (
-        f"/dev/shm files not of the dead peer: {left}"
-    )
+    # the dead peer could not remove its files (shm_cleanup does); the living must have
+    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.split(":")[0] != str(victim_pid)}
+    ours = {n for n in left if n.split(":")[0] in (str(os.getpid()), str(other_pid))}
+    assert not ours, f"/dev/shm files left by the surviving processes: {ours}"
 
 
 # ---- a peer that stops progressing ----
@@ -254,7 +254,7 @@ async def test_stopped_peer_times_out_then_recovers(provider: str, peers: list[P
         assert await victim.get() == 0, "bytes other than the written ones landed"
         victim.put("stop")
         assert await victim.result() is True
-        assert await other.result() is True
+        assert await other.result() > 0
         await asyncio.sleep(0.2)  # zombies of the timed-out writes let go
         assert eng.stats()["buffers_held"] == 0
     close_peers(peers)
