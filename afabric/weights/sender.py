@@ -3,8 +3,9 @@
 Per task: take a staging slice (waiting while the staging buffer is full: the watermark),
 then on the preparation thread cut the slice from the local shard (or from the unsharded
 parameter), copy it to the compute device if it lives elsewhere, fuse/cast or quantise it
-to fp8 with tile scales, and copy it into the staging slice; then, on the loop, post one
-scatter with all of its writes and give the slice back when they complete. Preparing the
+to fp8 with tile scales, and copy it into the staging slice; then, on the loop, post its
+writes (one scatter per destination rank, each write carrying that rank's immediate) and
+give the slice back when they complete. Preparing the
 next task overlaps the writes of the previous ones. Parameter groups (one mesh and
 placement each) run one after another; every rank of a group's mesh unshards that group's
 unshard parameters in plan order (``full_tensor()`` is a collective), dropping each as soon
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 
 class Sender:
+    """One training rank's tasks of the plan, its staging buffer and its preparation thread."""
+
     def __init__(
         self,
         engine: Engine,

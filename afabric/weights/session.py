@@ -73,6 +73,9 @@ class WeightTransfer:
     _ctl: Worker
     _broken: str | None
     _last_version: int
+    _sent: int
+    _received: int
+    _arrivals: int
 
     def __init__(self) -> None:
         raise UsageError("use `await WeightTransfer.connect(...)`")
@@ -141,6 +144,9 @@ class WeightTransfer:
         peers = await self._exchange(params, tensors, dest_device)
         self.layouts = [RankLayout(peers[r][0], len(self.trainers)) for r in self.inference]
         self.plan = await self._agree_plan(peers["sources"], options)
+        self._sent = self.plan.sent_bytes().get(self.rank, 0)
+        self._received = self.plan.received_bytes().get(self.rank, 0)
+        self._arrivals = self.plan.arrivals(self.rank) if self.rank in self.inference else 0
         if self.role == "trainer":
             from .sender import Sender
 
@@ -259,34 +265,30 @@ class WeightTransfer:
         failure: BaseException | None = None
         if self.sender is not None:
             prog = UpdateProgress(
-                f"weights v{version} rank {self.rank}", self.plan.sent_bytes()[self.rank],
+                f"weights v{version} rank {self.rank}", self._sent,
                 show=self.progress, callback=on_progress,
             )  # fmt: skip
             try:
                 await asyncio.wait_for(self.sender.run(version, prog), self.timeout)
                 sent = prog.done
                 peak = self.sender.arena.peak
-            except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - reported to every rank below
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
                 failure = e
             prog.finish()
         elif self.receiver is not None:
             try:
-                await self.engine.expect_imm(
-                    self.receiver.imm, self.plan.arrivals(self.rank), timeout=self.timeout
-                )
+                await self.engine.expect_imm(self.receiver.imm, self._arrivals, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 failure = e
         all_ok = await self._agree(failure is None, version)
-        if failure is not None:
-            self._broken = f"update {version} failed here: {failure}"
-            raise WeightUpdateFailed(f"rank {self.rank}: update {version} failed: {failure}") from failure
-        if not all_ok:
-            raise WeightUpdateFailed(f"rank {self.rank}: update {version} failed on another rank")
-        received = 0
+        if failure is not None or not all_ok:
+            # immediates of the failed update may still arrive: this session cannot count again
+            self._broken = f"update {version} failed"
+            where = f"failed: {failure}" if failure is not None else "failed on another rank"
+            raise WeightUpdateFailed(f"rank {self.rank}: update {version} {where}") from failure
         if self.receiver is not None:
             self.receiver.check(version)
-            received = self.plan.received_bytes()[self.rank]
-        return UpdateStats(version, "p2p", time.perf_counter() - t0, sent, received, peak)
+        return UpdateStats(version, "p2p", time.perf_counter() - t0, sent, self._received, peak)
 
     async def update_rank0(self, version: int) -> UpdateStats:
         """The baseline on the same processes and memory: gather to trainer rank 0, send to
@@ -303,10 +305,11 @@ class WeightTransfer:
             sent, received = await asyncio.wait_for(rank0.run(self, version), self.timeout)
         except WeightUpdateFailed:
             raise
-        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - reported to every rank below
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
             failure = e
         all_ok = await self._agree(failure is None, version)
         if failure is not None or not all_ok:
+            self._broken = f"rank-0 update {version} failed"
             raise WeightUpdateFailed(f"rank {self.rank}: rank-0 update {version} failed: {failure}")
         if self.receiver is not None:
             self.receiver.check(version)
