@@ -16,8 +16,9 @@
  * queue never ran dry; SEND/RECV both ways (B's side of the connection was
  * made passively); B's wait fd wakes for a message that arrives after trywait allowed
  * sleeping; a write to an address no peer answers fails with AFS_ETIMEDOUT within the
- * connect timeout; a write with a forged key fails with an error event (no hang), and
- * the next write to the same peer succeeds on a fresh connection.
+ * connect timeout; a write with a forged key fails with an error event (no hang); then
+ * the target (whose side of the connection the error broke too) writes to the writer and
+ * the writer to the target again: both succeed on a rebuilt connection.
  */
 #include <dlfcn.h>
 #include <poll.h>
@@ -396,6 +397,33 @@ int main(int argc, char **argv)
     A.errors = 0;
     B.errors = 0;
     B.imms = 0;
+    /* B's side first: its write queue pair went to the error state with A's */
+    static uint8_t a_land[PAGE];
+    afp_mr *mr_land;
+    void *d_land;
+    uint64_t k_land, b_land;
+    CHECK(ops->reg_mr(A.dom, a_land, sizeof a_land, AFP_MR_REMOTE, -1, 7, &mr_land, &d_land,
+                      &k_land, &b_land) == 0,
+          "reg A landing");
+    afp_write back = {.local_addr = dst, .local_desc = d_dst, .length = PAGE, .peer = b_to_a,
+                      .remote_addr = b_land, .remote_key = k_land, .ctx = 2, .imm = 6,
+                      .has_imm = 1};
+    uint64_t a_imms = A.imms;
+    for (int i = 0; i < 200; i++) /* time for B to hear of it (an async event) */
+        poll_both(&A, &B);
+    t0 = now_s();
+    unsigned tries = 1;
+    uint32_t bposted = 0;
+    while ((rc = ops->post_writes(B.dom, &back, 1, &bposted)) == AFS_EAGAIN && !bposted) {
+        poll_both(&A, &B);
+        tries++;
+        CHECK(now_s() - t0 < 20, "B could not write to A after the key error");
+    }
+    CHECK(rc == 0 && bposted == 1, "B's write after the key error: %d %s", rc,
+          ops->errbuf(B.dom));
+    wait_for(&A, &B, &A.imms, a_imms + 1, 20);
+    CHECK(memcmp(a_land, dst, PAGE) == 0, "B -> A write after the key error landed wrong");
+    printf("target's write after the key error: posted after %u tries\n", tries);
     memset(dst, 0, PAGE);
     afp_write good = {.local_addr = src, .local_desc = d_src, .length = PAGE, .peer = a_to_b,
                       .remote_addr = base_dst, .remote_key = k_dst, .ctx = 1, .imm = 5,
@@ -408,7 +436,8 @@ int main(int argc, char **argv)
     stage = "close";
     CHECK(ops->dereg_mr(A.dom, mr_src) == 0 && ops->dereg_mr(B.dom, mr_dst) == 0 &&
               ops->dereg_mr(B.dom, mr_rb) == 0 && ops->dereg_mr(A.dom, mr_sb) == 0 &&
-              ops->dereg_mr(A.dom, mr_ar) == 0 && ops->dereg_mr(B.dom, mr_bs) == 0,
+              ops->dereg_mr(A.dom, mr_ar) == 0 && ops->dereg_mr(B.dom, mr_bs) == 0 &&
+              ops->dereg_mr(A.dom, mr_land) == 0,
           "dereg");
     ops->close(A.dom);
     ops->close(B.dom);

@@ -74,6 +74,7 @@ static void lib_load(void)
     VB_LOAD(destroy_srq, "ibv_destroy_srq", "IBVERBS_1.1");
     VB_LOAD(create_qp, "ibv_create_qp", "IBVERBS_1.1");
     VB_LOAD(modify_qp, "ibv_modify_qp", "IBVERBS_1.1");
+    VB_LOAD(query_qp, "ibv_query_qp", "IBVERBS_1.1");
     VB_LOAD(destroy_qp, "ibv_destroy_qp", "IBVERBS_1.1");
     VB_LOAD(create_ah, "ibv_create_ah", "IBVERBS_1.1");
     VB_LOAD(destroy_ah, "ibv_destroy_ah", "IBVERBS_1.1");
@@ -82,6 +83,8 @@ static void lib_load(void)
     VB_OPT(reg_dmabuf_mr, "ibv_reg_dmabuf_mr", "IBVERBS_1.12");
     VB_LOAD(dereg_mr, "ibv_dereg_mr", "IBVERBS_1.1");
     VB_LOAD(wc_status_str, "ibv_wc_status_str", "IBVERBS_1.1");
+    VB_LOAD(get_async_event, "ibv_get_async_event", "IBVERBS_1.1");
+    VB_LOAD(ack_async_event, "ibv_ack_async_event", "IBVERBS_1.1");
 #undef VB_LOAD
 #undef VB_OPT
     g_lib_ok = &g_lib;

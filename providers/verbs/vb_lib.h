@@ -38,6 +38,8 @@ struct vb_lib {
     int (*destroy_srq)(struct ibv_srq *srq);
     struct ibv_qp *(*create_qp)(struct ibv_pd *pd, struct ibv_qp_init_attr *attr);
     int (*modify_qp)(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask);
+    int (*query_qp)(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask,
+                    struct ibv_qp_init_attr *init);
     int (*destroy_qp)(struct ibv_qp *qp);
     struct ibv_ah *(*create_ah)(struct ibv_pd *pd, struct ibv_ah_attr *attr);
     int (*destroy_ah)(struct ibv_ah *ah);
@@ -49,6 +51,8 @@ struct vb_lib {
                                     uint64_t iova, int fd, int access);
     int (*dereg_mr)(struct ibv_mr *mr);
     const char *(*wc_status_str)(enum ibv_wc_status status);
+    int (*get_async_event)(struct ibv_context *ctx, struct ibv_async_event *event);
+    void (*ack_async_event)(struct ibv_async_event *event);
 };
 
 /* The process-wide table, loaded on first call (pthread_once). NULL when libibverbs or

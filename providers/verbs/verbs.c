@@ -64,6 +64,7 @@
 #define VB_HELLO_MAX_NS 500000000ull    /* then doubling up to 0.5 s */
 #define VB_CONNECT_TIMEOUT_MS 5000u
 #define VB_FAIL_HOLD_NS 1000000000ull   /* a failed handshake fails new posts for 1 s */
+#define VB_ASYNC_EVERY 64u              /* polls between reads of the async event queue */
 #define VB_MAGIC 0x41465642u            /* "AFVB" */
 #define VB_VERSION 1u
 
@@ -181,6 +182,8 @@ struct afp_domain {
     uint32_t pool_size;
     struct vb_op *free_ops;
 
+    uint32_t polls_since_async;
+    bool reconnect_pending;  /* a peer's connection broke on a remote error: rebuild it */
     struct ibv_wc stash[VB_POLL_BATCH]; /* completions read by trywait */
     uint32_t nstash, stash_at;
     uint32_t unacked_events;
@@ -782,6 +785,11 @@ static int vb_open(const afp_open_args *a, afp_domain **out, char *err, size_t e
     int fl = fcntl(d->ch->fd, F_GETFL);
     if (fl < 0 || fcntl(d->ch->fd, F_SETFL, fl | O_NONBLOCK) < 0) {
         rc = fail_errno(d, "fcntl(completion channel)", errno);
+        goto out_close;
+    }
+    fl = fcntl(d->ctx->async_fd, F_GETFL);
+    if (fl < 0 || fcntl(d->ctx->async_fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+        rc = fail_errno(d, "fcntl(async events)", errno);
         goto out_close;
     }
     d->cq = lib->create_cq(d->ctx, (int)d->cq_size, d, d->ch, 0);
@@ -1402,6 +1410,25 @@ static struct vb_peer *peer_of(afp_domain *d, uint64_t peer)
     return &d->peers[peer];
 }
 
+/* ibv_post_send refused work for p. If the queue pair is in the error state (the peer's
+ * side of a connection broken by the other end, e.g. after it saw a remote access error;
+ * rxe refuses posts then, where mlx5 would flush them) the connection is rebuilt and the
+ * caller is told to try again; anything else is an error of this operation. */
+static int post_failed(afp_domain *d, struct vb_peer *p, struct ibv_qp *qp, int ret,
+                       const char *what)
+{
+    if (ret == ENOMEM)
+        return AFS_EAGAIN; /* send queue full */
+    struct ibv_qp_attr at;
+    struct ibv_qp_init_attr ia;
+    memset(&at, 0, sizeof at);
+    if (d->lib->query_qp(qp, &at, IBV_QP_STATE, &ia) == 0 && at.qp_state == IBV_QPS_ERR) {
+        p->broken = true;
+        return AFS_EAGAIN;
+    }
+    return fail_errno(d, what, ret);
+}
+
 static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
 {
     struct ibv_send_wr sw[VB_CHAIN];
@@ -1469,7 +1496,7 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
         d->tx_outstanding += ok;
         i += ok;
         if (ret) {
-            rc = ret == ENOMEM ? AFS_EAGAIN : fail_errno(d, "ibv_post_send(write)", ret);
+            rc = post_failed(d, p, p->qp[VB_QP_WR], ret, "ibv_post_send(write)");
             break;
         }
         if (rc)
@@ -1511,7 +1538,7 @@ static int vb_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t 
     int ret = ibv_post_send(p->qp[VB_QP_MSG], &wr, &bad);
     if (ret) {
         op_put(d, op);
-        return ret == ENOMEM ? AFS_EAGAIN : fail_errno(d, "ibv_post_send(send)", ret);
+        return post_failed(d, p, p->qp[VB_QP_MSG], ret, "ibv_post_send(send)");
     }
     p->outstanding++;
     d->tx_outstanding++;
@@ -1593,11 +1620,41 @@ static bool on_wc(afp_domain *d, const struct ibv_wc *wc, afp_event *ev)
         ev->op = op->kind;
         ev->status = map_wc(wc->status);
         wc_error_text(d, wc, p, ev);
-        if (p && op->kind != AFP_EV_RECV)
+        if (p && op->kind != AFP_EV_RECV) {
             p->broken = true; /* the RC QP is in the error state now */
+            /* The peer refused an access: it is alive, and its side of the connection is
+             * in the error state too without it knowing (rxe raises no async event for
+             * that). Rebuilding the connection now, not on our next operation, tells it
+             * before its own next operation is flushed. */
+            if (wc->status == IBV_WC_REM_ACCESS_ERR || wc->status == IBV_WC_REM_INV_REQ_ERR ||
+                wc->status == IBV_WC_REM_OP_ERR)
+                d->reconnect_pending = true;
+        }
     }
     op_put(d, op);
     return true;
+}
+
+/* Queue pairs the device put in the error state without a completion of ours saying so:
+ * the responder side of a connection whose peer made an invalid access (the peer sees a
+ * remote access error; we see only this event). Marking the peer broken makes the next
+ * operation to it rebuild the connection instead of being flushed. */
+static void drain_async(afp_domain *d)
+{
+    struct ibv_async_event ev;
+    d->polls_since_async = 0;
+    while (d->lib->get_async_event(d->ctx, &ev) == 0) {
+        if (ev.event_type == IBV_EVENT_QP_FATAL || ev.event_type == IBV_EVENT_QP_REQ_ERR ||
+            ev.event_type == IBV_EVENT_QP_ACCESS_ERR) {
+            for (uint32_t i = 0; i < d->npeers; i++) {
+                struct vb_peer *p = &d->peers[i];
+                if (p->in_use && (p->qp[VB_QP_MSG] == ev.element.qp ||
+                                  p->qp[VB_QP_WR] == ev.element.qp))
+                    p->broken = true;
+            }
+        }
+        d->lib->ack_async_event(&ev);
+    }
 }
 
 static void drain_channel(afp_domain *d)
@@ -1618,6 +1675,8 @@ static int vb_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
     int rc = 0;
     if (d->connecting)
         run_timers(d);
+    if (++d->polls_since_async >= VB_ASYNC_EVERY)
+        drain_async(d);
     /* completions read by trywait first */
     while (got < max && d->stash_at < d->nstash)
         got += on_wc(d, &d->stash[d->stash_at++], &ev[got]);
@@ -1637,6 +1696,18 @@ static int vb_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
             got += on_wc(d, &wc[j], &ev[got]);
         if (k < want)
             break;
+    }
+    if (d->reconnect_pending) {
+        d->reconnect_pending = false;
+        for (uint32_t i = 0; i < d->npeers; i++) {
+            struct vb_peer *p = &d->peers[i];
+            if (!p->in_use || !p->broken || p->state != VB_READY)
+                continue;
+            if (p->outstanding)
+                d->reconnect_pending = true; /* flushes to drain first */
+            else
+                (void)want_peer(d, p); /* new QPs and a handshake, with its timeout */
+        }
     }
     if (d->imm_missing >= VB_IMM_REPOST_BATCH || (d->imm_missing && got < max)) {
         int r = post_imm_recvs(d, d->imm_missing);
@@ -1660,6 +1731,7 @@ static int vb_trywait(afp_domain *d)
 {
     if (d->imm_missing || d->nstash || timers_armed(d))
         return AFS_EAGAIN; /* receives to repost, events to hand out, or handshake timers */
+    drain_async(d);
     drain_channel(d);
     int ret = ibv_req_notify_cq(d->cq, 0);
     if (ret) {
