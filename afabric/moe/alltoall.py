@@ -23,7 +23,16 @@ import numpy as np
 from ..errors import EngineClosed, InvalidArgument, OperationTimeout, UsageError
 from . import control
 from .config import MoeConfig
-from .kernels import COPY_THREADS, ERR_CAPACITY, ERR_EXPERT, ERR_TIMEOUT, ROUTE_THREADS, Kernels, layout_words
+from .kernels import (
+    COPY_THREADS,
+    ERR_CAPACITY,
+    ERR_EXPERT,
+    ERR_TIMEOUT,
+    ROUTE_THREADS,
+    Kernels,
+    Launch,
+    layout_words,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +50,9 @@ _SCRATCH = (
     "_ctr",
     "_err",
     "_slot_of",
+    "_tok_of",
+    "_gcount",
+    "_cursor",
     "_pos",
     "_wts",
     "_ntok",
@@ -229,9 +241,12 @@ class AllToAll:
         self._tables = torch.from_numpy(self._pointer_tables(bases)).to(dev)
         self._proxy_mask = sum(1 << r for r in self.proxy_peers)
         self._layout = torch.from_numpy(layout_words(cfg, me, self._lay)).to(dev)
-        self._ctr = torch.zeros(4, dtype=torch.int32, device=dev)
+        self._ctr = torch.zeros(8, dtype=torch.int32, device=dev)  # send 0-1, combine 2-3, route 4
         self._err = torch.zeros(1, dtype=torch.int32, device=dev)
         self._slot_of = torch.full((t, n), -1, dtype=torch.int32, device=dev)
+        self._tok_of = torch.zeros(t, dtype=torch.int32, device=dev)
+        self._gcount = torch.zeros(cfg.experts_per_rank, dtype=torch.int32, device=dev)
+        self._cursor = torch.zeros(cfg.experts_per_rank, dtype=torch.int32, device=dev)
         self._pos = torch.full((n * t * k,), -1, dtype=torch.int32, device=dev)
         self._wts = torch.zeros(n * t * k, dtype=torch.float32, device=dev)
         self._ntok = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -248,23 +263,54 @@ class AllToAll:
             self._s_out = None
         self.out_dtype = torch.float32 if cfg.out_dtype == "fp32" else torch.bfloat16
         self._out: Tensor = torch.zeros((t, h), dtype=self.out_dtype, device=dev)
-        self._in_dtype = torch.float8_e4m3fn if cfg.in_dtype == "fp8" else torch.bfloat16
+        self._in_dtypes = (torch.float8_e4m3fn if cfg.in_dtype == "fp8" else torch.bfloat16,)
+        self._idx_dtypes = (torch.int32, torch.int64)
+        self._f32 = (torch.float32,)
+        self._out_dtypes = (self.out_dtype,)
         self._result = DispatchResult(self._x_out, self._s_out, self._counts, self._offsets)
         px = self.proxy
         self._watchers = (px.w_dispatch.device_ptr, px.w_combine.device_ptr) if px is not None else (0, 0)
-        u64 = np.uint64
+        self._launches()
+
+    def _launches(self) -> None:
+        """Argument blocks, in kernels.cu's parameter order (0 marks a word set per call),
+        and grid sizes."""
+        torch, cfg, n = self._torch, self.cfg, self.cfg.world_size
+        t, k, h = cfg.max_tokens, cfg.experts_per_token, cfg.hidden
         tab: int = self._tables.data_ptr()
-        self._tab = [[u64(tab + ((p * _TABLES + w) * n) * 8) for w in range(_TABLES)] for p in range(2)]
-        ptr = {name: u64(getattr(self, name).data_ptr()) for name in _SCRATCH}
-        self._p = ptr
-        self._p["_ctr_c"] = u64(int(ptr["_ctr"]) + 8)
-        self._p["_s_out"] = u64(0 if self._s_out is None else self._s_out.data_ptr())
-        self._consts = (u64(self._proxy_mask), u64(self._watchers[0]), u64(self._watchers[1]))
-        lay = self._lay
-        k_ = self._k
-        self._grid_copy = k_.copy_blocks(n * t * ((lay.seg_x >> 4) + (lay.seg_scales >> 2)))
+        self._tab = [[tab + ((p * _TABLES + w) * n) * 8 for w in range(_TABLES)] for p in range(2)]
+        ptr = {name: int(getattr(self, name).data_ptr()) for name in _SCRATCH}
+        s_out = 0 if self._s_out is None else self._s_out.data_ptr()
+        k_, cap = self._k, cfg.expert_capacity
+        lo, mask, tmo = ptr["_layout"], self._proxy_mask, self._timeout_ns
+        fn = k_.fn
+        self._send = Launch(fn["dispatch_send"], 18, k_.send_threads, k_.send_smem)
+        self._send.set(0, 0, 0, 0, 0, 0, 0, 0, lo, 0, 0, mask, self._watchers[0], 0,
+                       ptr["_slot_of"], ptr["_tok_of"], ptr["_ctr"], ptr["_err"])  # fmt: skip
+        self._route = Launch(fn["dispatch_route"], 13, ROUTE_THREADS, k_.route_smem)
+        self._route.set(0, 0, 0, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_gcount"], ptr["_cursor"],
+                        ptr["_ntok"], ptr["_ctr"] + 16, ptr["_err"], tmo)  # fmt: skip
+        self._copy = Launch(fn["dispatch_copy"], 14, COPY_THREADS)
+        self._copy.set(0, ptr["_ntok"], ptr["_cursor"], lo, cap, ptr["_pos"], ptr["_wts"], ptr["_x_out"],
+                       s_out, 0, 0, 0, 0, ptr["_tok_of"])  # fmt: skip
+        self._csend = Launch(fn["combine_send"], 12, COPY_THREADS)
+        self._csend.set(0, ptr["_pos"], ptr["_wts"], ptr["_ntok"], h, lo, 0, 0, mask, self._watchers[1], 0,
+                        ptr["_ctr"] + 8)  # fmt: skip
+        self._crecv = Launch(fn["combine_recv"], 10, COPY_THREADS)
+        self._crecv.set(0, 0, 0, ptr["_slot_of"], 0, h, lo, ptr["_out"], ptr["_err"], tmo)
+        self._grid_send = [max(1, min(2 * k_.sms, m)) for m in range(t + 1)]
+        self._grid_route = max(1, min(k_.sms, -(-n * t * k // ROUTE_THREADS)))
+        self._grid_copy = max(1, min(k_.sms * 8, n * t))
         self._grid_csend = k_.copy_blocks(n * t * (h * cfg.out_itemsize // 16))
         self._chunks_out = h * cfg.out_itemsize // 16
+        self._grid_crecv = [k_.copy_blocks(m * self._chunks_out) for m in range(t + 1)]
+        get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        dev_i = self.device
+        self._stream: Callable[[], int] = (
+            (lambda: int(get_raw(dev_i)))
+            if get_raw is not None
+            else (lambda: int(torch.cuda.current_stream(dev_i).cuda_stream))
+        )
 
     # ---- checks ----
 
@@ -283,6 +329,17 @@ class AllToAll:
         if t.numel() and not (t.stride(-1) == 1 and (rows_ok or t.is_contiguous())):
             raise InvalidArgument(f"{name} must be contiguous")
 
+    def _fast_ok(self, t: Any, shape: tuple[int, ...], dtypes: tuple[Any, ...]) -> bool:
+        """The common case in one expression (a call's checks cost well under a microsecond
+        each); anything else goes through :meth:`_check_tensor` for the precise error."""
+        return (
+            isinstance(t, self._torch.Tensor)
+            and t.get_device() == self.device
+            and t.dtype in dtypes
+            and t.shape == shape
+            and t.is_contiguous()
+        )
+
     def _live(self) -> None:
         if self._closed:
             raise EngineClosed("this AllToAll is closed")
@@ -300,63 +357,77 @@ class AllToAll:
         ``max_tokens``; fp8 with ``scales``: ``[n, hidden / scale_block]`` fp32) to the
         ranks of its experts (``topk_idx``: ``[n, k]`` int32/int64, distinct per token; a
         negative id means no expert) and return the tokens for this rank's experts."""
-        self._live()
-        torch = self._torch
-        cfg = self.cfg
-        n = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
-        if not 0 <= n <= cfg.max_tokens:
-            raise InvalidArgument(f"x must be [n, {cfg.hidden}] with n <= max_tokens={cfg.max_tokens}")
-        self._check_tensor("x", x, (n, cfg.hidden), (self._in_dtype,), rows_ok=True)
-        k = cfg.experts_per_token
-        self._check_tensor("topk_idx", topk_idx, (n, k), (torch.int32, torch.int64))
-        self._check_tensor("topk_weights", topk_weights, (n, k), (torch.float32,))
-        if cfg.in_dtype == "fp8":
-            if scales is None:
-                raise InvalidArgument("fp8 dispatch needs scales [n, hidden / scale_block] (float32)")
-            self._check_tensor("scales", scales, (n, cfg.scales_per_token), (torch.float32,), rows_ok=True)
-            s_ptr, s_stride = scales.data_ptr(), scales.stride(0) * 4
-        else:
-            if scales is not None:
-                raise InvalidArgument("scales are for fp8 input only")
-            s_ptr, s_stride = 0, 0
-        x_stride = x.stride(0) * x.element_size()
-        if n and (x.data_ptr() % 16 or x_stride % 16):
-            raise InvalidArgument("x rows must start on 16-byte boundaries")
+        n, x_ptr, x_stride, s_ptr, s_stride = self._dispatch_args(x, topk_idx, topk_weights, scales)
         self._d_epoch += 1
         epoch = self._d_epoch
         p = epoch & 1
         if self.proxy is not None:
             self.proxy.arm_dispatch(epoch)
-        k_, ptr, tab = self._k, self._p, self._tab[p]
-        u64 = np.uint64
-        stream = k_.stream(torch.cuda.current_stream(self.device).cuda_stream)
-        with stream:
-            k_.fn["dispatch_send"](
-                (max(1, min(2 * k_.sms, n)),), (k_.send_threads,),
-                (
-                    u64(topk_idx.data_ptr()), np.int32(topk_idx.dtype == torch.int64),
-                    u64(topk_weights.data_ptr()), u64(x.data_ptr()), np.int64(x_stride),
-                    u64(s_ptr), np.int64(s_stride), np.int32(n), ptr["_layout"], tab[0], tab[1],
-                    self._consts[0], self._consts[1], u64(epoch), ptr["_slot_of"], ptr["_ctr"], ptr["_err"],
-                ),
-                shared_mem=k_.send_smem,
-            )  # fmt: skip
-            k_.fn["dispatch_route"](
-                (1,), (ROUTE_THREADS,),
-                (
-                    tab[2], tab[3], u64(epoch), ptr["_layout"], np.int64(cfg.expert_capacity),
-                    ptr["_counts"], ptr["_offsets"], ptr["_pos"], ptr["_wts"], ptr["_ntok"], ptr["_err"],
-                    u64(self._timeout_ns),
-                ),
-                shared_mem=k_.route_smem,
-            )  # fmt: skip
-            k_.fn["dispatch_copy"](
-                (self._grid_copy,),
-                (COPY_THREADS,),
-                (tab[2], ptr["_ntok"], ptr["_pos"], ptr["_layout"], ptr["_x_out"], ptr["_s_out"]),
-            )
+        tab = self._tab[p]
+        stream = self._stream()
+        w = self._send.words
+        w[0] = topk_idx.data_ptr()
+        w[1] = topk_idx.dtype == self._torch.int64
+        w[2] = topk_weights.data_ptr()
+        w[3] = x_ptr
+        w[4] = x_stride
+        w[5] = s_ptr
+        w[6] = s_stride
+        w[7] = n
+        w[9] = tab[0]
+        w[10] = tab[1]
+        w[13] = epoch
+        self._send(self._grid_send[n], stream)
+        w = self._route.words
+        w[0] = tab[2]
+        w[1] = tab[3]
+        w[2] = epoch
+        self._route(self._grid_route, stream)
+        w = self._copy.words
+        w[0] = tab[2]
+        w[9] = x_ptr
+        w[10] = x_stride
+        w[11] = s_ptr
+        w[12] = s_stride
+        self._copy(self._grid_copy, stream)
         self._n_tok = n
         return self._result
+
+    def _dispatch_args(
+        self, x: Any, topk_idx: Any, topk_weights: Any, scales: Any
+    ) -> tuple[int, int, int, int, int]:
+        """Checks dispatch's arguments; returns n and the row pointers and strides."""
+        if self._closed:
+            raise EngineClosed("this AllToAll is closed")
+        torch = self._torch
+        cfg = self.cfg
+        n = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
+        if not 0 <= n <= cfg.max_tokens:
+            raise InvalidArgument(f"x must be [n, {cfg.hidden}] with n <= max_tokens={cfg.max_tokens}")
+        k = cfg.experts_per_token
+        xs = (n, cfg.hidden)
+        if not self._fast_ok(x, xs, self._in_dtypes):
+            self._check_tensor("x", x, xs, self._in_dtypes, rows_ok=True)
+        if not self._fast_ok(topk_idx, (n, k), self._idx_dtypes):
+            self._check_tensor("topk_idx", topk_idx, (n, k), self._idx_dtypes)
+        if not self._fast_ok(topk_weights, (n, k), self._f32):
+            self._check_tensor("topk_weights", topk_weights, (n, k), self._f32)
+        if cfg.in_dtype == "fp8":
+            if scales is None:
+                raise InvalidArgument("fp8 dispatch needs scales [n, hidden / scale_block] (float32)")
+            ss = (n, cfg.scales_per_token)
+            if not self._fast_ok(scales, ss, self._f32):
+                self._check_tensor("scales", scales, ss, self._f32, rows_ok=True)
+            s_ptr, s_stride = scales.data_ptr(), scales.stride(0) * 4
+        else:
+            if scales is not None:
+                raise InvalidArgument("scales are for fp8 input only")
+            s_ptr, s_stride = 0, 0
+        x_ptr = x.data_ptr()
+        x_stride = x.stride(0) * x.element_size()
+        if n and (x_ptr % 16 or x_stride % 16):
+            raise InvalidArgument("x rows must start on 16-byte boundaries")
+        return n, x_ptr, x_stride, s_ptr, s_stride
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """For each token of the last dispatch, the sum over its experts of routing weight
@@ -367,33 +438,29 @@ class AllToAll:
         if self._n_tok < 0:
             raise UsageError("combine before any dispatch")
         cfg = self.cfg
-        torch = self._torch
-        self._check_tensor("expert_out", expert_out, (cfg.expert_capacity, cfg.hidden), (self.out_dtype,))
+        shape = (cfg.expert_capacity, cfg.hidden)
+        if not self._fast_ok(expert_out, shape, self._out_dtypes):
+            self._check_tensor("expert_out", expert_out, shape, self._out_dtypes)
         self._c_epoch += 1
         epoch = self._c_epoch
         p = epoch & 1
         if self.proxy is not None:
             self.proxy.arm_combine(epoch)
-        k_, ptr, tab = self._k, self._p, self._tab[p]
-        u64 = np.uint64
-        stream = k_.stream(torch.cuda.current_stream(self.device).cuda_stream)
+        tab = self._tab[p]
+        stream = self._stream()
+        w = self._csend.words
+        w[0] = expert_out.data_ptr()
+        w[6] = tab[4]
+        w[7] = tab[5]
+        w[10] = epoch
+        self._csend(self._grid_csend, stream)
         n = self._n_tok
-        with stream:
-            k_.fn["combine_send"](
-                (self._grid_csend,), (COPY_THREADS,),
-                (
-                    u64(expert_out.data_ptr()), ptr["_pos"], ptr["_wts"], ptr["_ntok"],
-                    np.int32(cfg.hidden), ptr["_layout"], tab[4], tab[5], self._consts[0],
-                    self._consts[2], u64(epoch), ptr["_ctr_c"],
-                ),
-            )  # fmt: skip
-            k_.fn["combine_recv"](
-                (k_.copy_blocks(n * self._chunks_out),), (COPY_THREADS,),
-                (
-                    tab[6], tab[7], u64(epoch), ptr["_slot_of"], np.int32(n), np.int32(cfg.hidden),
-                    ptr["_layout"], ptr["_out"], ptr["_err"], u64(self._timeout_ns),
-                ),
-            )  # fmt: skip
+        w = self._crecv.words
+        w[0] = tab[6]
+        w[1] = tab[7]
+        w[2] = epoch
+        w[4] = n
+        self._crecv(self._grid_crecv[n], stream)
         return self._out[:n]
 
     def check(self) -> None:

@@ -102,13 +102,15 @@ __device__ bool last_block(u32 *ctr) {
 
 // Pass 0 writes the tokens for proxy destinations, bumps the watcher (the host learns
 // early, before any NVLink store is issued), pass 1 the tokens for NVLink destinations,
-// then the last block publishes counts and epochs to the NVLink peers.
+// then the last block publishes counts and epochs to the NVLink peers. Tokens for this
+// rank itself are not staged: only their routes, and tok_of[slot] = token, so that
+// dispatch_copy reads their rows straight from x.
 // dynamic shared memory: 2 * blockDim.x * N ints (slots and owned pairs of the current chunk).
 extern "C" __global__ void dispatch_send(
     const void *topk, int idx64, const float *weights, const char *x, long long x_stride,
     const char *scales, long long s_stride, int n_tok, const Layout *Lp, const u64 *dst_slot,
-    const u64 *dst_flag, u64 proxy_mask, u64 *watcher, u64 epoch, int *slot_of, u32 *ctr,
-    u32 *err) {
+    const u64 *dst_flag, u64 proxy_mask, u64 *watcher, u64 epoch, int *slot_of, int *tok_of,
+    u32 *ctr, u32 *err) {
     const Layout L = *Lp;
     extern __shared__ int s_slot[];  // [blockDim.x][N]
     __shared__ int s_warp[32][MAX_RANKS];
@@ -191,6 +193,10 @@ extern "C" __global__ void dispatch_send(
             for (int j = threadIdx.x; j < np * units; j += blockDim.x) {
                 const int pr = s_pair[j / units], c = j % units, lt = pr / MAX_RANKS, r = pr % MAX_RANKS;
                 const int tt = base + lt, sl = s_slot[lt * N + r];
+                if (r == L.me) {
+                    if (c == 0) tok_of[sl] = tt;
+                    continue;
+                }
                 char *row = (char *)dst_slot[r] + L.off_rows + (long long)sl * L.row_bytes;
                 if (c < ca)
                     ((uint4 *)row)[c] = ((const uint4 *)(x + (long long)tt * x_stride))[c];
@@ -211,15 +217,16 @@ extern "C" __global__ void dispatch_send(
 
 // ---------------------------------------------------------------- dispatch: receive
 
-// One block: wait for every source, count tokens per local expert, lay the experts out
-// one after another and give every (source, slot, k) entry its row in the output.
-// dynamic shared memory: 2 * E_local ints.
+// Many blocks: wait for every source, count the received entries per local expert (shared
+// histograms, added into gcount), and the last block lays the experts out one after
+// another: counts, offsets, and cursor[e] = offset[e] for dispatch_copy (gcount is left
+// zeroed for the next call). dynamic shared memory: E_local ints.
 extern "C" __global__ void dispatch_route(
     const u64 *src_slot, const u64 *src_flag, u64 epoch, const Layout *Lp, long long capacity,
-    int *expert_counts, int *expert_offsets, int *pos, float *wts, int *ntok, u32 *err,
-    u64 timeout_ns) {
+    int *expert_counts, int *expert_offsets, int *gcount, int *cursor, int *ntok, u32 *ctr,
+    u32 *err, u64 timeout_ns) {
     const Layout L = *Lp;
-    extern __shared__ int s_cnt[];  // [E_local] counts, then [E_local] cursors
+    extern __shared__ int s_cnt[];  // [E_local]
     __shared__ int s_n[MAX_RANKS];
     const int N = L.N, K = L.K, E = L.E_local;
     for (int r = threadIdx.x; r < N; r += blockDim.x) {
@@ -229,78 +236,106 @@ extern "C" __global__ void dispatch_route(
     }
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = 0;
     __syncthreads();
-    for (int r = 0; r < N; ++r) {
-        const int *ex = (const int *)((const char *)src_slot[r] + L.off_exp);
-        const int n = s_n[r] * K;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            int e = __ldcg(ex + i);
-            if (e >= 0 && e < E) atomicAdd(&s_cnt[e], 1);
-        }
+    long long total = 0;
+    for (int r = 0; r < N; ++r) total += (long long)s_n[r] * K;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < total; j += stride) {
+        long long i = j;
+        int r = 0;
+        while (i >= (long long)s_n[r] * K) i -= (long long)s_n[r++] * K;
+        const int e = __ldcg((const int *)((const char *)src_slot[r] + L.off_exp) + i);
+        if (e >= 0 && e < E) atomicAdd(&s_cnt[e], 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        long long acc = 0;
-        for (int e = 0; e < E; ++e) {
-            int c = s_cnt[e];
-            expert_counts[e] = c;
-            expert_offsets[e] = (int)acc;
-            s_cnt[E + e] = (int)acc;
-            acc += c;
-        }
-        expert_offsets[E] = (int)acc;
-        if (acc > capacity) atomicOr(err, ERR_CAPACITY);
-    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        if (s_cnt[e]) atomicAdd(&gcount[e], s_cnt[e]);
+    __threadfence();
+    if (!last_block(ctr)) return;
+    // the totals, read (and reset) in parallel; then warp 0 scans them: each lane a
+    // contiguous run of experts, a shuffle scan over the lanes' sums
+    for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = atomicExch(&gcount[e], 0);
     for (int r = threadIdx.x; r < N; r += blockDim.x) ntok[r] = s_n[r];
     __syncthreads();
-    for (int r = 0; r < N; ++r) {
-        const char *slot = (const char *)src_slot[r];
-        const int *ex = (const int *)(slot + L.off_exp);
-        const float *wt = (const float *)(slot + L.off_wts);
-        const int n = s_n[r] * K;
-        const long long base = (long long)r * L.T * K;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            int e = __ldcg(ex + i);
-            int p = -1;
-            if (e >= 0 && e < E) {
-                p = atomicAdd(&s_cnt[E + e], 1);
-                if (p >= capacity) p = -1;  // reported through err above
-            }
-            pos[base + i] = p;
-            wts[base + i] = __ldcg(wt + i);
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x, per = (E + 31) / 32, lo = min(E, lane * per), hi = min(E, lo + per);
+        long long sum = 0;
+        for (int e = lo; e < hi; ++e) sum += s_cnt[e];
+        long long incl = sum;
+        for (int d = 1; d < 32; d <<= 1) {
+            const long long v = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl += v;
+        }
+        long long acc = incl - sum;
+        for (int e = lo; e < hi; ++e) {
+            const int c = s_cnt[e];
+            expert_counts[e] = c;
+            expert_offsets[e] = (int)acc;
+            cursor[e] = (int)acc;
+            acc += c;
+        }
+        if (lane == 31) {
+            expert_offsets[E] = (int)incl;
+            if (incl > capacity) atomicOr(err, ERR_CAPACITY);
         }
     }
 }
 
-// Many blocks, one thread per (received row, 16-byte piece): reads the piece once and
-// stores it at each of the row's positions in the expert-major output.
+// One block per received row (grid-stride): the row's first K threads take its places in
+// its experts (atomics on the cursors: the order within an expert is not part of the
+// contract) and record them for combine (pos, wts); then the whole block reads each
+// 16-byte piece of the row once and stores it at every place. Rows of this rank's own
+// tokens are read from x and scales (tok_of), not from a staged copy.
 extern "C" __global__ void dispatch_copy(
-    const u64 *src_slot, const int *ntok, const int *pos, const Layout *Lp, char *__restrict__ out_x,
-    char *__restrict__ out_s) {
+    const u64 *src_slot, const int *ntok, int *cursor, const Layout *Lp, long long capacity,
+    int *pos, float *wts, char *__restrict__ out_x, char *__restrict__ out_s, const char *x,
+    long long x_stride, const char *scales, long long s_stride, const int *tok_of) {
     const Layout L = *Lp;
-    const int N = L.N, K = L.K, ca = L.seg_a >> 4, cb = L.seg_b >> 2, units = ca + cb;
-    long long total = 0;
-    for (int r = 0; r < N; ++r) total += ntok[r];
-    total *= units;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
-        int i = (int)(u / units), r = 0;
-        const int c = (int)(u % units);
+    __shared__ int s_p[32];
+    const int N = L.N, K = L.K, E = L.E_local, ca = L.seg_a >> 4, cb = L.seg_b >> 2;
+    int rows = 0;
+    for (int r = 0; r < N; ++r) rows += ntok[r];
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        int i = row, r = 0;
         while (i >= ntok[r]) i -= ntok[r++];
-        const int *pp = pos + ((long long)r * L.T + i) * K;
-        const char *row = (const char *)src_slot[r] + L.off_rows + (long long)i * L.row_bytes;
-        if (c < ca) {
-            const uint4 v = __ldcg((const uint4 *)row + c);
-            for (int k = 0; k < K; ++k) {
-                const int p = pp[k];
-                if (p >= 0) ((uint4 *)(out_x + (long long)p * L.seg_a))[c] = v;
+        const char *slot = (const char *)src_slot[r];
+        const long long e0 = ((long long)r * L.T + i) * K;
+        if (threadIdx.x < K) {
+            const int e = __ldcg((const int *)(slot + L.off_exp) + (long long)i * K + threadIdx.x);
+            int p = -1;
+            if (e >= 0 && e < E) {
+                p = atomicAdd(&cursor[e], 1);
+                if (p >= capacity) p = -1;  // reported through err by dispatch_route
             }
+            s_p[threadIdx.x] = p;
+            pos[e0 + threadIdx.x] = p;
+            wts[e0 + threadIdx.x] = __ldcg((const float *)(slot + L.off_wts) + (long long)i * K + threadIdx.x);
+        }
+        __syncthreads();
+        const char *xa, *sa;
+        if (r == L.me) {
+            const long long t = tok_of[i];
+            xa = x + t * x_stride;
+            sa = scales + t * s_stride;
         } else {
-            const u32 v = __ldcg((const u32 *)(row + L.seg_a) + (c - ca));
-            for (int k = 0; k < K; ++k) {
-                const int p = pp[k];
-                if (p >= 0) ((u32 *)(out_s + (long long)p * L.seg_b))[c - ca] = v;
+            xa = slot + L.off_rows + (long long)i * L.row_bytes;
+            sa = xa + L.seg_a;
+        }
+        for (int c = threadIdx.x; c < ca + cb; c += blockDim.x) {
+            if (c < ca) {
+                const uint4 v = __ldcg((const uint4 *)xa + c);
+                for (int k = 0; k < K; ++k) {
+                    const int p = s_p[k];
+                    if (p >= 0) ((uint4 *)(out_x + (long long)p * L.seg_a))[c] = v;
+                }
+            } else {
+                const u32 v = __ldcg((const u32 *)sa + (c - ca));
+                for (int k = 0; k < K; ++k) {
+                    const int p = s_p[k];
+                    if (p >= 0) ((u32 *)(out_s + (long long)p * L.seg_b))[c - ca] = v;
+                }
             }
         }
+        __syncthreads();
     }
 }
 

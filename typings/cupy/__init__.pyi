@@ -3,7 +3,12 @@ from typing import Any
 
 from . import cuda as cuda
 
+class _Function:
+    ptr: int
+
 class RawKernel:
+    @property
+    def kernel(self) -> _Function: ...
     def __call__(
         self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], *, shared_mem: int = ...
     ) -> None: ...

@@ -1,5 +1,6 @@
 from types import TracebackType
 
+from . import driver as driver
 from . import runtime as runtime
 
 class Device:
