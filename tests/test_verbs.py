@@ -93,6 +93,7 @@ def test_c_provider_test_passes_in_guest(guest_run: GuestRun) -> None:
         "never-answering peer: rc -9",
         "target's write after the key error: posted",
         "reconnected after the key error",
+        "simultaneous connect: both writes landed",
         "test_verbs: OK",
     )
     for line in expected:

@@ -18,7 +18,8 @@
  * sleeping; a write to an address no peer answers fails with AFS_ETIMEDOUT within the
  * connect timeout; a write with a forged key fails with an error event (no hang); then
  * the target (whose side of the connection the error broke too) writes to the writer and
- * the writer to the target again: both succeed on a rebuilt connection.
+ * the writer to the target again: both succeed on a rebuilt connection; two fresh
+ * domains that write to each other before either polls (crossed handshakes) both land.
  */
 #include <dlfcn.h>
 #include <poll.h>
@@ -432,6 +433,62 @@ int main(int argc, char **argv)
     wait_for(&A, &B, &B.imms, 1, 20);
     CHECK(memcmp(dst, src, PAGE) == 0, "write after reconnection landed wrong");
     printf("reconnected after the key error\n");
+
+    stage = "simultaneous connect";
+    /* C and D (fresh domains) write to each other before either has polled: both
+     * handshakes cross on the wire and must settle into one connection each way. */
+    static struct side C = {.name = "C"}, D = {.name = "D"};
+    CHECK(ops->open(&args, &C.dom, err, sizeof err) == 0, "open C: %s", err);
+    CHECK(ops->open(&args, &D.dom, err, sizeof err) == 0, "open D: %s", err);
+    uint8_t addr_c[AFP_MAX_ADDR_LEN], addr_d[AFP_MAX_ADDR_LEN];
+    size_t lc = sizeof addr_c, ld = sizeof addr_d;
+    CHECK(ops->address(C.dom, addr_c, &lc) == 0 && ops->address(D.dom, addr_d, &ld) == 0,
+          "address");
+    uint64_t c_to_d, d_to_c;
+    CHECK(ops->resolve(C.dom, addr_d, ld, &c_to_d) == 0 &&
+              ops->resolve(D.dom, addr_c, lc, &d_to_c) == 0,
+          "resolve");
+    static uint8_t cbuf[PAGE], dbuf[PAGE];
+    afp_mr *mr_c, *mr_d;
+    void *d_c, *d_d;
+    uint64_t k_c, k_d, b_c, b_d;
+    CHECK(ops->reg_mr(C.dom, cbuf, PAGE, AFP_MR_REMOTE, -1, 8, &mr_c, &d_c, &k_c, &b_c) == 0 &&
+              ops->reg_mr(D.dom, dbuf, PAGE, AFP_MR_REMOTE, -1, 9, &mr_d, &d_d, &k_d, &b_d) == 0,
+          "reg C/D");
+    memset(cbuf, 0xc, PAGE / 2);
+    memset(dbuf + PAGE / 2, 0xd, PAGE / 2);
+    afp_write cw = {.local_addr = cbuf, .local_desc = d_c, .length = PAGE / 2, .peer = c_to_d,
+                    .remote_addr = b_d, .remote_key = k_d, .ctx = 1, .imm = 0xc, .has_imm = 1};
+    afp_write dw = {.local_addr = dbuf + PAGE / 2, .local_desc = d_d, .length = PAGE / 2,
+                    .peer = d_to_c, .remote_addr = b_c + PAGE / 2, .remote_key = k_c, .ctx = 2,
+                    .imm = 0xd, .has_imm = 1};
+    uint32_t cp = 0, dp = 0;
+    t0 = now_s();
+    while (cp + dp < 2) {
+        uint32_t k = 0;
+        if (!cp) {
+            rc = ops->post_writes(C.dom, &cw, 1, &k);
+            CHECK(rc == 0 || rc == AFS_EAGAIN, "C post: %d %s", rc, ops->errbuf(C.dom));
+            cp += k;
+        }
+        if (!dp) {
+            k = 0;
+            rc = ops->post_writes(D.dom, &dw, 1, &k);
+            CHECK(rc == 0 || rc == AFS_EAGAIN, "D post: %d %s", rc, ops->errbuf(D.dom));
+            dp += k;
+        }
+        poll_both(&C, &D);
+        CHECK(now_s() - t0 < 20, "crossed handshakes never settled");
+    }
+    wait_for(&C, &D, &D.imms, 1, 20);
+    wait_for(&C, &D, &C.imms, 1, 20);
+    for (uint32_t i = 0; i < PAGE; i++)
+        CHECK(cbuf[i] == (i < PAGE / 2 ? 0xc : 0xd) && dbuf[i] == cbuf[i],
+              "crossed writes landed wrong at byte %u", i);
+    printf("simultaneous connect: both writes landed (%.3f s)\n", now_s() - t0);
+    CHECK(ops->dereg_mr(C.dom, mr_c) == 0 && ops->dereg_mr(D.dom, mr_d) == 0, "dereg C/D");
+    ops->close(C.dom);
+    ops->close(D.dom);
 
     stage = "close";
     CHECK(ops->dereg_mr(A.dom, mr_src) == 0 && ops->dereg_mr(B.dom, mr_dst) == 0 &&
