@@ -107,6 +107,7 @@ struct vb_hello {
     uint32_t to_nonce;
     uint32_t qpn[VB_NQP];
     uint32_t psn[VB_NQP];
+    uint32_t gen; /* the sender's queue-pair generation for this peer (1, 2, ...) */
 };
 
 struct vb_op {
@@ -126,6 +127,7 @@ struct vb_peer {
     struct ibv_qp *qp[VB_NQP];
     uint32_t psn[VB_NQP];
     uint32_t rqpn[VB_NQP];
+    uint32_t gen, rgen; /* our QP generation for this peer, and the one we connected to */
     uint8_t rmtu;
     struct ibv_ah *ah;
     uint32_t outstanding; /* sends and writes in flight on our QPs */
@@ -997,6 +999,7 @@ static int vb_forget(afp_domain *d, uint64_t peer)
 
 static int create_rc(afp_domain *d, struct vb_peer *p)
 {
+    p->gen++; /* a late datagram of an older generation must not tear this one down */
     for (int q = 0; q < VB_NQP; q++) {
         struct ibv_qp_init_attr ia = {
             .send_cq = d->cq,
@@ -1076,6 +1079,7 @@ static int send_hello(afp_domain *d, struct vb_peer *p, uint8_t flags)
     h.mtu = (uint8_t)d->mtu;
     h.from = d->self;
     h.to_nonce = p->addr.nonce;
+    h.gen = p->gen;
     for (int q = 0; q < VB_NQP; q++) {
         h.qpn[q] = p->qp[q]->qp_num;
         h.psn[q] = p->psn[q];
@@ -1204,8 +1208,9 @@ static void on_hello(afp_domain *d, const uint8_t *buf, uint32_t len)
     struct vb_peer *p = &d->peers[i];
     if (p->state == VB_FAILED)
         p->state = VB_IDLE;
-    if (p->have_remote &&
-        (h.qpn[VB_QP_MSG] != p->rqpn[VB_QP_MSG] || h.qpn[VB_QP_WR] != p->rqpn[VB_QP_WR])) {
+    if (h.gen < p->rgen)
+        return; /* a late retransmission from before the peer's last reconnection */
+    if (p->have_remote && h.gen > p->rgen) {
         /* The peer made new QPs (it reconnects after an error): follow it once ours
          * are quiet; until then it retransmits. */
         if (p->outstanding)
@@ -1223,6 +1228,7 @@ static void on_hello(afp_domain *d, const uint8_t *buf, uint32_t len)
     if (!p->have_remote) {
         for (int q = 0; q < VB_NQP; q++)
             p->rqpn[q] = h.qpn[q];
+        p->rgen = h.gen;
         p->rmtu = h.mtu;
         /* RTR needs the peer's PSN as our receive PSN */
         enum ibv_mtu mtu = p->rmtu && p->rmtu < d->mtu ? (enum ibv_mtu)p->rmtu : d->mtu;
