@@ -236,6 +236,16 @@ class WeightTransfer:
         )
         return bool(int(flag.item()))
 
+    async def _outcome(self, failure: BaseException | None, version: int) -> bool:
+        """:meth:`_agree`, except that when this rank already failed, its own failure is
+        what gets reported (the control group often breaks for the same reason)."""
+        try:
+            return await self._agree(failure is None, version)
+        except WeightUpdateFailed:
+            if failure is None:
+                raise
+            return False
+
     def _check_version(self, version: int) -> None:
         if self._broken is not None:
             raise WeightUpdateFailed(f"rank {self.rank}: the session is broken ({self._broken})")
@@ -280,11 +290,16 @@ class WeightTransfer:
                 await self.engine.expect_imm(self.receiver.imm, self._arrivals, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 failure = e
-        all_ok = await self._agree(failure is None, version)
+        all_ok = await self._outcome(failure, version)
         if failure is not None or not all_ok:
             # immediates of the failed update may still arrive: this session cannot count again
             self._broken = f"update {version} failed"
             where = f"failed: {failure}" if failure is not None else "failed on another rank"
+            if self.receiver is not None:
+                try:
+                    self.receiver.check(version)
+                except WeightUpdateFailed as torn:
+                    where += f"; {torn}"
             raise WeightUpdateFailed(f"rank {self.rank}: update {version} {where}") from failure
         if self.receiver is not None:
             self.receiver.check(version)
@@ -307,7 +322,7 @@ class WeightTransfer:
             raise
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             failure = e
-        all_ok = await self._agree(failure is None, version)
+        all_ok = await self._outcome(failure, version)
         if failure is not None or not all_ok:
             self._broken = f"rank-0 update {version} failed"
             raise WeightUpdateFailed(f"rank {self.rank}: rank-0 update {version} failed: {failure}")
