@@ -64,7 +64,7 @@
 #define VB_HELLO_MAX_NS 500000000ull    /* then doubling up to 0.5 s */
 #define VB_CONNECT_TIMEOUT_MS 5000u
 #define VB_FAIL_HOLD_NS 1000000000ull   /* a failed handshake fails new posts for 1 s */
-#define VB_ASYNC_EVERY 64u              /* polls between reads of the async event queue */
+#define VB_ASYNC_EVERY 1024u            /* polls between reads of the async event queue */
 #define VB_MAGIC 0x41465642u            /* "AFVB" */
 #define VB_VERSION 1u
 
