@@ -6,7 +6,9 @@ ratio. torch.distributed (gloo over loopback) is the control plane and the basel
 transport; the engine's provider (shm or tcp) carries the point-to-point writes.
 
 With ``--device cuda`` the trainers' shards live on the GPUs (round robin) and are
-sliced, cast or quantised there, then staged through pinned host memory, which is what
+sliced, cast or quantised there (with ``--offload`` they stay in host memory, as with
+FSDP's CPU offload, and each slice is copied to the GPU first), then staged through
+pinned host memory, which is what
 the provider can register where libfabric has no CUDA support; inference buffers are in
 host memory. Nothing here asserts speed: it reports.
 """
@@ -49,7 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("dtensor", "local"),
         default=None,
         help="trainer shards as DTensors (default on cpu) or LocalShard tensors with their metadata "
-        "(always with cuda: no unsharding then)",
+        "(always with cuda unless --offload: no unsharding then)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="with --device cuda: shards stay in host memory; slices are copied to the GPU",
     )
     p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
@@ -102,8 +109,8 @@ def _trainer_params(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from .. import weights as aw
 
     trainers = list(range(cfg["trainers"]))
-    cuda = cfg["device"] == "cuda"
-    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
+    on_gpu = cfg["device"] == "cuda" and not cfg["offload"]
+    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if on_gpu else torch.device("cpu")
     mesh = None if cfg["shards"] == "local" else DeviceMesh("cpu", trainers)
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
     params: dict[str, Any] = {}
@@ -238,12 +245,19 @@ def main(ns: argparse.Namespace) -> int:
         print(f"afabric: error: --inference-tp {tp} does not divide {ns.inference} inference processes")
         return 2
     repeat = max(1, ns.repeat if ns.repeat is not None else (2 if ns.quick else 5))
-    shards = "local" if ns.device == "cuda" else (ns.shards or "dtensor")
-    if ns.device == "cuda" and ns.shards == "dtensor":
-        print("afabric: error: --device cuda takes --shards local (DTensor's gloo collectives are host-only)")
+    on_gpu = ns.device == "cuda" and not ns.offload
+    shards = "local" if on_gpu else (ns.shards or "dtensor")
+    if on_gpu and ns.shards == "dtensor":
+        print(
+            "afabric: error: shards on the GPU are --shards local (DTensor's gloo collectives are host-only)"
+        )
+        return 2
+    if ns.offload and ns.device != "cuda":
+        print("afabric: error: --offload goes with --device cuda")
         return 2
     cfg = {"trainers": ns.trainers, "model": _model_kwargs(ns), "tp": tp, "fp8": ns.fp8, "device": ns.device,
            "provider": ns.provider, "staging": ns.staging_mib << 20, "repeat": repeat, "shards": shards,
+           "offload": ns.offload,
            "timeout": ns.timeout}  # fmt: skip
     results, failed = _run(ns.trainers + ns.inference, cfg, ns.timeout * (2 * repeat + 4) + 120)
     if failed is not None:
@@ -266,8 +280,9 @@ def _report(ns: argparse.Namespace, cfg: dict[str, Any], res: dict[str, Any]) ->
     sent, recv = list(res["sent"].values()), list(res["received"].values())
     summary = res["plan"]
     tp = cfg["tp"]
+    where = ns.device + (" (offload)" if ns.offload else "")
     print(f"afabric bench weights: {ns.trainers} trainers -> {ns.inference} inference ({ns.inference // tp} "
-          f"replica(s) of TP {tp}); provider {ns.provider}; device {ns.device}; {cfg['shards']} shards; "
+          f"replica(s) of TP {tp}); provider {ns.provider}; device {where}; {cfg['shards']} shards; "
           f"{'fp8' if ns.fp8 else 'bf16'} inference weights")  # fmt: skip
     print(f"model: {res['params'] / 1e6:.1f} M parameters, {cfg['model']}; plan: {summary['tasks']} slices, "
           f"{summary['writes']} writes, {res['unshard_params']} parameters unsharded")  # fmt: skip

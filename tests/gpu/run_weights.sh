@@ -10,9 +10,11 @@
 #   1. --device cuda: trainers' FSDP shards on cuda:0/cuda:1 (round robin), sliced there and
 #      staged through pinned host memory; shm carries the writes (the goal: P2P >= 3x rank-0);
 #   2. the same model with --device cpu (DTensor shards, gloo full_tensor where needed);
-#   3. --device cuda --provider tcp.
+#   3. --device cuda --provider tcp;
+#   4. --device cuda --offload --fp8: DTensor shards in host memory (FSDP CPU offload), each
+#      slice copied to the GPU and quantised to fp8 there.
 # Files written to $OUT: weights-setup.log weights.log weights-cuda-shm.json
-#   weights-cpu-shm.json weights-cuda-tcp.json weights-summary.txt
+#   weights-cpu-shm.json weights-cuda-tcp.json weights-offload-fp8.json weights-summary.txt
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -63,6 +65,8 @@ step weights.log "bench weights (cpu, shm)" 300 "${AFABRIC[@]}" bench weights --
     --device cpu --provider shm --repeat 3 --json "$OUT/weights-cpu-shm.json"
 step weights.log "bench weights (cuda, tcp)" 240 "${AFABRIC[@]}" bench weights --trainers 8 --inference 4 \
     --device cuda --provider tcp --repeat 3 --json "$OUT/weights-cuda-tcp.json"
+step weights.log "bench weights (cuda offload, fp8)" 240 "${AFABRIC[@]}" bench weights --trainers 8 \
+    --inference 4 --device cuda --offload --fp8 --repeat 3 --json "$OUT/weights-offload-fp8.json"
 
 {
     if [ ${#FAILS[@]} -eq 0 ]; then echo "all steps passed"; else echo "FAILED steps:"; printf '  %s\n' "${FAILS[@]}"; fi
