@@ -6,7 +6,8 @@
 #     rm -rf .whl && pip wheel -q --no-deps -w .whl .     # here; carried with carry=[".whl"]
 #     bash tests/gpu/run_weights.sh                        # there; logs go to $OUT
 #
-# Steps (each time-limited; the script goes on after a failure, exits non-zero if any failed):
+# Steps (each time-limited, 570 s in all at worst; the script goes on after a failure and exits
+# non-zero if any failed):
 #   1. --device cuda: trainers' FSDP shards on cuda:0/cuda:1 (round robin), sliced there and
 #      staged through pinned host memory; shm carries the writes (the goal: P2P >= 3x rank-0);
 #   2. the same model with --device cpu (DTensor shards, gloo full_tensor where needed);
@@ -59,13 +60,13 @@ export PATH=$SITE/bin:$PATH
 } 2>&1 | tee -a "$OUT/weights-setup.log"
 if command -v afabric >/dev/null; then AFABRIC=(afabric); else AFABRIC=("$PY" -m afabric.cli); fi
 
-step weights.log "bench weights (cuda, shm)" 300 "${AFABRIC[@]}" bench weights --trainers 8 --inference 4 \
+step weights.log "bench weights (cuda, shm)" 180 "${AFABRIC[@]}" bench weights --trainers 8 --inference 4 \
     --device cuda --provider shm --json "$OUT/weights-cuda-shm.json"
-step weights.log "bench weights (cpu, shm)" 300 "${AFABRIC[@]}" bench weights --trainers 8 --inference 4 \
+step weights.log "bench weights (cpu, shm)" 150 "${AFABRIC[@]}" bench weights --trainers 8 --inference 4 \
     --device cpu --provider shm --repeat 3 --json "$OUT/weights-cpu-shm.json"
-step weights.log "bench weights (cuda, tcp)" 240 "${AFABRIC[@]}" bench weights --trainers 8 --inference 4 \
+step weights.log "bench weights (cuda, tcp)" 120 "${AFABRIC[@]}" bench weights --trainers 8 --inference 4 \
     --device cuda --provider tcp --repeat 3 --json "$OUT/weights-cuda-tcp.json"
-step weights.log "bench weights (cuda offload, fp8)" 240 "${AFABRIC[@]}" bench weights --trainers 8 \
+step weights.log "bench weights (cuda offload, fp8)" 120 "${AFABRIC[@]}" bench weights --trainers 8 \
     --inference 4 --device cuda --offload --fp8 --repeat 3 --json "$OUT/weights-offload-fp8.json"
 
 {
