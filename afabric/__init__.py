@@ -9,6 +9,7 @@ from .address import Address
 from .descriptor import MrDesc
 from .engine import Engine
 from .groups import PeerGroup, ScatterTarget
+from .lengths import LengthFrom
 from .memory import MemoryRegion
 from .pages import Pages
 from .provider import ProviderSpec
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Address",
     "Engine",
+    "LengthFrom",
     "MemoryRegion",
     "MrDesc",
     "OpTiming",

@@ -277,6 +277,26 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
             _u64p,
         ],
     ),
+    "afs_write_dynlen": (
+        ctypes.c_int32,
+        [
+            _E,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int64,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            _u64p,
+        ],
+    ),
     "afs_write_paged": (
         ctypes.c_int32,
         [
@@ -684,6 +704,30 @@ class NativeEngine:
     ) -> int:
         kind, a, b = trig
         rc = self._write(self._handle(), mr_id, remote_id, length, src, dst, imm, kind, a, b, self._out_ref)
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return self._out.value
+
+    def write_dynlen(
+        self,
+        what: str,
+        mr_id: int,
+        remote_id: int,
+        max_length: int,
+        src: int,
+        dst: int,
+        imm: int,
+        length_word: tuple[int, int, int, int],
+        trig: tuple[int, int, int] = NO_TRIGGER,
+    ) -> int:
+        """A write whose length the shim reads when it starts: ``length_word`` is (region id,
+        byte offset, base, scale) of a u32 ``n``; length = clamp(base + scale*n, 0, max)."""
+        kind, a, b = trig
+        len_mr, len_off, base, scale = length_word
+        rc = self._s.f.afs_write_dynlen(
+            self._handle(), mr_id, remote_id, max_length, src, dst, imm, len_mr, len_off, base, scale,
+            kind, a, b, self._out_ref,
+        )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
         return self._out.value

@@ -25,6 +25,7 @@ from . import _native, errors, registry
 from .address import Address
 from .descriptor import MrDesc
 from .groups import PeerGroup, ScatterTarget
+from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
 from .timing import OpTiming
@@ -438,20 +439,32 @@ class Engine:
         dst_offset: int = 0,
         imm: int | None = None,
         when: Trigger | None = None,
+        length_from: LengthFrom | None = None,
     ) -> None:
         """One-sided write of ``length`` bytes; with ``imm`` the target counts one arrival
         after the data is in place. Zero length with an immediate is immediate-only. With
-        ``when`` the shim posts it itself once the trigger holds (see afabric.triggers)."""
+        ``when`` the shim posts it itself once the trigger holds (see afabric.triggers).
+        With ``length_from`` (afabric.lengths) ``length`` is the maximum and the shim reads
+        the actual length from memory when the write starts."""
         self._check_open()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
         mr_id = mr.check(self)
         rid, peer = self._remote(remote_desc)
-        op = self._n.write(
-            "write", mr_id, rid, _u64(length, "length"), _u64(src_offset, "src_offset"),
-            _u64(dst_offset, "dst_offset"), _imm(imm), self._trigger(when),
+        args = (
+            mr_id, rid, _u64(length, "length"), _u64(src_offset, "src_offset"),
+            _u64(dst_offset, "dst_offset"), _imm(imm),
         )  # fmt: skip
-        await self._wait(op, "write", peer, (mr,), "write", when)
+        if length_from is None:
+            op = self._n.write("write", *args, self._trigger(when))
+            await self._wait(op, "write", peer, (mr,), "write", when)
+            return
+        lf = length_from
+        if not isinstance(lf, LengthFrom):
+            raise errors.InvalidArgument(f"length_from must be a LengthFrom, got {type(lf).__name__}")
+        word = (lf.region.check(self), lf.offset, lf.base, lf.scale)
+        op = self._n.write_dynlen("write", *args, word, self._trigger(when))
+        await self._wait(op, "write", peer, (mr, lf.region), "write", when)
 
     async def write_paged(
         self,

@@ -197,6 +197,16 @@ AFS_API int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count,
                             int64_t imm, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
                             uint64_t *xfer_id);
 
+/* A write whose length is read when it starts (at its trigger, or now): the u32 `n` at byte
+ * `len_offset` of registered host region `len_mr_id` (4-aligned) makes it
+ * clamp(len_base + len_scale * n, 0, max_length) bytes. Ranges are checked against
+ * max_length here; with an immediate, a write that comes out empty still delivers it. */
+AFS_API int32_t afs_write_dynlen(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                                 uint64_t max_length, uint64_t src_offset, uint64_t dst_offset,
+                                 int64_t imm, uint64_t len_mr_id, uint64_t len_offset,
+                                 int64_t len_base, uint64_t len_scale, uint32_t trig_kind,
+                                 uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
+
 /* Watchers: a 64-bit word in host memory (mapped into CUDA device `device`'s address space
  * when device >= 0) that anyone may bump; the shim reports each change it observes as an
  * AFS_C_WATCH record and fires operations triggered on it. */

@@ -104,7 +104,7 @@ static int load_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, int64
     return 0;
 }
 
-static int build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+int afs_build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
                        uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out)
 {
     bool has_imm = false;
@@ -235,7 +235,7 @@ static int set_trigger(afs_engine *eng, afs_xfer *x, uint32_t kind, uint64_t a, 
     return 0;
 }
 
-static int submit_built(afs_engine *eng, afs_xfer *x, uint32_t trig_kind, uint64_t trig_a,
+int afs_submit_built(afs_engine *eng, afs_xfer *x, uint32_t trig_kind, uint64_t trig_a,
                         uint64_t trig_b, uint64_t *xfer_id)
 {
     int rc = set_trigger(eng, x, trig_kind, trig_a, trig_b);
@@ -255,10 +255,10 @@ int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t 
     afs_xfer *x;
     if (!xfer_id)
         return afs_fail(AFS_EINVAL, "write: NULL output");
-    int rc = build_write(eng, mr_id, remote_id, length, src_offset, dst_offset, imm, &x);
+    int rc = afs_build_write(eng, mr_id, remote_id, length, src_offset, dst_offset, imm, &x);
     if (rc)
         return rc;
-    return submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
+    return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }
 
 int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
@@ -274,7 +274,7 @@ int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
                          src_offset, dst_idx, dst_stride, dst_offset, imm, &x);
     if (rc)
         return rc;
-    return submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
+    return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }
 
 int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
@@ -349,7 +349,7 @@ int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint6
     x->count = count;
     x->has_imm = has_imm;
     x->imm = imm_value;
-    return submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
+    return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }
 
 int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len,
@@ -558,7 +558,7 @@ int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     afs_xfer *proto;
     if (!elapsed_ns)
         return afs_fail(AFS_EINVAL, "bench: NULL output");
-    int rc = build_write(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, &proto);
+    int rc = afs_build_write(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, &proto);
     if (rc)
         return rc;
     mr_copy m;

@@ -294,6 +294,12 @@ typedef struct afs_xfer {
     uint64_t t_first_post; /* ns, for timing triggered and regular operations */
     uint64_t t_enqueue, t_pickup, t_last_post; /* AFS_CFG_TIMING only */
 
+    /* dynamic length (dynlen.c): `length` is the maximum until the write starts */
+    bool dyn_len;
+    const uint32_t *dyn_word;
+    int64_t dyn_base;
+    uint64_t dyn_scale;
+
     /* expect / cancel / watch */
     uint64_t count;
     uint64_t target_id;
@@ -381,6 +387,15 @@ void afs_submit(afs_engine *eng, afs_xfer *x);
 int afs_ctrl_call(afs_engine *eng, afs_xfer *x); /* synchronous control request */
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind);
 void afs_xfer_free(afs_xfer *x);
+
+/* api.c (shared with dynlen.c) */
+int afs_build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                    uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out);
+int afs_submit_built(afs_engine *eng, afs_xfer *x, uint32_t trig_kind, uint64_t trig_a,
+                     uint64_t trig_b, uint64_t *xfer_id);
+
+/* dynlen.c: sets x->length from its length word (worker, when the write starts) */
+void afs_dynlen_resolve(afs_xfer *x);
 
 /* watcher.c */
 void *afs_watch_main(void *arg);

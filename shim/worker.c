@@ -500,6 +500,12 @@ static void complete_expect(afs_engine *eng, afs_xfer *x, int status, const char
 /* An operation starts: its deadline runs from now and its work requests queue up. */
 static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
+    if (x->dyn_len) { /* its length is read now (dynlen.c), and the write cut again */
+        afs_dynlen_resolve(x);
+        plan_shards(eng, x);
+        x->total_wr = n_data_wrs(x);
+        x->imm_pending = x->has_imm && x->total_wr > 1;
+    }
     if (eng->cfg.op_timeout_ns)
         x->deadline_ns = now + eng->cfg.op_timeout_ns;
     list_append(&eng->active, x);

@@ -146,6 +146,27 @@ class ShimLib:
         trigger (AFS_TRIG_NONE = 0: post now) holds it until a watcher value or count."""
 
     @staticmethod
+    def afs_write_dynlen(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        max_length: int,
+        src_offset: int,
+        dst_offset: int,
+        imm: int,
+        len_mr_id: int,
+        len_offset: int,
+        len_base: int,
+        len_scale: int,
+        trig_kind: int,
+        trig_a: int,
+        trig_b: int,
+        xfer_id: _Ref[c_uint64],
+    ) -> int:
+        """A write of clamp(len_base + len_scale * n, 0, max_length) bytes, ``n`` the u32 at
+        ``len_offset`` of host region ``len_mr_id``, read when the write starts."""
+
+    @staticmethod
     def afs_write_paged(
         eng: EngineHandle,
         mr_id: int,
