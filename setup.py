@@ -59,7 +59,8 @@ class BuildPyWithNative(build_py):
             nvlink_dir = Path(self.build_lib) / "afabric_nvlink"
         try:
             built = bn.build(
-                shim_dir, ofi_dir, out_dir_verbs=verbs_dir, out_dir_nvlink=nvlink_dir, verbose=bool(self.verbose)
+                shim_dir, ofi_dir, out_dir_verbs=verbs_dir, out_dir_nvlink=nvlink_dir,
+                verbose=bool(self.verbose),
             )
         except bn.BuildError as e:
             raise CompileError(f"afabric: native build failed: {e}") from e
@@ -98,7 +99,9 @@ package_data: dict[str, Any] = {
 }
 
 setup(
-    packages=[*find_packages(include=["afabric", "afabric.*"]), "afabric_ofi", "afabric_verbs", "afabric_nvlink"],
+    packages=[
+        *find_packages(include=["afabric", "afabric.*"]), "afabric_ofi", "afabric_verbs", "afabric_nvlink",
+    ],
     package_dir={
         "afabric_ofi": "providers/ofi/afabric_ofi",
         "afabric_verbs": "providers/verbs/afabric_verbs",
