@@ -14,7 +14,7 @@ python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # verbs provider: headers to build it; the Soft-RoCE qemu guest (tests/rxe) that tests it
 [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
 has_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'ok installed'; }
-for p in qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-utils ibverbs-providers perftest; do
+for p in qemu-system-x86 busybox-static kmod rdma-core ibverbs-utils ibverbs-providers perftest; do
     has_pkg "$p" || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
