@@ -117,16 +117,19 @@ static int setup_pools(afs_engine *eng, uint32_t index)
     n->rx_buf = aligned_alloc(4096, (rx_bytes + 4095) & ~4095ull);
     n->tx_buf = aligned_alloc(4096, (tx_bytes + 4095) & ~4095ull);
     n->tx_free = calloc(eng->cfg.tx_depth, sizeof(uint32_t));
-    if (!n->rx_buf || !n->tx_buf || !n->tx_free)
+    n->rx_retry = calloc(eng->cfg.rx_depth, sizeof(uint32_t));
+    if (!n->rx_buf || !n->tx_buf || !n->tx_free || !n->rx_retry)
         return afs_fail(AFS_ENOMEM, "cannot allocate message buffers (%llu bytes)",
                         (unsigned long long)(rx_bytes + tx_bytes));
     uint64_t rkey;
-    rc = eng->ops->reg_mr(n->dom, n->rx_buf, rx_bytes, 0, -1, afs_mr_key(eng->key_secret, index, UINT64_MAX),
-                          &n->rx_mr, &n->rx_desc, &rkey, &dummy_base);
+    rc = eng->ops->reg_mr(n->dom, n->rx_buf, rx_bytes, 0, -1,
+                          afs_mr_key(eng->key_secret, index, UINT64_MAX), &n->rx_mr, &n->rx_desc,
+                          &rkey, &dummy_base);
     if (rc)
         return afs_fail(rc, "registering receive buffers: %s", eng->ops->errbuf(n->dom));
-    rc = eng->ops->reg_mr(n->dom, n->tx_buf, tx_bytes, 0, -1, afs_mr_key(eng->key_secret, index, UINT64_MAX - 1),
-                          &n->tx_mr, &n->tx_desc, &rkey, &dummy_base);
+    rc = eng->ops->reg_mr(n->dom, n->tx_buf, tx_bytes, 0, -1,
+                          afs_mr_key(eng->key_secret, index, UINT64_MAX - 1), &n->tx_mr,
+                          &n->tx_desc, &rkey, &dummy_base);
     if (rc)
         return afs_fail(rc, "registering send buffers: %s", eng->ops->errbuf(n->dom));
     for (uint32_t i = 0; i < eng->cfg.tx_depth; i++)
@@ -152,6 +155,7 @@ out_free:
     free(n->rx_buf);
     free(n->tx_buf);
     free(n->tx_free);
+    free(n->rx_retry);
     memset(n, 0, sizeof(*n));
 }
 

@@ -167,6 +167,10 @@ typedef struct afs_nic {
         st_retries, st_landed, st_completions;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
+    /* receive slots the provider would not take back yet ("try again": its queue or context
+     * pool was full of writes); the worker posts them again before polling (worker.c) */
+    uint32_t *rx_retry;
+    uint32_t rx_retry_len;
     uint64_t key_counter;
 } afs_nic;
 

@@ -757,14 +757,39 @@ static void run_ctrl(afs_engine *eng, afs_xfer *x)
 
 /* ---- intake ---- */
 
+/* Gives a receive buffer back to the provider. "Try again" happens under load (writes in
+ * flight can hold every context of the provider's pool): the slot then waits in rx_retry
+ * and the worker posts it again each round. Dropping it instead loses one buffer each
+ * time, and the engine stops receiving once all are gone (seen once: tcp, rx_depth 8,
+ * no message after the 59th of a write flood). */
+static void repost_rx(afs_engine *eng, uint32_t nic, uint32_t slot)
+{
+    afs_nic *n = &eng->nics[nic];
+    if (atomic_load(&eng->stop) || afs_post_rx(eng, nic, slot) == 0)
+        return;
+    if (n->rx_retry_len < eng->cfg.rx_depth) /* a slot is out at most once: always room */
+        n->rx_retry[n->rx_retry_len++] = slot;
+}
+
+static bool retry_rx(afs_engine *eng)
+{
+    bool did = false;
+    for (uint32_t k = 0; k < eng->nnics; k++) {
+        afs_nic *n = &eng->nics[k];
+        while (n->rx_retry_len && afs_post_rx(eng, k, n->rx_retry[n->rx_retry_len - 1]) == 0) {
+            n->rx_retry_len--;
+            did = true;
+        }
+    }
+    return did;
+}
+
 static void release_rx(afs_engine *eng, afs_xfer *x)
 {
     for (uint32_t i = 0; i < x->n_slots; i++) {
         uint32_t nic = x->slots[i] / eng->cfg.rx_depth, slot = x->slots[i] % eng->cfg.rx_depth;
-        if (nic < eng->nnics && afs_post_rx(eng, nic, slot) != 0) {
-            /* The receive queue refused: the slot is lost to this engine until close.
-             * (Only happens when the provider is failing; keep the engine going.) */
-        }
+        if (nic < eng->nnics)
+            repost_rx(eng, nic, slot);
     }
     afs_xfer_free(x);
 }
@@ -850,8 +875,7 @@ static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev)
     uint32_t slot = (uint32_t)(ev->ctx >> 16);
     if (ev->kind == AFP_EV_ERROR || ev->status) {
         /* truncated (oversize) or failed receive: nothing to deliver, reuse the buffer */
-        if (!atomic_load(&eng->stop))
-            (void)afs_post_rx(eng, nic, slot);
+        repost_rx(eng, nic, slot);
         return;
     }
     afs_completion c = {0};
@@ -881,8 +905,8 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
         switch (e->kind) {
         case AFP_EV_IMM:
             afs_count(&nn->st_imms, 1);
-            if (is_rx && !atomic_load(&eng->stop))
-                (void)afs_post_rx(eng, nic, (uint32_t)(e->ctx >> 16));
+            if (is_rx)
+                repost_rx(eng, nic, (uint32_t)(e->ctx >> 16));
             imm_arrived(eng, e->imm, now);
             break;
         case AFP_EV_RECV:
@@ -1042,6 +1066,7 @@ void *afs_worker_main(void *arg)
         bool did = take_requests(eng, now);
         if (eng->postq_head)
             did |= progress_posts(eng);
+        did |= retry_rx(eng);
         for (uint32_t k = 0; k < eng->nnics; k++)
             did |= poll_nic(eng, k, now);
         now = afs_now_ns();

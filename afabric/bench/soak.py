@@ -13,6 +13,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ from . import loops
 HELP = "mixed traffic to several peers for N minutes; threads, fds and memory must stay flat"
 PAGE = 256
 PAGES = 1024  # per target region
+STALL_S = 60.0  # a round not done by then is reported with both sides' counters
 ARRIVALS = 4 * 256 + 8 + 1  # immediates per peer per round: pages, scatter targets, barrier
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -88,11 +90,18 @@ def _target(conn: Connection, provider: str) -> None:
                 if msg is None:
                     return
                 arrivals, messages = msg
-                await eng.expect_imm(imm, arrivals, timeout=120)
-                for _ in range(messages):
-                    body = await asyncio.wait_for(eng.recv(), 120)
-                    reply_to = Address.from_bytes(body[:-8])
-                    await eng.send(reply_to, body[-8:])
+                where = f"{arrivals} arrivals"
+                try:
+                    await eng.expect_imm(imm, arrivals, timeout=STALL_S)
+                    for k in range(messages):
+                        where = f"message {k + 1} of {messages}"
+                        body = await asyncio.wait_for(eng.recv(), STALL_S)
+                        reply_to = Address.from_bytes(body[:-8])
+                        await eng.send(reply_to, body[-8:])
+                except Exception as e:
+                    print(f"soak peer {os.getpid()}: stalled waiting for {where} "
+                          f"({type(e).__name__}): {eng.stats()}", file=sys.stderr, flush=True)  # fmt: skip
+                    raise
                 written = buf != 0
                 bad = int(np.count_nonzero(buf[written] != want[written]))
                 buf[:] = 0
@@ -129,8 +138,11 @@ async def _round(
         work += [eng.send(a, bytes(eng.address) + os.urandom(8)) for _ in range(4)]
     results = await asyncio.gather(*work, return_exceptions=True)
     failures = sum(1 for r in results if isinstance(r, BaseException))
-    for _ in range(4 * len(addrs)):
-        await asyncio.wait_for(eng.recv(), 120)
+    for k in range(4 * len(addrs)):
+        try:
+            await asyncio.wait_for(eng.recv(), STALL_S)
+        except TimeoutError:
+            raise TimeoutError(f"reply {k + 1} of {4 * len(addrs)} never came: {eng.stats()}") from None
     bad = sum([int(str(await get(c))) for c in pipes])
     return failures, bad, len(work) + 4 * len(addrs), len(addrs) * ARRIVALS
 
