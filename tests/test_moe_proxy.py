@@ -6,7 +6,10 @@ Per call it checks that nothing is posted before the bump (the flag stays below 
 epoch and the receive slot keeps the previous call's bytes), that after the bump the flag
 reaches the epoch only once every phase has landed (the private part and the rest, with
 ``max_private_tokens`` < ``max_tokens``), that the bytes land in this rank's slot of the
-right parity at the peer, and the same for combine's partial sums."""
+right parity at the peer, and the same for combine's partial sums. The token count in the
+slot's header varies per call (0, below, at and above ``max_private_tokens``, all of
+``max_tokens``): exactly the header, routes and that many rows arrive (combine: that many
+rows of partial sums), and not one byte past them."""
 
 from __future__ import annotations
 
@@ -27,8 +30,19 @@ CFG = dict(max_tokens=12, num_experts=8, experts_per_token=3, hidden=64, world_s
 CALLS = 5  # both parities, each slot reused
 
 
+def _count(epoch: int, rank: int) -> int:
+    """Tokens a rank sends in call ``epoch``: over the calls 12, 2, 5, 8, 11 and 4, 7, 10, 0, 3."""
+    return (3 * epoch + 5 * rank + 9) % (CFG["max_tokens"] + 1)  # type: ignore[operator]
+
+
 def _pattern(n: int, epoch: int, rank: int, salt: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return ((np.arange(n, dtype=np.int64) * 7 + epoch * 13 + rank * 101 + salt) % 251).astype(np.uint8)
+
+
+def _landed(what: str, got: Any, want: Any, before: Any, n: int) -> None:
+    """The first ``n`` bytes are the sender's, the rest what was there before."""
+    assert np.array_equal(got[:n], want[:n]), f"{what}: wrong bytes"
+    assert np.array_equal(got[n:], before[n:]), f"{what}: bytes past {n} moved"
 
 
 async def _wait_word(words: np.ndarray[Any, Any], i: int, value: int, timeout: float = 20.0) -> None:
@@ -52,16 +66,21 @@ async def _rank(ctl: Ctl, rank: int, provider: str) -> str:
         assert dsend is not None and drecv is not None and csend is not None and crecv is not None
         assert flags_b is not None
         flags = flags_b.view(np.uint64)
-        dlen = cfg.slot_layout().private_bytes(cfg.max_tokens)
+        lay = cfg.slot_layout()
+        dlen = lay.private_bytes(cfg.max_tokens)
         clen = px.cslot
+        crow = cfg.hidden * cfg.out_itemsize
         for s in range(1, CALLS + 1):
             p = s & 1
             mine = slice((p * 2 + peer) * px.dslot, (p * 2 + peer) * px.dslot + dlen)
             theirs = slice((p * 2 + peer) * px.dslot, (p * 2 + peer) * px.dslot + dlen)
             cmine = slice((p * 2 + peer) * clen, (p * 2 + peer + 1) * clen)
-            dsend[mine] = _pattern(dlen, s, rank, 0)
+            sent = _pattern(dlen, s, rank, 0)
+            sent[:4] = np.frombuffer(np.int32(_count(s, rank)).tobytes(), dtype=np.uint8)
+            dsend[mine] = sent
             csend[cmine] = _pattern(clen, s, rank, 1)
             before = drecv[theirs].copy()
+            cbefore = crecv[cmine].copy()
             px.arm_dispatch(s)
             px.arm_combine(s)
             ctl.put(("armed", s))
@@ -73,10 +92,13 @@ async def _rank(ctl: Ctl, rank: int, provider: str) -> str:
             assert await ctl.get() == ("bump", s)
             assert px.w_dispatch.add(1) == s
             await _wait_word(flags, 0, s)
-            assert np.array_equal(drecv[theirs], _pattern(dlen, s, peer, 0)), f"dispatch {s}: wrong bytes"
+            want = _pattern(dlen, s, peer, 0)
+            want[:4] = np.frombuffer(np.int32(_count(s, peer)).tobytes(), dtype=np.uint8)
+            _landed(f"dispatch {s}", drecv[theirs], want, before, lay.private_bytes(_count(s, peer)))
             assert px.w_combine.add(1) == s
             await _wait_word(flags, 1, s)
-            assert np.array_equal(crecv[cmine], _pattern(clen, s, peer, 1)), f"combine {s}: wrong bytes"
+            # partial sums for the tokens this rank sent the peer
+            _landed(f"combine {s}", crecv[cmine], _pattern(clen, s, peer, 1), cbefore, _count(s, rank) * crow)
             px.raise_errors()
             ctl.put(("done", s))
         # like AllToAll.close: nobody closes before every rank has received everything (a
@@ -123,6 +145,6 @@ def test_imm_values_are_distinct() -> None:
     for tag in (0, 1, 32767):
         for direction in (0, 1):
             for epoch in (1, 2, EPOCH_RING - 1):
-                v = _P(tag).imm(direction, epoch)  # type: ignore[arg-type]
+                v = _P(tag).imm(direction, epoch)  # type: ignore[misc]
                 assert 0 <= v <= 0xFFFFFFFF and v not in seen
                 seen.add(v)

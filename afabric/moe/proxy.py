@@ -6,14 +6,18 @@ peer a send and a receive slot for dispatch and for combine (two of each, by cal
 parity), and two flag words the receive kernels spin on.
 
 Per call (epoch ``s``) it arms, ahead of the kernels, for every proxy peer:
-  1. a write of the header, the routes and the first ``max_private_tokens`` rows of the
-     peer's send slot into this rank's private slot at the peer, with immediate ``I(s)``,
-     fired by the shim when the send kernel bumps the watcher to ``s`` (the kernel does so
-     before any of its NVLink stores);
-  2. if ``max_private_tokens`` < ``max_tokens``, a second write with the remaining rows;
+  1. a write of the header, the routes and up to ``max_private_tokens`` rows of the peer's
+     send slot into this rank's private slot at the peer, with immediate ``I(s)``, fired by
+     the shim when the send kernel bumps the watcher to ``s`` (the kernel does so before any
+     of its NVLink stores);
+  2. if ``max_private_tokens`` < ``max_tokens``, a second write with the rows past them;
 and one write of the epoch into this rank's own flag word, fired by the shim once every
 expected arrival of ``I(s)`` was counted (``imm_count``): the receive kernel spins on that
-word. Combine arms one write per peer (the partial sums, reusing dispatch's routing) and
+word. Both writes take their length from the slot's token count, which the kernel stores
+before the bump (``length_from``): the shim reads it when they fire, so a call moves the
+rows its routes need, never the slot's capacity (an empty second phase still delivers its
+immediate). Combine arms one write per peer (the partial sums, reusing dispatch's routing:
+as many rows as the peer sent tokens, read from the count in its dispatch slot here) and
 the same flag write. No Python runs between the kernel's bump and the posts, nor between
 the last arrival and the flag.
 """
@@ -29,7 +33,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import Engine, MrDesc
+from .. import Engine, LengthFrom, MrDesc
 from ..errors import AfabricError, UsageError
 from ..triggers import imm_count
 from .config import MoeConfig
@@ -93,6 +97,9 @@ class Proxy:
         self.cslot = cfg.combine_slot_bytes
         self.phases = 1 if cfg.private_tokens >= cfg.max_tokens else 2
         self.lengths = (lay.private_bytes(cfg.private_tokens), lay.private_bytes(cfg.max_tokens))
+        self.row_bytes, self.off_rows = lay.row_bytes, lay.off_rows
+        self.out_row_bytes = cfg.hidden * cfg.out_itemsize
+        self.last_dispatch = 0  # epoch of the dispatch that combine answers
         self._regions: list[HostRegion] = []
         self.epochs = np.zeros(EPOCH_RING, dtype=np.uint64)  # sources of the flag writes
         self._pending: set[concurrent.futures.Future[None]] = set()
@@ -164,10 +171,11 @@ class Proxy:
     # ---- per call ----
 
     def arm_dispatch(self, epoch: int) -> None:
-        self._submit(self._arm(_DISPATCH, epoch))
+        self.last_dispatch = epoch
+        self._submit(self._arm(_DISPATCH, epoch, epoch))
 
     def arm_combine(self, epoch: int) -> None:
-        self._submit(self._arm(_COMBINE, epoch))
+        self._submit(self._arm(_COMBINE, epoch, self.last_dispatch))  # read here, not on the loop
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
         self.raise_errors()
@@ -185,29 +193,41 @@ class Proxy:
             e = self._errors[0]
             raise AfabricError(f"MoE proxy operation failed: {e}") from e
 
-    async def _arm(self, direction: int, epoch: int) -> None:
+    async def _arm(self, direction: int, epoch: int, d_epoch: int) -> None:
         eng = self.eng
         parity = epoch & 1
         n = self.cfg.world_size
         imm = self.imm(direction, epoch)
         self.epochs[epoch % EPOCH_RING] = epoch
+        when = (self.w_dispatch if direction == _DISPATCH else self.w_combine).reaches(epoch)
         ops: list[Coroutine[Any, Any, None]] = []
-        if direction == _DISPATCH:
-            src_mr, watcher, slot = self.mr_dsend, self.w_dispatch, self.dslot
-            writes = [(0, self.lengths[0])]
-            if self.phases == 2:
-                writes.append((self.lengths[0], self.lengths[1] - self.lengths[0]))
-        else:
-            src_mr, watcher, slot = self.mr_csend, self.w_combine, self.cslot
-            writes = [(0, self.cslot)]
-        when = watcher.reaches(epoch)
+        d_parity = d_epoch & 1
         for r in self.peers:
             desc = self.remote[r][direction]
-            src = (parity * n + r) * slot
-            dst = (parity * n + self.rank) * slot
-            for off, length in writes:
-                ops.append(eng.write(src_mr, desc, length, src + off, dst + off, imm=imm, when=when))
-        arrivals = len(self.peers) * len(writes)
+            if direction == _DISPATCH:
+                src = (parity * n + r) * self.dslot
+                dst = (parity * n + self.rank) * self.dslot
+                # header + routes + min(count, P) rows, then max(count - P, 0) rows
+                p_rows = self.lengths[0] - self.off_rows
+                ops.append(eng.write(
+                    self.mr_dsend, desc, self.lengths[0], src, dst, imm=imm, when=when,
+                    length_from=LengthFrom(self.mr_dsend, src, self.row_bytes, self.off_rows),
+                ))  # fmt: skip
+                if self.phases == 2:
+                    off = self.lengths[0]
+                    ops.append(eng.write(
+                        self.mr_dsend, desc, self.lengths[1] - off, src + off, dst + off, imm=imm, when=when,
+                        length_from=LengthFrom(self.mr_dsend, src, self.row_bytes, -p_rows),
+                    ))  # fmt: skip
+            else:
+                src = (parity * n + r) * self.cslot
+                dst = (parity * n + self.rank) * self.cslot
+                count_at = (d_parity * n + r) * self.dslot  # tokens r sent in that dispatch
+                ops.append(eng.write(
+                    self.mr_csend, desc, self.cslot, src, dst, imm=imm, when=when,
+                    length_from=LengthFrom(self.mr_drecv, count_at, self.out_row_bytes),
+                ))  # fmt: skip
+        arrivals = len(self.peers) * (self.phases if direction == _DISPATCH else 1)
         ops.append(
             eng.write(
                 self.mr_epochs, self.own_flags, 8, 8 * (epoch % EPOCH_RING), 8 * direction,
