@@ -44,6 +44,10 @@ AllGather = Callable[[bytes], Sequence[bytes]]
 """Collective: every rank passes its bytes and gets every rank's, in rank order."""
 
 PATHS = ("auto", "nvlink", "proxy")
+# Up to this many (token, expert) entries per call in all (world * max_tokens * top-k),
+# dispatch receives in one kernel whose blocks each count every entry (decode); above it,
+# a routing kernel counts once for all and a copy kernel follows (prefill).
+FUSED_RECEIVE_MAX_ENTRIES = 4096
 _TABLES = 8  # dispatch dst slot/flag, src slot/flag; combine the same
 _SCRATCH = (
     "_layout",
@@ -53,6 +57,7 @@ _SCRATCH = (
     "_tok_of",
     "_gcount",
     "_cursor",
+    "_fill",
     "_pos",
     "_wts",
     "_ntok",
@@ -247,6 +252,7 @@ class AllToAll:
         self._tok_of = torch.zeros(t, dtype=torch.int32, device=dev)
         self._gcount = torch.zeros(cfg.experts_per_rank, dtype=torch.int32, device=dev)
         self._cursor = torch.zeros(cfg.experts_per_rank, dtype=torch.int32, device=dev)
+        self._fill = torch.zeros(2 * cfg.experts_per_rank, dtype=torch.int32, device=dev)
         self._pos = torch.full((n * t * k,), -1, dtype=torch.int32, device=dev)
         self._wts = torch.zeros(n * t * k, dtype=torch.float32, device=dev)
         self._ntok = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -293,6 +299,11 @@ class AllToAll:
         self._copy = Launch(fn["dispatch_copy"], 14, COPY_THREADS)
         self._copy.set(0, ptr["_ntok"], ptr["_cursor"], lo, cap, ptr["_pos"], ptr["_wts"], ptr["_x_out"],
                        s_out, 0, 0, 0, 0, ptr["_tok_of"])  # fmt: skip
+        self._small = Launch(fn["dispatch_recv_small"], 20, COPY_THREADS, k_.route_smem)
+        self._small.set(0, 0, 0, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_fill"], ptr["_ntok"],
+                        ptr["_err"], tmo, ptr["_pos"], ptr["_wts"], ptr["_x_out"], s_out, 0, 0, 0, 0,
+                        ptr["_tok_of"])  # fmt: skip
+        self.fused_receive = n * t * k <= FUSED_RECEIVE_MAX_ENTRIES
         self._csend = Launch(fn["combine_send"], 12, COPY_THREADS)
         self._csend.set(0, ptr["_pos"], ptr["_wts"], ptr["_ntok"], h, lo, 0, 0, mask, self._watchers[1], 0,
                         ptr["_ctr"] + 8)  # fmt: skip
@@ -378,6 +389,18 @@ class AllToAll:
         w[10] = tab[1]
         w[13] = epoch
         self._send(self._grid_send[n], stream)
+        if self.fused_receive:
+            w = self._small.words
+            w[0] = tab[2]
+            w[1] = tab[3]
+            w[2] = epoch
+            w[15] = x_ptr
+            w[16] = x_stride
+            w[17] = s_ptr
+            w[18] = s_stride
+            self._small(self._grid_copy, stream)
+            self._n_tok = n
+            return self._result
         w = self._route.words
         w[0] = tab[2]
         w[1] = tab[3]

@@ -73,7 +73,7 @@ __device__ void wait_epoch(const u64 *flag, u64 epoch, u64 timeout_ns, u32 *err)
     const u64 start = now_ns();
     while (ld_acquire_sys(flag) < epoch) {
         if (now_ns() - start > timeout_ns) {
-            atomicOr(err, ERR_TIMEOUT);
+            if (err) atomicOr(err, ERR_TIMEOUT);
             return;
         }
     }
@@ -280,61 +280,153 @@ extern "C" __global__ void dispatch_route(
     }
 }
 
-// One block per received row (grid-stride): the row's first K threads take its places in
-// its experts (atomics on the cursors: the order within an expert is not part of the
-// contract) and record them for combine (pos, wts); then the whole block reads each
-// 16-byte piece of the row once and stores it at every place. Rows of this rank's own
-// tokens are read from x and scales (tok_of), not from a staged copy.
+// One received row (source r, slot i) to its places s_p[0..K) in the expert-major output,
+// by the whole block: each 16-byte piece (and scale word) is read once and stored at every
+// place. Rows of this rank's own tokens are read from x and scales (tok_of), not from a
+// staged copy.
+__device__ __forceinline__ void copy_row(
+    const Layout &L, int r, int i, const char *slot, const int *s_p, char *__restrict__ out_x,
+    char *__restrict__ out_s, const char *x, long long x_stride, const char *scales,
+    long long s_stride, const int *tok_of) {
+    const int K = L.K, ca = L.seg_a >> 4, cb = L.seg_b >> 2;
+    const char *xa, *sa;
+    if (r == L.me) {
+        const long long t = tok_of[i];
+        xa = x + t * x_stride;
+        sa = scales + t * s_stride;
+    } else {
+        xa = slot + L.off_rows + (long long)i * L.row_bytes;
+        sa = xa + L.seg_a;
+    }
+    for (int c = threadIdx.x; c < ca + cb; c += blockDim.x) {
+        if (c < ca) {
+            const uint4 v = __ldcg((const uint4 *)xa + c);
+            for (int k = 0; k < K; ++k) {
+                const int p = s_p[k];
+                if (p >= 0) ((uint4 *)(out_x + (long long)p * L.seg_a))[c] = v;
+            }
+        } else {
+            const u32 v = __ldcg((const u32 *)sa + (c - ca));
+            for (int k = 0; k < K; ++k) {
+                const int p = s_p[k];
+                if (p >= 0) ((u32 *)(out_s + (long long)p * L.seg_b))[c - ca] = v;
+            }
+        }
+    }
+}
+
+// The row's first K threads take its places in its experts: base[e] plus a ticket from
+// tick[e] (atomics: the order within an expert is not part of the contract), recorded for
+// combine (pos, wts) and in s_p for copy_row.
+__device__ __forceinline__ void take_places(
+    const Layout &L, const char *slot, int i, long long e0, const int *base, int *tick,
+    long long capacity, int *s_p, int *pos, float *wts) {
+    const int K = L.K, E = L.E_local;
+    if (threadIdx.x < K) {
+        const int e = __ldcg((const int *)(slot + L.off_exp) + (long long)i * K + threadIdx.x);
+        int p = -1;
+        if (e >= 0 && e < E) {
+            p = (base ? base[e] : 0) + atomicAdd(&tick[e], 1);
+            if (p >= capacity) p = -1;  // reported through err (dispatch_route / _small)
+        }
+        s_p[threadIdx.x] = p;
+        pos[e0 + threadIdx.x] = p;
+        wts[e0 + threadIdx.x] = __ldcg((const float *)(slot + L.off_wts) + (long long)i * K + threadIdx.x);
+    }
+}
+
+// After dispatch_route: one block per received row (grid-stride).
 extern "C" __global__ void dispatch_copy(
     const u64 *src_slot, const int *ntok, int *cursor, const Layout *Lp, long long capacity,
     int *pos, float *wts, char *__restrict__ out_x, char *__restrict__ out_s, const char *x,
     long long x_stride, const char *scales, long long s_stride, const int *tok_of) {
     const Layout L = *Lp;
     __shared__ int s_p[32];
-    const int N = L.N, K = L.K, E = L.E_local, ca = L.seg_a >> 4, cb = L.seg_b >> 2;
+    const int N = L.N;
     int rows = 0;
     for (int r = 0; r < N; ++r) rows += ntok[r];
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
         int i = row, r = 0;
         while (i >= ntok[r]) i -= ntok[r++];
         const char *slot = (const char *)src_slot[r];
-        const long long e0 = ((long long)r * L.T + i) * K;
-        if (threadIdx.x < K) {
-            const int e = __ldcg((const int *)(slot + L.off_exp) + (long long)i * K + threadIdx.x);
-            int p = -1;
-            if (e >= 0 && e < E) {
-                p = atomicAdd(&cursor[e], 1);
-                if (p >= capacity) p = -1;  // reported through err by dispatch_route
-            }
-            s_p[threadIdx.x] = p;
-            pos[e0 + threadIdx.x] = p;
-            wts[e0 + threadIdx.x] = __ldcg((const float *)(slot + L.off_wts) + (long long)i * K + threadIdx.x);
-        }
+        take_places(L, slot, i, ((long long)r * L.T + i) * L.K, nullptr, cursor, capacity, s_p, pos, wts);
         __syncthreads();
-        const char *xa, *sa;
-        if (r == L.me) {
-            const long long t = tok_of[i];
-            xa = x + t * x_stride;
-            sa = scales + t * s_stride;
-        } else {
-            xa = slot + L.off_rows + (long long)i * L.row_bytes;
-            sa = xa + L.seg_a;
+        copy_row(L, r, i, slot, s_p, out_x, out_s, x, x_stride, scales, s_stride, tok_of);
+        __syncthreads();
+    }
+}
+
+// dispatch_route and dispatch_copy in one launch, for calls with few entries (decode):
+// every block waits for the sources and counts every received entry itself (a few per
+// thread), so each knows every expert's offset without a grid-wide step; places come from
+// tickets in fill[parity] (block 0 clears the other parity's for the next call and writes
+// counts, offsets and ntok). dynamic shared memory: E_local ints.
+extern "C" __global__ void dispatch_recv_small(
+    const u64 *src_slot, const u64 *src_flag, u64 epoch, const Layout *Lp, long long capacity,
+    int *expert_counts, int *expert_offsets, int *fill, int *ntok, u32 *err, u64 timeout_ns,
+    int *pos, float *wts, char *__restrict__ out_x, char *__restrict__ out_s, const char *x,
+    long long x_stride, const char *scales, long long s_stride, const int *tok_of) {
+    const Layout L = *Lp;
+    extern __shared__ int s_off[];  // [E_local]: counts, then offsets
+    __shared__ int s_n[MAX_RANKS];
+    __shared__ int s_p[32];
+    const int N = L.N, K = L.K, E = L.E_local;
+    const bool lead = blockIdx.x == 0;
+    for (int r = threadIdx.x; r < N; r += blockDim.x) {
+        wait_epoch((const u64 *)src_flag[r], epoch, timeout_ns, lead ? err : nullptr);
+        int n = *(volatile int *)(src_slot[r]);
+        s_n[r] = (n >= 0 && n <= L.T) ? n : 0;
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) s_off[e] = 0;
+    int *tick = fill + (epoch & 1) * E;
+    if (lead)
+        for (int e = threadIdx.x; e < E; e += blockDim.x) fill[(1 - (epoch & 1)) * E + e] = 0;
+    __syncthreads();
+    for (int r = 0; r < N; ++r) {
+        const int *ex = (const int *)((const char *)src_slot[r] + L.off_exp);
+        const int n = s_n[r] * K;
+        for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            const int e = __ldcg(ex + j);
+            if (e >= 0 && e < E) atomicAdd(&s_off[e], 1);
         }
-        for (int c = threadIdx.x; c < ca + cb; c += blockDim.x) {
-            if (c < ca) {
-                const uint4 v = __ldcg((const uint4 *)xa + c);
-                for (int k = 0; k < K; ++k) {
-                    const int p = s_p[k];
-                    if (p >= 0) ((uint4 *)(out_x + (long long)p * L.seg_a))[c] = v;
-                }
-            } else {
-                const u32 v = __ldcg((const u32 *)sa + (c - ca));
-                for (int k = 0; k < K; ++k) {
-                    const int p = s_p[k];
-                    if (p >= 0) ((u32 *)(out_s + (long long)p * L.seg_b))[c - ca] = v;
-                }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x, per = (E + 31) / 32, lo = min(E, lane * per), hi = min(E, lo + per);
+        long long sum = 0;
+        for (int e = lo; e < hi; ++e) sum += s_off[e];
+        long long incl = sum;
+        for (int d = 1; d < 32; d <<= 1) {
+            const long long v = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl += v;
+        }
+        long long acc = incl - sum;
+        for (int e = lo; e < hi; ++e) {
+            const int c = s_off[e];
+            if (lead) {
+                expert_counts[e] = c;
+                expert_offsets[e] = (int)acc;
             }
+            s_off[e] = (int)acc;
+            acc += c;
         }
+        if (lead && lane == 31) {
+            expert_offsets[E] = (int)incl;
+            if (incl > capacity) atomicOr(err, ERR_CAPACITY);
+        }
+    }
+    if (lead)
+        for (int r = threadIdx.x; r < N; r += blockDim.x) ntok[r] = s_n[r];
+    __syncthreads();
+    int rows = 0;
+    for (int r = 0; r < N; ++r) rows += s_n[r];
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        int i = row, r = 0;
+        while (i >= s_n[r]) i -= s_n[r++];
+        const char *slot = (const char *)src_slot[r];
+        take_places(L, slot, i, ((long long)r * L.T + i) * K, s_off, tick, capacity, s_p, pos, wts);
+        __syncthreads();
+        copy_row(L, r, i, slot, s_p, out_x, out_s, x, x_stride, scales, s_stride, tok_of);
         __syncthreads();
     }
 }

@@ -17,7 +17,9 @@ import numpy as np
 from .config import MoeConfig, SlotLayout
 
 _SRC = Path(__file__).with_name("kernels.cu")
-KERNELS = ("dispatch_send", "dispatch_route", "dispatch_copy", "combine_send", "combine_recv")
+KERNELS = (
+    "dispatch_send", "dispatch_route", "dispatch_copy", "dispatch_recv_small", "combine_send", "combine_recv",
+)  # fmt: skip
 ERR_CAPACITY = 1
 ERR_EXPERT = 2
 ERR_TIMEOUT = 4

@@ -172,6 +172,10 @@ def _check_call(a2a: Any, cfg: Any, case: Any, rank: int, dev: Any, f: Any) -> N
     torch.testing.assert_close(out, want_out, rtol=tol, atol=tol * max(scale, 1.0))
 
 
+def _to(t: Any, dev: Any) -> Any:
+    return None if t is None else t.to(dev)
+
+
 def _rank_main(path: str, rank: int, world: int, init: str) -> None:
     import torch
     import torch.distributed as dist
@@ -192,18 +196,24 @@ def _rank_main(path: str, rank: int, world: int, init: str) -> None:
         MoeConfig(max_tokens=32, num_experts=4 * world, experts_per_token=2, hidden=128, world_size=world,
                   in_dtype="bf16", out_dtype="fp32"),
     ]  # fmt: skip
-    for ci, cfg in enumerate(configs):
+    from afabric.moe import alltoall
+
+    # these configurations receive in one kernel (few entries); the fp8 one once more with
+    # the routing kernel and the copy kernel that large calls use
+    runs = [(0, True), (1, True), (2, True)] + ([(1, False)] if path == "nvlink" else [])
+    for ci, fused in runs:
+        cfg = configs[ci]
+        alltoall.FUSED_RECEIVE_MAX_ENTRIES = 1 << 30 if fused else 0
         a2a = AllToAll(cfg, rank=rank, all_gather=gather, device=rank, path=path, timeout=60.0)
+        assert a2a.fused_receive == fused
         f = ref.expert_factors(cfg)
-        seed = 1000 * ci
+        seed = 1000 * ci + (500 if not fused else 0)
         for rep in range(2):  # every scenario twice: both buffer parities
             for scenario in ref.SCENARIOS:
                 seed += 1
                 _check_call(a2a, cfg, ref.make_case(cfg, scenario, seed), rank, dev, f)
-                print(
-                    f"rank {rank} config {ci} {cfg.in_dtype}->{cfg.out_dtype} {scenario} rep {rep}: ok",
-                    flush=True,
-                )
+                what = f"config {ci} {cfg.in_dtype}->{cfg.out_dtype} fused {fused}"
+                print(f"rank {rank} {what} {scenario} rep {rep}: ok", flush=True)
         # dispatch three times without combine, then a burst of calls with no host sync
         for _ in range(3):
             seed += 1
@@ -212,7 +222,7 @@ def _rank_main(path: str, rank: int, world: int, init: str) -> None:
                 case.x[rank].to(dev),
                 case.topk_idx[rank].to(dev),
                 case.topk_weights[rank].to(dev),
-                None if case.scales[rank] is None else case.scales[rank].to(dev),
+                _to(case.scales[rank], dev),
             )
         for _ in range(20):
             seed += 1
@@ -221,13 +231,13 @@ def _rank_main(path: str, rank: int, world: int, init: str) -> None:
                 case.x[rank].to(dev),
                 case.topk_idx[rank].to(dev),
                 case.topk_weights[rank].to(dev),
-                None if case.scales[rank] is None else case.scales[rank].to(dev),
+                _to(case.scales[rank], dev),
             )
             a2a.combine(torch.zeros((cfg.expert_capacity, cfg.hidden), dtype=a2a.out_dtype, device=dev))
         del res
         _check_call(a2a, cfg, ref.make_case(cfg, "random", seed + 1), rank, dev, f)
         a2a.check()
-        print(f"rank {rank} config {ci}: repeated calls ok", flush=True)
+        print(f"rank {rank} config {ci} fused {fused}: repeated calls ok", flush=True)
         a2a.close()
     dist.destroy_process_group()
     print(f"rank {rank}: all checks passed ({path})", flush=True)
