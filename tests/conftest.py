@@ -92,10 +92,14 @@ def _no_shm_leaks() -> Iterator[None]:
 
 @pytest.fixture
 def shm_cleanup() -> Iterator[None]:
-    """For tests that SIGKILL a peer: remove the files the dead process could not."""
+    """For tests that SIGKILL a peer: remove the files the dead process could not (only
+    files of processes that are gone: a live one's may belong to a parallel test run)."""
     before = _shm_files()
     yield
     for name in _shm_files() - before:
+        pid = name.split(":", 1)[0]
+        if pid.isdigit() and Path(f"/proc/{pid}").exists():
+            continue
         with contextlib.suppress(OSError):
             os.unlink(f"/dev/shm/{name}")
 
