@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -372,6 +373,9 @@ int afs_engine_check_open(afs_engine *eng)
     return 0;
 }
 
+/* How long closing waits for the worker to stop before giving up on it. */
+#define AFS_CLOSE_WAIT_S 10
+
 int32_t afs_engine_destroy(afs_engine *eng)
 {
     if (!eng)
@@ -386,7 +390,20 @@ int32_t afs_engine_destroy(afs_engine *eng)
         uint64_t one = 1;
         ssize_t w = write(eng->wake_fd, &one, sizeof(one));
         (void)w; /* the worker also wakes on its sleep timeout */
-        pthread_join(eng->worker, NULL);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += AFS_CLOSE_WAIT_S;
+        if (pthread_timedjoin_np(eng->worker, NULL, &until) != 0) {
+            /* The worker is stuck inside the provider (seen: libfabric 1.17 shm spinning on a
+             * lock in the shared region that a SIGKILLed peer held). Closing must not hang
+             * the caller forever, and nothing the worker may still touch can be freed: the
+             * thread is detached and the engine's memory left in place (a bounded leak). */
+            pthread_detach(eng->worker);
+            return afs_fail(AFS_ETIMEDOUT,
+                            "closing: the worker did not stop within %d s (stuck inside provider "
+                            "%s); the engine's memory is left allocated",
+                            AFS_CLOSE_WAIT_S, eng->provider_full);
+        }
     }
     afs_watchers_destroy(eng);
     /* deregister what the application left registered before closing the domains */
