@@ -94,6 +94,8 @@ class NicStats(ctypes.Structure):
     retries: int
     landed: int
     completions: int
+    rejected: int
+    rejected_unknown: int
     _fields_ = [
         ("writes", ctypes.c_uint64),
         ("write_bytes", ctypes.c_uint64),
@@ -104,6 +106,8 @@ class NicStats(ctypes.Structure):
         ("retries", ctypes.c_uint64),
         ("landed", ctypes.c_uint64),
         ("completions", ctypes.c_uint64),
+        ("rejected", ctypes.c_uint64),
+        ("rejected_unknown", ctypes.c_uint64),
     ]
 
 
@@ -211,6 +215,7 @@ CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
 POLL_ADAPTIVE, POLL_SPIN = 0, 1
 MR_REMOTE, MR_DEVICE = 0x1, 0x2
+ALLOW_ON, ALLOW_UNKNOWN = 0x1, 0x2
 NO_IMM = -1
 NO_TRIGGER = (0, 0, 0)
 CAP_IMM_NEEDS_RECV = 0x1
@@ -261,6 +266,7 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_remote_import": (ctypes.c_int32, [_E, ctypes.c_char_p, ctypes.c_uint32, _u64p]),
     "afs_remote_release": (ctypes.c_int32, [_E, ctypes.c_uint64]),
     "afs_peer_resolve": (ctypes.c_int32, [_E, ctypes.c_char_p, ctypes.c_uint32, _u64p]),
+    "afs_allow_peers": (ctypes.c_int32, [_E, ctypes.c_char_p, _u32p, ctypes.c_uint32, ctypes.c_uint32]),
     "afs_write": (
         ctypes.c_int32,
         [
@@ -685,6 +691,14 @@ class NativeEngine:
     def release_remote(self, remote_id: int) -> None:
         rc = self._s.f.afs_remote_release(self._handle(), remote_id)
         self._s.check(rc, "releasing descriptor", self.provider)
+
+    def allow_peers(self, addresses: list[bytes] | None, accept_unknown: bool = False) -> None:
+        """Install the allow-list (None: every peer)."""
+        blobs = addresses or []
+        lens = (ctypes.c_uint32 * max(1, len(blobs)))(*[len(b) for b in blobs])
+        flags = 0 if addresses is None else ALLOW_ON | (ALLOW_UNKNOWN if accept_unknown else 0)
+        rc = self._s.f.afs_allow_peers(self._handle(), b"".join(blobs), lens, len(blobs), flags)
+        self._s.check(rc, "setting the allow-list", self.provider)
 
     def resolve_peer(self, address: bytes) -> int:
         rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), self._out_ref)

@@ -141,6 +141,7 @@ class Engine:
         name: str | None = None,
         force_efa_modes: bool = False,
         timing: bool = False,
+        allow_peers: Sequence[Address | bytes] | None = None,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         try:
@@ -192,6 +193,12 @@ class Engine:
         except BaseException:
             self._n.destroy()
             raise
+        if allow_peers is not None:
+            try:
+                self.allow_peers(allow_peers)
+            except BaseException:
+                self.close()
+                raise
 
     def _adopt(self, provider: str, why: str, name: str | None, op_timeout: float) -> None:
         """The rest of construction, once the native engine exists (which `__init__`
@@ -215,6 +222,8 @@ class Engine:
         self._recv_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._remotes: dict[bytes, int] = {}
         self._peers: dict[bytes, int] = {}
+        self.allowed_peers: tuple[Address, ...] | None = None
+        """The allow-list (:meth:`allow_peers`); None: every peer."""
         self._next_imm = 0
         self._watchers: dict[int, UvmWatcher] = {}
         self._timings_dropped = 0
@@ -313,8 +322,10 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
         immediates in, completions, errors, "try again" retries, remote writes seen landing,
-        and ``outstanding``: work requests still with the provider, the NIC's queue depth)
-        plus the operations this engine is waiting on. Cheap: read it as often as you like."""
+        and ``outstanding``: work requests still with the provider, the NIC's queue depth;
+        ``rejected`` / ``rejected_unknown``: messages and immediates the allow-list dropped,
+        from a peer not on it / from a sender the provider could not name) plus the
+        operations this engine is waiting on. Cheap: read it as often as you like."""
         self._check_open()
         return {
             "provider": self.provider,
@@ -377,6 +388,41 @@ class Engine:
         self._n.deregister(mr_id)
 
     # ---- descriptors and peers ----
+
+    def allow_peers(self, peers: Sequence[Address | bytes] | None, *, accept_unknown: bool = False) -> None:
+        """Accept messages and immediates only from these peers, and resolve, write and send
+        only to them; None (the default) allows every peer. Takes effect at once, also for
+        peers resolved before. Enforced by the shim's worker: a dropped message or immediate
+        never reaches Python (``stats()``: ``rejected``). One whose sender the provider
+        cannot name (tcp: every immediate; README, Security) is dropped too while a list is
+        set (``rejected_unknown``), unless ``accept_unknown=True`` lets those through.
+        Reaching a peer not on the list raises :class:`~afabric.errors.PeerNotAllowed`. It
+        cannot stop a one-sided write from a peer holding one of this engine's remote keys."""
+        self._check_open()
+        if not isinstance(accept_unknown, bool):
+            raise errors.InvalidArgument("accept_unknown must be a bool")
+        if peers is None:
+            self._n.allow_peers(None)
+            self.allowed_peers = None
+            return
+        if isinstance(peers, (Address, bytes, bytearray, memoryview, str)):
+            raise errors.InvalidArgument("allow_peers takes a list of addresses (or None)")
+        addrs: list[Address] = []
+        for a in peers:
+            if isinstance(a, Address):
+                addrs.append(a)
+            elif isinstance(a, (bytes, bytearray, memoryview)):
+                addrs.append(Address.from_bytes(a))
+            else:
+                raise errors.InvalidArgument(f"allow_peers: an Address or bytes, got {type(a).__name__}")
+        self._n.allow_peers([bytes(a) for a in addrs], accept_unknown)
+        self.allowed_peers = tuple(addrs)
+        # resolved peers and imported descriptors are looked up again (and checked again);
+        # operations already submitted carry their own copies
+        self._peers.clear()
+        remotes, self._remotes = self._remotes, {}
+        for rid in remotes.values():
+            self._n.release_remote(rid)
 
     def _remote(self, desc: Any) -> tuple[int, int]:
         if not isinstance(desc, MrDesc):

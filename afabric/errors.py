@@ -105,6 +105,10 @@ class RemoteKeyRejected(TransportError, PermissionError):
     """The target refused the remote key or the range (deregistered or forged descriptor)."""
 
 
+class PeerNotAllowed(UsageError, PermissionError):
+    """The peer is not on the engine's allow-list (``Engine(allow_peers=...)``)."""
+
+
 class Cancelled(AfabricError):
     """The operation was cancelled."""
 
@@ -129,6 +133,7 @@ _BY_NAME: dict[str, type[AfabricError]] = {
     "ENODEV": ProviderUnavailable,
     "EWRONGPROV": WrongProvider,
     "EREG": RegistrationError,
+    "EDENIED": PeerNotAllowed,
 }
 
 

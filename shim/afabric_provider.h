@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #define AFP_ABI_MAJOR 1u
-#define AFP_ABI_MINOR 2u /* 1: AFP_EV_ACTIVITY; 2: post_paged */
+#define AFP_ABI_MINOR 3u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
@@ -126,6 +126,12 @@ typedef struct afp_event {
     char errtext[AFP_ERRTEXT_LEN]; /* the provider's own error text, for errors */
 } afp_event;
 
+/* poll_from's source of an event: the peer handle `resolve` gave for the sender, or one of
+ * these: the provider knows the sender is none of the peers resolved on this domain, or it
+ * cannot tell who sent it. */
+#define AFP_SRC_UNKNOWN UINT64_MAX
+#define AFP_SRC_UNRESOLVED (UINT64_MAX - 1)
+
 #define AFP_MR_REMOTE 0x1u /* remote peers may write into the region */
 #define AFP_MR_DEVICE 0x2u /* CUDA device memory (device id in `device`) */
 
@@ -165,6 +171,10 @@ struct afp_ops {
      * batch pages, e.g. one copy kernel). 0, AFS_EAGAIN (nothing posted) or an error. Used
      * for engines of one NIC; without it the shim posts one write per page. */
     int (*post_paged)(afp_domain *dom, const afp_paged *p);
+    /* Optional (minor 3): poll, and for each event set src[i] to the sender of an AFP_EV_RECV
+     * or AFP_EV_IMM: a `resolve` handle, AFP_SRC_UNRESOLVED or AFP_SRC_UNKNOWN. Only exact
+     * answers may be given (the shim's allow-list trusts them); when unsure, UNKNOWN. */
+    int (*poll_from)(afp_domain *dom, afp_event *ev, uint64_t *src, uint32_t max, uint32_t *n);
 };
 
 typedef const struct afp_ops *(*afp_get_ops_fn)(void);

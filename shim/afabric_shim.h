@@ -41,7 +41,8 @@
     X(EBUSY, -16, "resource busy")                                                              \
     X(ENODEV, -17, "no usable NIC or domain")                                                   \
     X(EWRONGPROV, -18, "descriptor or address belongs to another provider")                     \
-    X(EREG, -19, "memory registration failed")
+    X(EREG, -19, "memory registration failed")                                              \
+    X(EDENIED, -20, "peer is not on the engine's allow-list")
 
 #define AFS_ENUM_ITEM(name, value, text) AFS_##name = (value),
 enum afs_error { AFS_ERROR_TABLE(AFS_ENUM_ITEM) };
@@ -96,6 +97,8 @@ typedef struct afs_nic_stats {
     uint64_t landed;      /* remote writes seen landing here (where the provider counts them) */
     uint64_t completions; /* write and send work requests completed (with or without error):
                              writes + sends - completions are still with the provider */
+    uint64_t rejected;         /* messages/immediates dropped: sender not on the allow-list */
+    uint64_t rejected_unknown; /* dropped while a list is set: the provider cannot name the sender */
 } afs_nic_stats;
 
 /* Where one operation's time went (AFS_CFG_TIMING), CLOCK_MONOTONIC ns; 0 = stage not
@@ -176,6 +179,15 @@ AFS_API int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t
 AFS_API int32_t afs_remote_release(afs_engine *eng, uint64_t remote_id);
 AFS_API int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len,
                                  uint64_t *peer_id);
+/* The allow-list (allow.c): with AFS_ALLOW_ON, only the `count` peers whose addresses are
+ * concatenated in `blobs` (lengths in `lens`) may be resolved, written to or sent to, and
+ * only their messages and immediates are delivered; a message or immediate whose sender
+ * the provider cannot name is dropped too, unless AFS_ALLOW_UNKNOWN. flags 0 (count 0):
+ * no list, every peer. */
+#define AFS_ALLOW_ON 0x1u
+#define AFS_ALLOW_UNKNOWN 0x2u
+AFS_API int32_t afs_allow_peers(afs_engine *eng, const uint8_t *blobs, const uint32_t *lens,
+                                uint32_t count, uint32_t flags);
 
 /* Writes take a trigger (AFS_TRIG_NONE: post now). A triggered write is held by the shim
  * and posted by its worker the moment the condition holds, with no Python in between. */

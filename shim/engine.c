@@ -266,6 +266,7 @@ static void engine_free(afs_engine *eng)
     afs_slots_destroy(&eng->peers);
     afs_slots_destroy(&eng->remotes);
     afs_slots_destroy(&eng->watchers);
+    afs_allow_destroy(eng);
     pthread_mutex_destroy(&eng->peer_lock);
     pthread_mutex_destroy(&eng->timing_lock);
     free(eng->timings);
@@ -469,6 +470,8 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     out->retries = atomic_load_explicit(&n->st_retries, memory_order_relaxed);
     out->landed = atomic_load_explicit(&n->st_landed, memory_order_relaxed);
     out->completions = atomic_load_explicit(&n->st_completions, memory_order_relaxed);
+    out->rejected = atomic_load_explicit(&n->st_rejected, memory_order_relaxed);
+    out->rejected_unknown = atomic_load_explicit(&n->st_rejected_unknown, memory_order_relaxed);
     return 0;
 }
 
@@ -585,8 +588,8 @@ int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation)
                     (unsigned long long)old_incarnation, (unsigned long long)new_incarnation);
 }
 
-static int find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
-                                uint32_t blob_len, uint64_t *peer_id)
+int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
+                             uint32_t blob_len, uint64_t *peer_id)
 {
     int rc = 0;
     if (strcmp(v->provider, eng->provider_name) != 0)
@@ -668,9 +671,9 @@ int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len, uin
     if (!peer_id)
         return afs_fail(AFS_EINVAL, "resolve: NULL output");
     afs_addr_view v;
-    if ((rc = afs_addr_parse(addr, len, &v)))
+    if ((rc = afs_addr_parse(addr, len, &v)) || (rc = afs_allow_check_addr(eng, &v)))
         return rc;
-    return find_or_resolve_peer(eng, &v, addr, len, peer_id);
+    return afs_find_or_resolve_peer(eng, &v, addr, len, peer_id);
 }
 
 int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len, uint64_t *remote_id)
@@ -681,10 +684,10 @@ int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len, ui
     if (!remote_id)
         return afs_fail(AFS_EINVAL, "import: NULL output");
     afs_desc_view d;
-    if ((rc = afs_desc_parse(desc, len, &d)))
+    if ((rc = afs_desc_parse(desc, len, &d)) || (rc = afs_allow_check_addr(eng, &d.owner)))
         return rc;
     uint64_t peer_id;
-    if ((rc = find_or_resolve_peer(eng, &d.owner, d.addr_blob, d.addr_blob_len, &peer_id)))
+    if ((rc = afs_find_or_resolve_peer(eng, &d.owner, d.addr_blob, d.addr_blob_len, &peer_id)))
         return rc;
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
     if (!p)

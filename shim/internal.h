@@ -164,7 +164,7 @@ typedef struct afs_nic {
     void *rx_desc, *tx_desc;
     /* counters (afs_nic_stats): written by the worker alone, read by anyone */
     _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
-        st_retries, st_landed, st_completions;
+        st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     /* receive slots the provider would not take back yet ("try again": its queue or context
@@ -236,7 +236,9 @@ typedef struct afs_watcher {
     uint64_t current;        /* worker only: the value triggers compare against */
 } afs_watcher;
 
-enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE };
+enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE, AFS_CTRL_ALLOW };
+
+typedef struct afs_allow afs_allow; /* allow.c: an allow-list snapshot */
 
 typedef struct afs_bench_counter {
     _Atomic uint32_t done; /* a futex word: the raw loop sleeps on it like Python on its fd */
@@ -322,6 +324,7 @@ typedef struct afs_xfer {
     const uint8_t *ctrl_addr[AFS_MAX_NICS];
     uint32_t ctrl_addr_len[AFS_MAX_NICS];
     uint64_t ctrl_fi_addr[AFS_MAX_NICS];
+    afs_allow *ctrl_allow; /* AFS_CTRL_ALLOW: the worker's new list (NULL: every peer) */
 } afs_xfer;
 
 typedef struct afs_xfer_list {
@@ -360,6 +363,8 @@ struct afs_engine {
     pthread_mutex_t timing_lock;
     afs_slots mrs, peers, remotes;
     pthread_mutex_t peer_lock; /* guards peer lookup by address (control path only) */
+    afs_allow *allow_book;     /* allow.c: the allow-list as callers see it (peer_lock) */
+    afs_allow *allow;          /* the same list, the worker's copy; NULL = every peer */
 
     /* worker-owned */
     afs_immtab imm;
@@ -401,6 +406,15 @@ int afs_submit_built(afs_engine *eng, afs_xfer *x, uint32_t trig_kind, uint64_t 
 /* dynlen.c: sets x->length from its length word (worker, when the write starts) */
 void afs_dynlen_resolve(afs_xfer *x);
 
+/* allow.c: the allow-list (see there for what it can and cannot stop) */
+int afs_allow_check_addr(afs_engine *eng, const afs_addr_view *v); /* AFS_EDENIED if not on it */
+bool afs_allow_refuse_src(afs_engine *eng, uint32_t nic, uint64_t src); /* worker; counts */
+bool afs_allow_refuse_out(afs_engine *eng, afs_xfer *x); /* worker: sets x's error */
+int afs_allow_poll(afs_engine *eng, uint32_t nic, afp_event *ev, uint64_t *src, uint32_t max,
+                   uint32_t *n);
+void afs_allow_free(afs_allow *a);
+void afs_allow_destroy(afs_engine *eng);
+
 /* watcher.c */
 void *afs_watch_main(void *arg);
 void afs_watchers_destroy(afs_engine *eng);
@@ -410,5 +424,7 @@ int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **
 int afs_engine_check_open(afs_engine *eng);
 int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot);
 int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation); /* AFS_ESTALE */
+int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
+                             uint32_t blob_len, uint64_t *peer_id); /* no allow-list check */
 
 #endif

@@ -11,7 +11,7 @@
  * An incarnation names one engine instance: its top 52 bits are the wall-clock time of
  * creation in microseconds, the low 12 random. Peers at one NIC address live on one host,
  * so when two incarnations claim the same NIC address the larger one is the restarted
- * engine and the smaller one's descriptors are refused (engine.c, find_or_resolve_peer).
+ * engine and the smaller one's descriptors are refused (engine.c, afs_find_or_resolve_peer).
  */
 #include <time.h>
 

@@ -509,6 +509,10 @@ static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
     if (eng->cfg.op_timeout_ns)
         x->deadline_ns = now + eng->cfg.op_timeout_ns;
     list_append(&eng->active, x);
+    if (eng->allow && afs_allow_refuse_out(eng, x)) { /* allow.c: fails x, posts nothing */
+        x->total_wr = 0;
+        x->imm_pending = false;
+    }
     if (x->total_wr == 0)
         finish(eng, x);
     else
@@ -748,6 +752,9 @@ static void run_ctrl(afs_engine *eng, afs_xfer *x)
     case AFS_CTRL_RESOLVE:
         ctrl_resolve(eng, x);
         break;
+    case AFS_CTRL_ALLOW: /* allow.c frees the list this one replaces */
+        eng->allow = x->ctrl_allow;
+        break;
     default:
         x->ctrl_rc = AFS_EINVAL;
         snprintf(x->ctrl_err, sizeof(x->ctrl_err), "unknown control request %u", x->ctrl_op);
@@ -889,14 +896,21 @@ static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev)
 static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
 {
     afp_event ev[AFS_POLL_BATCH];
+    uint64_t src[AFS_POLL_BATCH]; /* senders, for the allow-list (allow.c) */
     uint32_t n = 0;
-    int rc = eng->ops->poll(eng->nics[nic].dom, ev, AFS_POLL_BATCH, &n);
+    int rc = afs_allow_poll(eng, nic, ev, src, AFS_POLL_BATCH, &n);
     if (rc && rc != AFS_EAGAIN)
         return false; /* a failing CQ; errors of operations arrive as events */
     afs_nic *nn = &eng->nics[nic];
     for (uint32_t i = 0; i < n; i++) {
         const afp_event *e = &ev[i];
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
+        if (eng->allow && (e->kind == AFP_EV_RECV || e->kind == AFP_EV_IMM) &&
+            afs_allow_refuse_src(eng, nic, src[i])) {
+            if (is_rx) /* dropped before anyone sees it: the buffer goes straight back */
+                repost_rx(eng, nic, (uint32_t)(e->ctx >> 16));
+            continue;
+        }
         if (e->kind == AFP_EV_ERROR) /* a failed receive too: e.g. an oversize message */
             afs_count(&nn->st_errors, 1);
         if (e->kind == AFP_EV_WRITE_DONE || e->kind == AFP_EV_SEND_DONE ||

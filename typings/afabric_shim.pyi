@@ -125,6 +125,10 @@ class ShimLib:
     def afs_remote_release(eng: EngineHandle, remote_id: int) -> int: ...
     @staticmethod
     def afs_peer_resolve(eng: EngineHandle, addr: bytes, len: int, peer_id: _Ref[c_uint64]) -> int: ...
+    @staticmethod
+    def afs_allow_peers(eng: EngineHandle, blobs: bytes, lens: _Ref[c_uint32], count: int, flags: int) -> int:
+        """Only these peers (addresses concatenated in ``blobs``) may be reached or deliver
+        messages and immediates (flags ALLOW_ON [| ALLOW_UNKNOWN]); ``flags=0``: every peer."""
 
     # ---- operations (each one enqueue; the result arrives through afs_drain) ----
 

@@ -93,6 +93,9 @@ struct afp_domain {
     bool hmem;
     bool delivery_complete;
     bool rma_event;
+    bool source; /* FI_SOURCE: completions of receives say who sent them (poll_from) */
+    bool src_msg, src_imm; /* which events' sources are passed on (see trust_sources) */
+    uint64_t self_fa;      /* our own address, taking AV index 0 (see trust_sources) */
     uint64_t write_flags; /* fixed fi_writemsg flags (FI_COMPLETION [| FI_DELIVERY_COMPLETE]) */
     uint64_t next_key;
     uint64_t max_msg_size;
@@ -331,7 +334,7 @@ static bool info_usable(const struct fi_info *fi, const afp_open_args *a)
 }
 
 static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args *a, bool dc,
-                                  bool hmem, bool rma_event)
+                                  bool hmem, bool rma_event, bool source)
 {
     struct fi_info *h = lib->dupinfo(NULL); /* = fi_allocinfo() */
     if (!h)
@@ -342,6 +345,8 @@ static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args
         h->caps |= FI_HMEM;
     if (rma_event)
         h->caps |= FI_RMA_EVENT;
+    if (source)
+        h->caps |= FI_SOURCE;
     /* Offer every mode we can honour; the provider keeps in info->mode the ones it needs. */
     h->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
     h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
@@ -362,10 +367,10 @@ static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args
 
 /* fi_getinfo with our hints; returns libfabric's code (-FI_ENODATA: nothing matched). */
 static int query(const struct ofi_lib *lib, const afp_open_args *a, const char *node, bool dc,
-                 bool hmem, bool rma_event, struct fi_info **list)
+                 bool hmem, bool rma_event, bool source, struct fi_info **list)
 {
     *list = NULL;
-    struct fi_info *hints = make_hints(lib, a, dc, hmem, rma_event);
+    struct fi_info *hints = make_hints(lib, a, dc, hmem, rma_event, source);
     if (!hints)
         return -FI_ENOMEM;
     int ret = lib->getinfo(OFI_API_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, list);
@@ -450,7 +455,7 @@ static int ofi_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max
     /* The plainest hints: a NIC is listed if it can be opened at all. Only an explicit
      * bind address narrows the query (no loopback default: we want every interface). */
     const char *node = a->bind_addr && *a->bind_addr ? a->bind_addr : NULL;
-    int ret = query(lib, a, node, false, false, false, &list);
+    int ret = query(lib, a, node, false, false, false, false, &list);
     if (ret == -FI_ENODATA)
         goto out; /* no NIC is not an error here */
     if (ret) {
@@ -490,6 +495,29 @@ static bool cuda_present(void)
     return true;
 }
 
+/* The same choice with FI_SOURCE as well, if the provider offers it: receive completions
+ * then name their sender (the shim's allow-list). Optional: without it, sources are unknown. */
+static void with_source(afp_domain *d, const afp_open_args *a, const char *node, bool dc,
+                        bool hmem, bool rma_event)
+{
+    struct fi_info *list = NULL;
+    if (query(d->lib, a, node, dc, hmem, rma_event, true, &list) != 0)
+        return;
+    for (struct fi_info *fi = list; fi; fi = fi->next) {
+        if (info_usable(fi, a) && (fi->caps & FI_SOURCE) &&
+            strcmp(fi->fabric_attr->prov_name, d->info->fabric_attr->prov_name) == 0 &&
+            fi->domain_attr->mr_mode == d->info->domain_attr->mr_mode &&
+            fi->mode == d->info->mode) {
+            d->lib->freeinfo(d->info_list);
+            d->info_list = list;
+            d->info = fi;
+            d->source = true;
+            return;
+        }
+    }
+    d->lib->freeinfo(list);
+}
+
 /* Picks the fi_info to open: the richest set of attributes the provider accepts first
  * (FI_HMEM for device memory, FI_DELIVERY_COMPLETE for writes, FI_RMA_EVENT so a target
  * can see remote writes land), then less. */
@@ -508,7 +536,8 @@ static int select_info(afp_domain *d, const afp_open_args *a)
         struct fi_info *list = NULL;
         if (rungs[r].hmem && !try_hmem)
             continue;
-        ret = query(d->lib, a, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event, &list);
+        ret = query(d->lib, a, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event, false,
+                    &list);
         if (ret == -FI_ENODATA)
             continue;
         if (ret)
@@ -519,6 +548,7 @@ static int select_info(afp_domain *d, const afp_open_args *a)
                 d->info = fi;
                 d->delivery_complete = rungs[r].dc;
                 d->rma_event = rungs[r].rma_event;
+                with_source(d, a, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event);
                 return 0;
             }
         }
@@ -579,6 +609,30 @@ static int open_cq(afp_domain *d, size_t size)
     ret = fi_control(&d->cq->fid, FI_GETWAIT, &fd);
     d->wait_fd = ret == 0 ? fd : -1;
     return 0;
+}
+
+/* Which senders FI_SOURCE names exactly, as tests/test_allow.py saw with libfabric 1.17:
+ * tcp;ofi_rxm names a message's sender (FI_ADDR_NOTAVAIL for one never inserted in the
+ * AV) but leaves the source of remote CQ data at 0, whoever wrote it; shm names both, but
+ * reports a sender never inserted as 0. So index 0 of the AV is taken by our own address
+ * (no peer ever gets it: 0, like FI_ADDR_NOTAVAIL, means a sender never resolved),
+ * immediates over rxm have no source, and other providers' sources are not passed on until
+ * they are tested. */
+static void trust_sources(afp_domain *d, const char *self_name)
+{
+    uint8_t padded[AFP_MAX_ADDR_LEN + 8] = {0};
+    memcpy(padded, self_name, d->addr_len);
+    fi_addr_t fa = FI_ADDR_NOTAVAIL;
+    if (fi_av_insert(d->av, padded, 1, &fa, 0, NULL) != 1 || fa != 0) {
+        d->source = false; /* the AV would not give us index 0: no sources at all */
+        return;
+    }
+    d->self_fa = fa;
+    if (strcmp(d->prov_name, "shm") == 0) {
+        d->src_msg = d->src_imm = true;
+    } else if (strncmp(d->prov_name, "tcp", 3) == 0 && strstr(d->prov_name, "ofi_rxm")) {
+        d->src_msg = true;
+    }
 }
 
 static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t errlen)
@@ -704,6 +758,8 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
         goto out_close;
     }
     d->addr_len = name_len;
+    if (d->source)
+        trust_sources(d, name);
     *out = d;
     return 0;
 
@@ -1076,9 +1132,15 @@ static int on_error(afp_domain *d, afp_event *ev)
     return 1;
 }
 
-static int ofi_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
+/* Polls; with `src`, each event's sender as a resolve handle where FI_SOURCE names it
+ * exactly (trust_sources), AFP_SRC_UNRESOLVED for a sender it says was never resolved, and
+ * AFP_SRC_UNKNOWN for the rest: events whose source the provider leaves unset (remote CQ
+ * data over tcp;ofi_rxm), untested providers, error entries and the emulated FI_RX_CQ_DATA
+ * path. Only what libfabric states is passed on. */
+static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, uint32_t *n)
 {
     struct fi_cq_data_entry ent[OFI_POLL_BATCH];
+    fi_addr_t from[OFI_POLL_BATCH];
     uint32_t got = 0;
     int rc = 0;
 
@@ -1086,15 +1148,30 @@ static int ofi_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
      * free event slots means nothing read is ever dropped. */
     while (got < max) {
         size_t want = max - got < OFI_POLL_BATCH ? max - got : OFI_POLL_BATCH;
-        ssize_t ret = fi_cq_read(d->cq, ent, want);
+        ssize_t ret = src && d->source ? fi_cq_readfrom(d->cq, ent, want, from)
+                                       : fi_cq_read(d->cq, ent, want);
         if (ret > 0) {
-            for (ssize_t i = 0; i < ret; i++)
-                got += on_entry(d, &ent[i], &ev[got]);
+            for (ssize_t i = 0; i < ret; i++) {
+                if (!on_entry(d, &ent[i], &ev[got]))
+                    continue;
+                if (src) {
+                    bool trusted = ev[got].kind == AFP_EV_RECV ? d->src_msg
+                                   : ev[got].kind == AFP_EV_IMM ? d->src_imm
+                                                                : false;
+                    bool named = from[i] != FI_ADDR_NOTAVAIL && from[i] != d->self_fa;
+                    src[got] = !d->source || !trusted ? AFP_SRC_UNKNOWN
+                               : named                ? (uint64_t)from[i]
+                                                      : AFP_SRC_UNRESOLVED;
+                }
+                got++;
+            }
             continue;
         }
         if (ret == -FI_EAGAIN)
             break;
         if (ret == -FI_EAVAIL) {
+            if (src)
+                src[got] = AFP_SRC_UNKNOWN;
             int r = on_error(d, &ev[got]);
             if (r < 0) {
                 rc = r;
@@ -1114,12 +1191,24 @@ static int ofi_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
             memset(&ev[got], 0, sizeof ev[got]);
             ev[got].kind = AFP_EV_ACTIVITY;
             ev[got].len = c - d->rw_seen;
+            if (src)
+                src[got] = AFP_SRC_UNKNOWN;
             d->rw_seen = c;
             got++;
         }
     }
     *n = got;
     return got ? 0 : rc; /* events first; a persistent error shows on the next call */
+}
+
+static int ofi_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
+{
+    return poll_src(d, ev, NULL, max, n);
+}
+
+static int ofi_poll_from(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, uint32_t *n)
+{
+    return poll_src(d, ev, src, max, n);
 }
 
 static int ofi_trywait(afp_domain *d)
@@ -1158,6 +1247,7 @@ static const struct afp_ops g_ops = {
     .post_recv = ofi_post_recv,
     .poll = ofi_poll,
     .trywait = ofi_trywait,
+    .poll_from = ofi_poll_from,
 };
 
 __attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)

@@ -1675,7 +1675,33 @@ static void drain_channel(afp_domain *d)
     }
 }
 
-static int vb_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
+/* The sender of a receive or immediate completion, as a resolve handle: an RC queue pair is
+ * connected to exactly one peer, so its number names the sender (a peer that connected to
+ * us unasked has an entry too, which the shim never resolved and so never lists). A scan
+ * of the peers, only while the shim asks for sources (its allow-list). */
+static uint64_t wc_source(const afp_domain *d, const struct ibv_wc *wc, const afp_event *ev)
+{
+    int q = ev->kind == AFP_EV_RECV ? VB_QP_MSG : ev->kind == AFP_EV_IMM ? VB_QP_WR : -1;
+    for (uint32_t i = 0; q >= 0 && i < d->npeers; i++) {
+        const struct vb_peer *p = &d->peers[i];
+        if (p->in_use && p->qp[q] && p->qp[q]->qp_num == wc->qp_num)
+            return i;
+    }
+    return AFP_SRC_UNKNOWN; /* e.g. a queue pair replaced since (reconnection) */
+}
+
+/* One completion into ev[*got] (and its sender into src[*got], when asked). */
+static void take_wc(afp_domain *d, const struct ibv_wc *wc, afp_event *ev, uint64_t *src,
+                    uint32_t *got)
+{
+    if (!on_wc(d, wc, &ev[*got]))
+        return;
+    if (src)
+        src[*got] = wc_source(d, wc, &ev[*got]);
+    (*got)++;
+}
+
+static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, uint32_t *n)
 {
     uint32_t got = 0;
     int rc = 0;
@@ -1685,7 +1711,7 @@ static int vb_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
         drain_async(d);
     /* completions read by trywait first */
     while (got < max && d->stash_at < d->nstash)
-        got += on_wc(d, &d->stash[d->stash_at++], &ev[got]);
+        take_wc(d, &d->stash[d->stash_at++], ev, src, &got);
     if (d->stash_at == d->nstash)
         d->stash_at = d->nstash = 0;
     struct ibv_wc wc[VB_POLL_BATCH];
@@ -1699,7 +1725,7 @@ static int vb_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
             break;
         }
         for (int j = 0; j < k; j++)
-            got += on_wc(d, &wc[j], &ev[got]);
+            take_wc(d, &wc[j], ev, src, &got);
         if (k < want)
             break;
     }
@@ -1722,6 +1748,16 @@ static int vb_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
     }
     *n = got;
     return got ? 0 : rc;
+}
+
+static int vb_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
+{
+    return poll_src(d, ev, NULL, max, n);
+}
+
+static int vb_poll_from(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, uint32_t *n)
+{
+    return poll_src(d, ev, src, max, n);
 }
 
 /* Whether a handshake has a retransmission timer running (operations wait for it). */
@@ -1776,6 +1812,7 @@ static const struct afp_ops g_ops = {
     .post_recv = vb_post_recv,
     .poll = vb_poll,
     .trywait = vb_trywait,
+    .poll_from = vb_poll_from,
 };
 
 __attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)

@@ -240,3 +240,29 @@ async def test_out_of_region_write_rejected_before_posting(srv: tuple[Peer, Any]
         with pytest.raises(errors.OutOfRange):
             await eng.write(mr, desc, 8193)  # beyond the local region
         assert eng.stats()["nics"][0]["writes"] == 0, "something was posted"
+
+
+async def test_allow_list_names_senders_by_queue_pair() -> None:
+    """An RC queue pair is connected to one peer, so the provider names every sender: the
+    allow-list delivers the listed engine's messages and immediates and drops (counts as
+    rejected, none as unknown) those of an engine that connected unasked."""
+    async with afabric.Engine(P) as rx, afabric.Engine(P) as a, afabric.Engine(P) as b:
+        desc = rx.register(np.zeros(64, np.uint8)).descriptor
+        ma = a.register(np.ones(8, np.uint8), remote=False)
+        mb = b.register(np.ones(8, np.uint8), remote=False)
+        rx.allow_peers([a.address])
+        await asyncio.gather(*(b.send(rx.address, b"b") for _ in range(5)))
+        await asyncio.gather(*(b.write(mb, desc, 8, imm=9) for _ in range(5)))
+        await asyncio.gather(*(a.send(rx.address, b"a") for _ in range(3)))
+        await asyncio.gather(*(a.write(ma, desc, 8, imm=7) for _ in range(3)))
+        assert [await asyncio.wait_for(rx.recv(), 30) for _ in range(3)] == [b"a"] * 3
+        await rx.expect_imm(7, 3, timeout=30)
+        nic = rx.stats()["nics"][0]
+        for _ in range(600):  # b's were sent first, but may be polled later
+            if nic["rejected"] >= 10:
+                break
+            await asyncio.sleep(0.05)
+            nic = rx.stats()["nics"][0]
+        assert (nic["rejected"], nic["rejected_unknown"], nic["recvs"]) == (10, 0, 3)
+        with pytest.raises(errors.OperationTimeout):
+            await rx.expect_imm(9, 1, timeout=0.5)

@@ -1,0 +1,258 @@
+/*
+ * The engine's optional allow-list of peers (afs_allow_peers).
+ *
+ * What it can stop, and where:
+ *  - messages and immediates from a peer not on the list: the worker drops them as they
+ *    are polled (the receive buffer goes straight back to the provider), before anything
+ *    reaches the completion ring, and counts them (afs_nic_stats.rejected). Their sender
+ *    comes from the provider's poll_from; an event whose sender the provider cannot name
+ *    is refused too while a list is set (rejected_unknown), so the list is never bypassed
+ *    silently;
+ *  - this engine reaching out: resolving or importing a peer not on the list fails with
+ *    AFS_EDENIED, and every write or send is checked again when it starts (the list may
+ *    have changed since its peer was resolved).
+ * What it cannot stop: a one-sided write from a peer holding one of our remote keys. It
+ * lands in memory before any software sees it; keys are capabilities (README, Security).
+ *
+ * A list is an immutable snapshot. The worker reads its copy (eng->allow) without locks;
+ * callers read theirs (eng->allow_book) under peer_lock; a change installs a new snapshot
+ * in both, and frees the old one once the worker has let go of it.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+struct afs_allow {
+    uint32_t n;
+    uint64_t *fi_addr[AFS_MAX_NICS]; /* per NIC: the peers' handles, sorted */
+    uint8_t **blob;                  /* the addresses as given (matched by NIC address) */
+    uint32_t *blob_len;
+    bool accept_unknown; /* AFS_ALLOW_UNKNOWN: deliver what has no known sender */
+};
+
+void afs_allow_free(afs_allow *a)
+{
+    if (!a)
+        return;
+    for (uint32_t k = 0; k < AFS_MAX_NICS; k++)
+        free(a->fi_addr[k]);
+    for (uint32_t i = 0; a->blob && i < a->n; i++)
+        free(a->blob[i]);
+    free(a->blob);
+    free(a->blob_len);
+    free(a);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static bool has_u64(const uint64_t *v, uint32_t n, uint64_t key)
+{
+    uint32_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (v[mid] == key)
+            return true;
+        if (v[mid] < key)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return false;
+}
+
+/* Same engine location: every NIC address equal (the incarnation may differ: a list names
+ * where peers are, and a restarted peer's old descriptors are refused elsewhere). */
+static bool same_place(const afs_addr_view *a, const afs_addr_view *b)
+{
+    if (a->nics != b->nics || strcmp(a->provider, b->provider) != 0)
+        return false;
+    for (uint32_t k = 0; k < a->nics; k++)
+        if (a->nic_addr_len[k] != b->nic_addr_len[k] ||
+            memcmp(a->nic_addr[k], b->nic_addr[k], a->nic_addr_len[k]) != 0)
+            return false;
+    return true;
+}
+
+int afs_allow_check_addr(afs_engine *eng, const afs_addr_view *v)
+{
+    int rc = 0;
+    pthread_mutex_lock(&eng->peer_lock);
+    const afs_allow *a = eng->allow_book;
+    if (a) {
+        bool found = false;
+        for (uint32_t i = 0; i < a->n && !found; i++) {
+            afs_addr_view w;
+            found = afs_addr_parse(a->blob[i], a->blob_len[i], &w) == 0 && same_place(&w, v);
+        }
+        if (!found)
+            rc = afs_fail(AFS_EDENIED,
+                          "peer %016llx is not on this engine's allow-list: not resolved, "
+                          "nothing posted",
+                          (unsigned long long)v->incarnation);
+    }
+    pthread_mutex_unlock(&eng->peer_lock);
+    return rc;
+}
+
+/* AFP_SRC_UNRESOLVED is never on a list (every listed peer was resolved: build): rejected. */
+bool afs_allow_refuse_src(afs_engine *eng, uint32_t nic, uint64_t src)
+{
+    const afs_allow *a = eng->allow;
+    afs_nic *n = &eng->nics[nic];
+    if (src == AFP_SRC_UNKNOWN) {
+        if (a->accept_unknown)
+            return false;
+        afs_count(&n->st_rejected_unknown, 1);
+        return true;
+    }
+    if (has_u64(a->fi_addr[nic], a->n, src))
+        return false;
+    afs_count(&n->st_rejected, 1);
+    return true;
+}
+
+static bool allowed_on(const afs_allow *a, uint32_t nic, uint64_t fi_addr)
+{
+    return has_u64(a->fi_addr[nic], a->n, fi_addr);
+}
+
+bool afs_allow_refuse_out(afs_engine *eng, afs_xfer *x)
+{
+    const afs_allow *a = eng->allow;
+    bool ok = true;
+    switch (x->kind) {
+    case AFS_REQ_SEND:
+        ok = allowed_on(a, 0, x->peer_fi_addr);
+        break;
+    case AFS_REQ_WRITE:
+    case AFS_REQ_PAGED:
+        for (uint32_t k = 0; k < eng->nnics && ok; k++)
+            ok = allowed_on(a, k, x->fi_addr[k]);
+        break;
+    case AFS_REQ_SCATTER:
+        for (uint64_t i = 0; i < x->count && ok; i++)
+            ok = allowed_on(a, x->targets[i].nic, x->targets[i].fi_addr);
+        break;
+    default:
+        break;
+    }
+    if (ok)
+        return false;
+    if (!x->status) {
+        x->status = AFS_EDENIED;
+        free(x->errtext);
+        x->errtext = afs_strdup_printf("peer is not on this engine's allow-list (the list "
+                                       "changed after it was resolved): nothing posted");
+    }
+    return true;
+}
+
+int afs_allow_poll(afs_engine *eng, uint32_t nic, afp_event *ev, uint64_t *src, uint32_t max,
+                   uint32_t *n)
+{
+    afp_domain *dom = eng->nics[nic].dom;
+    if (eng->allow && AFP_HAS_OP(eng->ops, poll_from))
+        return eng->ops->poll_from(dom, ev, src, max, n);
+    int rc = eng->ops->poll(dom, ev, max, n);
+    for (uint32_t i = 0; i < *n; i++)
+        src[i] = AFP_SRC_UNKNOWN;
+    return rc;
+}
+
+/* Builds a snapshot from `count` addresses (concatenated in `blobs`, lengths in `lens`),
+ * resolving each peer. */
+static int build(afs_engine *eng, const uint8_t *blobs, const uint32_t *lens, uint32_t count,
+                 afs_allow **out)
+{
+    afs_allow *a = calloc(1, sizeof(*a));
+    if (!a)
+        return afs_fail(AFS_ENOMEM, "allow-list: out of memory");
+    a->blob = calloc(count ? count : 1, sizeof(*a->blob));
+    a->blob_len = calloc(count ? count : 1, sizeof(*a->blob_len));
+    int rc = 0;
+    for (uint32_t k = 0; k < eng->nnics && a->blob && a->blob_len; k++)
+        if (!(a->fi_addr[k] = calloc(count ? count : 1, sizeof(uint64_t))))
+            break;
+    if (!a->blob || !a->blob_len || !a->fi_addr[eng->nnics - 1]) {
+        afs_allow_free(a);
+        return afs_fail(AFS_ENOMEM, "allow-list: out of memory");
+    }
+    uint64_t at = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const uint8_t *blob = blobs + at;
+        at += lens[i];
+        afs_addr_view v;
+        uint64_t peer_id;
+        if ((rc = afs_addr_parse(blob, lens[i], &v)) ||
+            (rc = afs_find_or_resolve_peer(eng, &v, blob, lens[i], &peer_id)))
+            goto fail;
+        afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+        if (!p) {
+            rc = afs_fail(AFS_ESTALE, "allow-list: peer %u was forgotten while resolving", i);
+            goto fail;
+        }
+        if (!(a->blob[i] = malloc(lens[i] ? lens[i] : 1))) {
+            rc = afs_fail(AFS_ENOMEM, "allow-list: out of memory");
+            goto fail;
+        }
+        memcpy(a->blob[i], blob, lens[i]);
+        a->blob_len[i] = lens[i];
+        for (uint32_t k = 0; k < eng->nnics; k++)
+            a->fi_addr[k][i] = p->fi_addr[k];
+        a->n = i + 1;
+    }
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        qsort(a->fi_addr[k], a->n, sizeof(uint64_t), cmp_u64);
+    *out = a;
+    return 0;
+fail:
+    afs_allow_free(a);
+    return rc;
+}
+
+int32_t afs_allow_peers(afs_engine *eng, const uint8_t *blobs, const uint32_t *lens,
+                        uint32_t count, uint32_t flags)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    bool on = flags & AFS_ALLOW_ON;
+    if ((flags & ~(AFS_ALLOW_ON | AFS_ALLOW_UNKNOWN)) || (count && (!blobs || !lens)) ||
+        (!on && flags) || (!on && count))
+        return afs_fail(AFS_EINVAL, "allow-list: bad arguments");
+    afs_allow *a = NULL;
+    if (on && (rc = build(eng, blobs, lens, count, &a)))
+        return rc;
+    if (a)
+        a->accept_unknown = flags & AFS_ALLOW_UNKNOWN;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_CTRL);
+    if (!x) {
+        afs_allow_free(a);
+        return afs_fail(AFS_ENOMEM, "allow-list: out of memory");
+    }
+    x->ctrl_op = AFS_CTRL_ALLOW;
+    x->ctrl_allow = a;
+    pthread_mutex_lock(&eng->peer_lock);
+    rc = afs_ctrl_call(eng, x); /* the worker switches to `a` (worker.c run_ctrl) */
+    afs_allow *old = NULL;
+    if (rc == 0) {
+        old = eng->allow_book;
+        eng->allow_book = a;
+    }
+    pthread_mutex_unlock(&eng->peer_lock);
+    afs_xfer_free(x);
+    afs_allow_free(rc ? a : old); /* the worker holds neither any more */
+    return rc;
+}
+
+void afs_allow_destroy(afs_engine *eng)
+{
+    afs_allow_free(eng->allow_book); /* the worker's copy is the same snapshot */
+    eng->allow_book = NULL;
+    eng->allow = NULL;
+}
