@@ -13,6 +13,13 @@ with ``all_to_all_single``, read the split sizes on the host, send the tokens (a
 permute to expert-major; combine sends the expert outputs back with the same splits and
 sums them with the routing weights (``index_add_``). The report gives each rank's worst
 (max over ranks) percentiles and the ratio NCCL/afabric at p50. Nothing here asserts speed.
+
+On the NVLink path the same calls are also captured into CUDA graphs (one for dispatch,
+one for combine, as a decode loop under ``torch.cuda.graph`` would) and timed the same way
+around each replay ("afabric+graph"). Each rank also prints the host time of its calls
+(``perf_counter`` around the Python call) and, for 1,000 calls queued without events, how
+long the host took to enqueue them against how long the GPUs took to run them: if the two
+agree, the host sets the pace.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, default=0, help="ranks (GPUs); 0: every GPU")
     p.add_argument("--provider", default="tcp", help="engine provider of the proxy path")
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph runs (NVLink path)")
     p.add_argument("--baseline-iters", type=int, default=0, help="timed NCCL calls (0: as --iters)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="1,000 calls (a smoke run, not a measurement)")
@@ -72,11 +80,12 @@ class Stat:
     p99_us: float
     mean_us: float
     max_us: float
+    host_p50_us: float  # the Python call itself on the host
 
 
-def _stats(workload: str, impl: str, op: str, us: np.ndarray[Any, np.dtype[np.float64]]) -> Stat:
+def _stats(workload: str, impl: str, op: str, us: Any, host_us: Any) -> Stat:
     return Stat(workload, impl, op, int(us.size), float(np.percentile(us, 50)), float(np.percentile(us, 99)),
-                float(us.mean()), float(us.max()))  # fmt: skip
+                float(us.mean()), float(us.max()), float(np.percentile(host_us, 50)))  # fmt: skip
 
 
 # ---------------------------------------------------------------- NCCL baseline
@@ -150,10 +159,12 @@ def _inputs(tokens: int, rank: int, dev: Any) -> tuple[Any, Any, Any, Any]:
     return x, scales, idx, w
 
 
-def _timed(
-    step_d: Any, step_c: Any, iters: int, warmup: int
-) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """Per-call µs of dispatch and combine, CUDA events around each call."""
+Timings = tuple[Any, Any, Any, Any]  # µs: dispatch, combine (events); the same on the host
+
+
+def _timed(step_d: Any, step_c: Any, iters: int, warmup: int) -> Timings:
+    """Per-call µs of dispatch and combine, CUDA events around each call, and the host
+    time of each Python call."""
     import torch
 
     for _ in range(warmup):
@@ -162,22 +173,58 @@ def _timed(
     torch.cuda.synchronize()
     d_us: list[float] = []
     c_us: list[float] = []
+    hd = np.zeros(iters)
+    hc = np.zeros(iters)
+    clock = time.perf_counter
     done = 0
     while done < iters:
         n = min(CHUNK, iters - done)
         ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(n)]  # type: ignore[no-untyped-call]
         for i in range(n):
             ev[i][0].record()
+            t0 = clock()
             step_d()
+            t1 = clock()
             ev[i][1].record()
+            t2 = clock()
             step_c()
+            t3 = clock()
             ev[i][2].record()
+            hd[done + i] = t1 - t0
+            hc[done + i] = t3 - t2
         torch.cuda.synchronize()
         for e0, e1, e2 in ev:
             d_us.append(e0.elapsed_time(e1) * 1e3)
             c_us.append(e1.elapsed_time(e2) * 1e3)
         done += n
-    return np.array(d_us), np.array(c_us)
+    return np.array(d_us), np.array(c_us), hd * 1e6, hc * 1e6
+
+
+def _pace(step_d: Any, step_c: Any, calls: int = 1000) -> tuple[float, float]:
+    """µs per (dispatch, combine) pair: to enqueue ``calls`` pairs, and to run them."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        step_d()
+        step_c()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6 / calls, (t2 - t0) * 1e6 / calls
+
+
+def _capture(a2a: Any, x: Any, idx: Any, w: Any, scales: Any, expert_out: Any) -> tuple[Any, Any]:
+    """One CUDA graph holding a dispatch, one holding a combine."""
+    import torch
+
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gd):
+        a2a.dispatch(x, idx, w, scales)
+    with torch.cuda.graph(gc):
+        a2a.combine(expert_out)
+    return gd, gc
 
 
 def _rank(rank: int, world: int, port: int, ns_dict: dict[str, Any], results: Any) -> None:
@@ -222,20 +269,30 @@ def _workload(
     )  # fmt: skip
     x, scales, idx, w = _inputs(tokens, rank, dev)
     out: list[dict[str, Any]] = []
+    runs: list[tuple[str, Timings, tuple[float, float]]] = []
     a2a = AllToAll(cfg, rank=rank, all_gather=gather, device=rank, path=ns.path, provider=ns.provider)
     try:
         expert_out = torch.zeros((cfg.expert_capacity, HIDDEN), dtype=torch.bfloat16, device=dev)
         t0 = time.monotonic()
-        d, c = _timed(
-            lambda: a2a.dispatch(x, idx, w, scales), lambda: a2a.combine(expert_out), ns.iters, ns.warmup
-        )
+        step_d, step_c = lambda: a2a.dispatch(x, idx, w, scales), lambda: a2a.combine(expert_out)
+        runs.append(("afabric", _timed(step_d, step_c, ns.iters, ns.warmup), _pace(step_d, step_c)))
+        if ns.path == "nvlink" and not ns.no_graph:
+            gd, gc = _capture(a2a, x, idx, w, scales, expert_out)
+            runs.append(("afabric+graph", _timed(gd.replay, gc.replay, ns.iters, ns.warmup),
+                         _pace(gd.replay, gc.replay)))  # fmt: skip
+            del gd, gc
         a2a.check()
     finally:
         a2a.close()
-    out += [
-        asdict(_stats(workload, "afabric", "dispatch", d)),
-        asdict(_stats(workload, "afabric", "combine", c)),
-    ]
+    for impl, (d, c, hd, hc), (enq, ran) in runs:
+        out += [
+            asdict(_stats(workload, impl, "dispatch", d, hd)),
+            asdict(_stats(workload, impl, "combine", c, hc)),
+        ]
+        print(f"  rank {rank} {workload} {impl}: p50 dispatch {np.percentile(d, 50):.1f} combine "
+              f"{np.percentile(c, 50):.1f} µs; host per call p50 dispatch {np.percentile(hd, 50):.1f} "
+              f"combine {np.percentile(hc, 50):.1f} µs; 1000 pairs without events: enqueued "
+              f"{enq:.1f} µs/pair, ran {ran:.1f} µs/pair", flush=True)  # fmt: skip
     if rank == 0:
         print(f"  {workload}: afabric {ns.iters} calls in {time.monotonic() - t0:.1f} s", flush=True)
     if ns.no_baseline:
@@ -244,10 +301,13 @@ def _workload(
     nc_out = torch.zeros((world * tokens * TOP_K, HIDDEN), dtype=torch.bfloat16, device=dev)
     t0 = time.monotonic()
     iters = ns.baseline_iters or ns.iters
-    d, c = _timed(
+    d, c, hd, hc = _timed(
         lambda: nc.dispatch(x, scales, idx), lambda: nc.combine(nc_out, w, tokens), iters, ns.warmup
     )
-    out += [asdict(_stats(workload, "nccl", "dispatch", d)), asdict(_stats(workload, "nccl", "combine", c))]
+    out += [
+        asdict(_stats(workload, "nccl", "dispatch", d, hd)),
+        asdict(_stats(workload, "nccl", "combine", c, hc)),
+    ]
     if rank == 0:
         print(f"  {workload}: nccl {iters} calls in {time.monotonic() - t0:.1f} s", flush=True)
     return out
@@ -348,19 +408,21 @@ def main(ns: argparse.Namespace) -> int:
 
 def _print(rows: list[dict[str, Any]], path: str) -> None:
     by = {(r["workload"], r["impl"], r["op"]): r for r in rows}
-    print(f"\n{'workload':9} {'op':9} {'afabric p50':>12} {'p99':>9} {'NCCL p50':>10} {'p99':>9} "
+    print(f"\n{'workload':15} {'op':9} {'afabric p50':>12} {'p99':>9} {'NCCL p50':>10} {'p99':>9} "
           f"{'NCCL/afabric':>13} {'goal p50':>9}")  # fmt: skip
-    for workload in WORKLOADS:
-        for op in ("dispatch", "combine"):
-            a = by.get((workload, "afabric", op))
-            if a is None:
-                continue
-            b = by.get((workload, "nccl", op))
-            goal = GOALS_US[(workload, op)] if path == "nvlink" else float("nan")
-            nccl = (
-                f"{b['p50_us']:10.1f} {b['p99_us']:9.1f} {b['p50_us'] / a['p50_us']:12.2f}x"
-                if b
-                else " " * 34
-            )
-            print(f"{workload:9} {op:9} {a['p50_us']:10.1f}us {a['p99_us']:9.1f} {nccl} {goal:9.0f}")
-    print("(µs; worst rank; CUDA events around each call)")
+    for impl in ("afabric", "afabric+graph"):
+        for workload in WORKLOADS:
+            for op in ("dispatch", "combine"):
+                a = by.get((workload, impl, op))
+                if a is None:
+                    continue
+                b = by.get((workload, "nccl", op))
+                goal = GOALS_US[(workload, op)] if path == "nvlink" else float("nan")
+                nccl = (
+                    f"{b['p50_us']:10.1f} {b['p99_us']:9.1f} {b['p50_us'] / a['p50_us']:12.2f}x"
+                    if b
+                    else " " * 34
+                )
+                name = f"{workload}{'+graph' if impl != 'afabric' else ''}"
+                print(f"{name:15} {op:9} {a['p50_us']:10.1f}us {a['p99_us']:9.1f} {nccl} {goal:9.0f}")
+    print("(µs; worst rank; CUDA events around each call; +graph: replays of captured calls)")

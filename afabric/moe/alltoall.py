@@ -5,7 +5,9 @@ dispatch slot and a combine slot, plus epoch flags) and hands its CUDA IPC handl
 ranks on its node, which map it and store into it directly over NVLink. Ranks on other
 nodes (or every other rank with ``path="proxy"``) go through the host proxy
 (:mod:`afabric.moe.proxy`). Calls are stream-ordered on torch's current stream and never
-synchronize with the host: they return once the kernels are enqueued.
+synchronize with the host: they return once the kernels are enqueued. The call counter
+(epoch) and the slot parity live on the device, so on the NVLink path a call captured into
+a CUDA graph (``torch.cuda.graph``) replays correctly, interleaved with eager calls.
 
 Two slots per source, used by call parity, are enough: a rank cannot send call ``s + 2``
 before its own call ``s + 1`` received from every peer, which each peer sent only after
@@ -52,6 +54,7 @@ _TABLES = 8  # dispatch dst slot/flag, src slot/flag; combine the same
 _SCRATCH = (
     "_layout",
     "_ctr",
+    "_epochs",
     "_err",
     "_slot_of",
     "_tok_of",
@@ -247,6 +250,7 @@ class AllToAll:
         self._proxy_mask = sum(1 << r for r in self.proxy_peers)
         self._layout = torch.from_numpy(layout_words(cfg, me, self._lay)).to(dev)
         self._ctr = torch.zeros(8, dtype=torch.int32, device=dev)  # send 0-1, combine 2-3, route 4
+        self._epochs = torch.zeros(2, dtype=torch.int64, device=dev)  # last dispatch, last combine
         self._err = torch.zeros(1, dtype=torch.int32, device=dev)
         self._slot_of = torch.full((t, n), -1, dtype=torch.int32, device=dev)
         self._tok_of = torch.zeros(t, dtype=torch.int32, device=dev)
@@ -271,6 +275,7 @@ class AllToAll:
         self._out: Tensor = torch.zeros((t, h), dtype=self.out_dtype, device=dev)
         self._in_dtypes = (torch.float8_e4m3fn if cfg.in_dtype == "fp8" else torch.bfloat16,)
         self._idx_dtypes = (torch.int32, torch.int64)
+        self._int64 = torch.int64
         self._f32 = (torch.float32,)
         self._out_dtypes = (self.out_dtype,)
         self._result = DispatchResult(self._x_out, self._s_out, self._counts, self._offsets)
@@ -284,31 +289,31 @@ class AllToAll:
         torch, cfg, n = self._torch, self.cfg, self.cfg.world_size
         t, k, h = cfg.max_tokens, cfg.experts_per_token, cfg.hidden
         tab: int = self._tables.data_ptr()
-        self._tab = [[tab + ((p * _TABLES + w) * n) * 8 for w in range(_TABLES)] for p in range(2)]
         ptr = {name: int(getattr(self, name).data_ptr()) for name in _SCRATCH}
+        ep = ptr["_epochs"]
         s_out = 0 if self._s_out is None else self._s_out.data_ptr()
         k_, cap = self._k, cfg.expert_capacity
         lo, mask, tmo = ptr["_layout"], self._proxy_mask, self._timeout_ns
         fn = k_.fn
-        self._send = Launch(fn["dispatch_send"], 18, k_.send_threads, k_.send_smem)
-        self._send.set(0, 0, 0, 0, 0, 0, 0, 0, lo, 0, 0, mask, self._watchers[0], 0,
+        self._send = Launch(fn["dispatch_send"], 17, k_.send_threads, k_.send_smem)
+        self._send.set(0, 0, 0, 0, 0, 0, 0, 0, lo, tab, ep, mask, self._watchers[0],
                        ptr["_slot_of"], ptr["_tok_of"], ptr["_ctr"], ptr["_err"])  # fmt: skip
-        self._route = Launch(fn["dispatch_route"], 13, ROUTE_THREADS, k_.route_smem)
-        self._route.set(0, 0, 0, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_gcount"], ptr["_cursor"],
+        self._route = Launch(fn["dispatch_route"], 12, ROUTE_THREADS, k_.route_smem)
+        self._route.set(tab, ep, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_gcount"], ptr["_cursor"],
                         ptr["_ntok"], ptr["_ctr"] + 16, ptr["_err"], tmo)  # fmt: skip
-        self._copy = Launch(fn["dispatch_copy"], 14, COPY_THREADS)
-        self._copy.set(0, ptr["_ntok"], ptr["_cursor"], lo, cap, ptr["_pos"], ptr["_wts"], ptr["_x_out"],
-                       s_out, 0, 0, 0, 0, ptr["_tok_of"])  # fmt: skip
-        self._small = Launch(fn["dispatch_recv_small"], 20, COPY_THREADS, k_.route_smem)
-        self._small.set(0, 0, 0, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_fill"], ptr["_ntok"],
+        self._copy = Launch(fn["dispatch_copy"], 15, COPY_THREADS)
+        self._copy.set(tab, ep, ptr["_ntok"], ptr["_cursor"], lo, cap, ptr["_pos"], ptr["_wts"],
+                       ptr["_x_out"], s_out, 0, 0, 0, 0, ptr["_tok_of"])  # fmt: skip
+        self._small = Launch(fn["dispatch_recv_small"], 19, COPY_THREADS, k_.route_smem)
+        self._small.set(tab, ep, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_fill"], ptr["_ntok"],
                         ptr["_err"], tmo, ptr["_pos"], ptr["_wts"], ptr["_x_out"], s_out, 0, 0, 0, 0,
                         ptr["_tok_of"])  # fmt: skip
         self.fused_receive = n * t * k <= FUSED_RECEIVE_MAX_ENTRIES
-        self._csend = Launch(fn["combine_send"], 12, COPY_THREADS)
-        self._csend.set(0, ptr["_pos"], ptr["_wts"], ptr["_ntok"], h, lo, 0, 0, mask, self._watchers[1], 0,
+        self._csend = Launch(fn["combine_send"], 11, COPY_THREADS)
+        self._csend.set(0, ptr["_pos"], ptr["_wts"], ptr["_ntok"], h, lo, tab, ep, mask, self._watchers[1],
                         ptr["_ctr"] + 8)  # fmt: skip
-        self._crecv = Launch(fn["combine_recv"], 10, COPY_THREADS)
-        self._crecv.set(0, 0, 0, ptr["_slot_of"], 0, h, lo, ptr["_out"], ptr["_err"], tmo)
+        self._crecv = Launch(fn["combine_recv"], 9, COPY_THREADS)
+        self._crecv.set(tab, ep, ptr["_slot_of"], 0, h, lo, ptr["_out"], ptr["_err"], tmo)
         self._grid_send = [max(1, min(2 * k_.sms, m)) for m in range(t + 1)]
         self._grid_route = max(1, min(k_.sms, -(-n * t * k // ROUTE_THREADS)))
         self._grid_copy = max(1, min(k_.sms * 8, n * t))
@@ -351,6 +356,13 @@ class AllToAll:
             and t.is_contiguous()
         )
 
+    def _not_capturing(self) -> None:
+        """The proxy is armed from the host per call: a replayed graph would skip that."""
+        if self._torch.cuda.is_current_stream_capturing():
+            raise UsageError(
+                "calls through the host proxy cannot be captured into a CUDA graph (NVLink calls can)"
+            )
+
     def _live(self) -> None:
         if self._closed:
             raise EngineClosed("this AllToAll is closed")
@@ -367,51 +379,43 @@ class AllToAll:
         """Send each of this rank's ``n`` tokens (``x``: ``[n, hidden]``, ``n`` up to
         ``max_tokens``; fp8 with ``scales``: ``[n, hidden / scale_block]`` fp32) to the
         ranks of its experts (``topk_idx``: ``[n, k]`` int32/int64, distinct per token; a
-        negative id means no expert) and return the tokens for this rank's experts."""
+        negative id means no expert) and return the tokens for this rank's experts.
+
+        On the NVLink path dispatch and combine can be captured into a CUDA graph
+        (``torch.cuda.graph``); a replay sends the tensors and token count of the capture
+        and may be interleaved with eager calls. Through the host proxy capturing raises
+        :class:`~afabric.errors.UsageError`."""
         n, x_ptr, x_stride, s_ptr, s_stride = self._dispatch_args(x, topk_idx, topk_weights, scales)
-        self._d_epoch += 1
-        epoch = self._d_epoch
-        p = epoch & 1
         if self.proxy is not None:
-            self.proxy.arm_dispatch(epoch)
-        tab = self._tab[p]
+            self._not_capturing()
+            self._d_epoch += 1
+            self.proxy.arm_dispatch(self._d_epoch)
         stream = self._stream()
         w = self._send.words
         w[0] = topk_idx.data_ptr()
-        w[1] = topk_idx.dtype == self._torch.int64
+        w[1] = topk_idx.dtype is self._int64
         w[2] = topk_weights.data_ptr()
         w[3] = x_ptr
         w[4] = x_stride
         w[5] = s_ptr
         w[6] = s_stride
         w[7] = n
-        w[9] = tab[0]
-        w[10] = tab[1]
-        w[13] = epoch
         self._send(self._grid_send[n], stream)
         if self.fused_receive:
             w = self._small.words
-            w[0] = tab[2]
-            w[1] = tab[3]
-            w[2] = epoch
-            w[15] = x_ptr
-            w[16] = x_stride
-            w[17] = s_ptr
-            w[18] = s_stride
+            w[14] = x_ptr
+            w[15] = x_stride
+            w[16] = s_ptr
+            w[17] = s_stride
             self._small(self._grid_copy, stream)
             self._n_tok = n
             return self._result
-        w = self._route.words
-        w[0] = tab[2]
-        w[1] = tab[3]
-        w[2] = epoch
         self._route(self._grid_route, stream)
         w = self._copy.words
-        w[0] = tab[2]
-        w[9] = x_ptr
-        w[10] = x_stride
-        w[11] = s_ptr
-        w[12] = s_stride
+        w[10] = x_ptr
+        w[11] = x_stride
+        w[12] = s_ptr
+        w[13] = s_stride
         self._copy(self._grid_copy, stream)
         self._n_tok = n
         return self._result
@@ -464,25 +468,15 @@ class AllToAll:
         shape = (cfg.expert_capacity, cfg.hidden)
         if not self._fast_ok(expert_out, shape, self._out_dtypes):
             self._check_tensor("expert_out", expert_out, shape, self._out_dtypes)
-        self._c_epoch += 1
-        epoch = self._c_epoch
-        p = epoch & 1
         if self.proxy is not None:
-            self.proxy.arm_combine(epoch)
-        tab = self._tab[p]
+            self._not_capturing()
+            self._c_epoch += 1
+            self.proxy.arm_combine(self._c_epoch)
         stream = self._stream()
-        w = self._csend.words
-        w[0] = expert_out.data_ptr()
-        w[6] = tab[4]
-        w[7] = tab[5]
-        w[10] = epoch
+        self._csend.words[0] = expert_out.data_ptr()
         self._csend(self._grid_csend, stream)
         n = self._n_tok
-        w = self._crecv.words
-        w[0] = tab[6]
-        w[1] = tab[7]
-        w[2] = epoch
-        w[4] = n
+        self._crecv.words[3] = n
         self._crecv(self._grid_crecv[n], stream)
         return self._out[:n]
 

@@ -8,6 +8,10 @@
 // behind the host proxy are written into this rank's pinned send region, which the shim
 // posts when the kernel bumps the watcher word. The epoch of a call is stored into each
 // NVLink peer's flag word last; receivers spin until every source's flag reaches it.
+// Epochs live on the device (ep[0] dispatch, ep[1] combine: the send kernel takes the next
+// one and stores it when done, the receive kernels read it), and so does the choice of
+// slots by call parity: no argument changes from call to call but the caller's tensors,
+// so calls can be captured into CUDA graphs and replayed.
 //
 // No headers: bf16 conversions are done on the bits, fp8 rows are only moved.
 // Built with -DOUT_FP32=0|1 (bf16 or fp32 expert outputs / combine results).
@@ -67,6 +71,12 @@ __device__ __forceinline__ u64 ld_acquire_sys(const u64 *p) {
     return v;
 }
 
+// The 8 pointer tables of a call's parity (alltoall._TABLES): tab[parity][w][N].
+__device__ __forceinline__ const u64 *table(const u64 *tab, u64 epoch, int w, int N) {
+    return tab + ((epoch & 1) * 8 + w) * (u64)N;
+}
+__device__ __forceinline__ u64 ld_volatile(const u64 *p) { return *(const volatile u64 *)p; }
+
 // Spin until *flag >= epoch; give up (flagging ERR_TIMEOUT) after timeout_ns.
 __device__ void wait_epoch(const u64 *flag, u64 epoch, u64 timeout_ns, u32 *err) {
     if (ld_acquire_sys(flag) >= epoch) return;
@@ -108,10 +118,11 @@ __device__ bool last_block(u32 *ctr) {
 // dynamic shared memory: 2 * blockDim.x * N ints (slots and owned pairs of the current chunk).
 extern "C" __global__ void dispatch_send(
     const void *topk, int idx64, const float *weights, const char *x, long long x_stride,
-    const char *scales, long long s_stride, int n_tok, const Layout *Lp, const u64 *dst_slot,
-    const u64 *dst_flag, u64 proxy_mask, u64 *watcher, u64 epoch, int *slot_of, int *tok_of,
-    u32 *ctr, u32 *err) {
+    const char *scales, long long s_stride, int n_tok, const Layout *Lp, const u64 *tab,
+    u64 *ep, u64 proxy_mask, u64 *watcher, int *slot_of, int *tok_of, u32 *ctr, u32 *err) {
     const Layout L = *Lp;
+    const u64 epoch = ld_volatile(ep) + 1;  // every block reads it before last_block below
+    const u64 *dst_slot = table(tab, epoch, 0, L.N), *dst_flag = table(tab, epoch, 1, L.N);
     extern __shared__ int s_slot[];  // [blockDim.x][N]
     __shared__ int s_warp[32][MAX_RANKS];
     __shared__ int s_carry[MAX_RANKS];
@@ -212,6 +223,7 @@ extern "C" __global__ void dispatch_send(
         __threadfence_system();
         for (int r = 0; r < N; ++r)
             if ((nv_mask >> r) & 1) st_release_sys((u64 *)dst_flag[r], epoch);
+        *(volatile u64 *)ep = epoch;
     }
 }
 
@@ -222,10 +234,11 @@ extern "C" __global__ void dispatch_send(
 // another: counts, offsets, and cursor[e] = offset[e] for dispatch_copy (gcount is left
 // zeroed for the next call). dynamic shared memory: E_local ints.
 extern "C" __global__ void dispatch_route(
-    const u64 *src_slot, const u64 *src_flag, u64 epoch, const Layout *Lp, long long capacity,
-    int *expert_counts, int *expert_offsets, int *gcount, int *cursor, int *ntok, u32 *ctr,
-    u32 *err, u64 timeout_ns) {
+    const u64 *tab, const u64 *ep, const Layout *Lp, long long capacity, int *expert_counts,
+    int *expert_offsets, int *gcount, int *cursor, int *ntok, u32 *ctr, u32 *err, u64 timeout_ns) {
     const Layout L = *Lp;
+    const u64 epoch = ld_volatile(ep);
+    const u64 *src_slot = table(tab, epoch, 2, L.N), *src_flag = table(tab, epoch, 3, L.N);
     extern __shared__ int s_cnt[];  // [E_local]
     __shared__ int s_n[MAX_RANKS];
     const int N = L.N, K = L.K, E = L.E_local;
@@ -337,10 +350,11 @@ __device__ __forceinline__ void take_places(
 
 // After dispatch_route: one block per received row (grid-stride).
 extern "C" __global__ void dispatch_copy(
-    const u64 *src_slot, const int *ntok, int *cursor, const Layout *Lp, long long capacity,
-    int *pos, float *wts, char *__restrict__ out_x, char *__restrict__ out_s, const char *x,
-    long long x_stride, const char *scales, long long s_stride, const int *tok_of) {
+    const u64 *tab, const u64 *ep, const int *ntok, int *cursor, const Layout *Lp,
+    long long capacity, int *pos, float *wts, char *__restrict__ out_x, char *__restrict__ out_s,
+    const char *x, long long x_stride, const char *scales, long long s_stride, const int *tok_of) {
     const Layout L = *Lp;
+    const u64 *src_slot = table(tab, ld_volatile(ep), 2, L.N);
     __shared__ int s_p[32];
     const int N = L.N;
     int rows = 0;
@@ -362,11 +376,13 @@ extern "C" __global__ void dispatch_copy(
 // tickets in fill[parity] (block 0 clears the other parity's for the next call and writes
 // counts, offsets and ntok). dynamic shared memory: E_local ints.
 extern "C" __global__ void dispatch_recv_small(
-    const u64 *src_slot, const u64 *src_flag, u64 epoch, const Layout *Lp, long long capacity,
-    int *expert_counts, int *expert_offsets, int *fill, int *ntok, u32 *err, u64 timeout_ns,
-    int *pos, float *wts, char *__restrict__ out_x, char *__restrict__ out_s, const char *x,
-    long long x_stride, const char *scales, long long s_stride, const int *tok_of) {
+    const u64 *tab, const u64 *ep, const Layout *Lp, long long capacity, int *expert_counts,
+    int *expert_offsets, int *fill, int *ntok, u32 *err, u64 timeout_ns, int *pos, float *wts,
+    char *__restrict__ out_x, char *__restrict__ out_s, const char *x, long long x_stride,
+    const char *scales, long long s_stride, const int *tok_of) {
     const Layout L = *Lp;
+    const u64 epoch = ld_volatile(ep);
+    const u64 *src_slot = table(tab, epoch, 2, L.N), *src_flag = table(tab, epoch, 3, L.N);
     extern __shared__ int s_off[];  // [E_local]: counts, then offsets
     __shared__ int s_n[MAX_RANKS];
     __shared__ int s_p[32];
@@ -440,9 +456,10 @@ extern "C" __global__ void dispatch_recv_small(
 // epochs.
 extern "C" __global__ void combine_send(
     const out_t *__restrict__ expert_out, const int *pos, const float *wts, const int *ntok, int H,
-    const Layout *Lp, const u64 *dst_slot, const u64 *dst_flag, u64 proxy_mask, u64 *watcher,
-    u64 epoch, u32 *ctr) {
+    const Layout *Lp, const u64 *tab, u64 *ep, u64 proxy_mask, u64 *watcher, u32 *ctr) {
     const Layout L = *Lp;
+    const u64 epoch = ld_volatile(ep + 1) + 1;  // every block reads it before last_block below
+    const u64 *dst_slot = table(tab, epoch, 4, L.N), *dst_flag = table(tab, epoch, 5, L.N);
     const int N = L.N, K = L.K;
     const u64 all = (N >= 64) ? ~0ull : ((1ull << N) - 1);
     const int chunks = H / OUT_PER_U4;
@@ -494,14 +511,17 @@ extern "C" __global__ void combine_send(
     if (last_block(&ctr[1]) && threadIdx.x == 0) {
         for (int r = 0; r < N; ++r)
             if (!((proxy_mask >> r) & 1)) st_release_sys((u64 *)dst_flag[r], epoch);
+        *(volatile u64 *)(ep + 1) = epoch;
     }
 }
 
 // Source side: wait for every expert rank, then one warp per token sums its partials.
 extern "C" __global__ void combine_recv(
-    const u64 *src_slot, const u64 *src_flag, u64 epoch, const int *slot_of, int n_tok, int H,
-    const Layout *Lp, out_t *__restrict__ out, u32 *err, u64 timeout_ns) {
+    const u64 *tab, const u64 *ep, const int *slot_of, int n_tok, int H, const Layout *Lp,
+    out_t *__restrict__ out, u32 *err, u64 timeout_ns) {
     const Layout L = *Lp;
+    const u64 epoch = ld_volatile(ep + 1);
+    const u64 *src_slot = table(tab, epoch, 6, L.N), *src_flag = table(tab, epoch, 7, L.N);
     const int N = L.N;
     for (int r = threadIdx.x; r < N; r += blockDim.x)
         wait_epoch((const u64 *)src_flag[r], epoch, timeout_ns, err);

@@ -5,7 +5,8 @@
 # over the host proxy (decode). Logs and JSON go to $OUT (at most 8 files come back):
 #   setup.log  moe-tests.log  moe-nvlink.json  moe-proxy.json  bench.log  summary.txt
 # MOE_ITERS (default 10000), MOE_BASELINE_ITERS (NCCL calls, default: as MOE_ITERS),
-# MOE_TESTS=0 (skip the tests), MOE_PROXY=0 (skip the proxy bench), MOE_PROXY_ITERS (10000).
+# MOE_TESTS=0 (skip the tests), MOE_PROXY=0 (skip the proxy bench), MOE_PROXY_ITERS (10000),
+# MOE_WORKLOAD (decode, prefill or both), MOE_BASELINE=0 (skip the NCCL baseline).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
@@ -33,8 +34,10 @@ if [ "${MOE_TESTS:-1}" = 1 ]; then
     step moe-tests.log "pytest test_moe.py" "${MOE_TEST_LIMIT:-300}" "$PY" -m pytest -q -rA -x -p no:cacheprovider \
         --import-mode=importlib --noconftest tests/gpu/test_moe.py
 fi
+BASELINE=(--baseline-iters "${MOE_BASELINE_ITERS:-0}")
+[ "${MOE_BASELINE:-1}" = 1 ] || BASELINE=(--no-baseline)
 step bench.log "bench moe nvlink" "${MOE_BENCH_LIMIT:-300}" afabric bench moe --path nvlink --iters "${MOE_ITERS:-10000}" \
-    --baseline-iters "${MOE_BASELINE_ITERS:-0}" --json "$OUT/moe-nvlink.json"
+    --workload "${MOE_WORKLOAD:-both}" "${BASELINE[@]}" --json "$OUT/moe-nvlink.json"
 [ "${MOE_PROXY:-1}" = 1 ] && step bench.log "bench moe proxy" "${MOE_PROXY_LIMIT:-150}" afabric bench moe --path proxy --workload decode \
     --iters "${MOE_PROXY_ITERS:-10000}" --no-baseline --json "$OUT/moe-proxy.json"
 { [ ${#FAILS[@]} -eq 0 ] && echo "all steps passed" || printf 'FAILED: %s\n' "${FAILS[@]}"; } | tee "$OUT/summary.txt"

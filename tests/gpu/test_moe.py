@@ -2,7 +2,9 @@
 (afabric.moe.reference): every routing scenario (random, empty experts, every token to one
 expert, all top-k on one rank, a rank with no tokens, masked entries), bf16 and fp8 with
 per-block scales, several calls in a row on the same buffers (both parities, dispatch
-repeated without combine, bursts without host syncs), over NVLink and over the host proxy.
+repeated without combine, bursts without host syncs), over NVLink and over the host proxy;
+on NVLink also dispatch and combine captured into CUDA graphs and replayed on new inputs,
+interleaved with eager calls (through the proxy, capturing is refused).
 
 Each rank builds every rank's inputs from a shared seed, runs its own through dispatch,
 checks the tokens each of its experts got (as multisets: the order within an expert is
@@ -176,6 +178,75 @@ def _to(t: Any, dev: Any) -> Any:
     return None if t is None else t.to(dev)
 
 
+class _Captured:
+    """dispatch and combine as CUDA graphs captured once on static tensors; a call copies
+    its inputs into them and replays (what a decode loop under torch.cuda.graph does)."""
+
+    def __init__(self, a2a: Any, cfg: Any, case: Any, rank: int, dev: Any) -> None:
+        import torch
+
+        self.out_dtype = a2a.out_dtype
+        self.x = case.x[rank].to(dev)
+        self.idx = case.topk_idx[rank].to(dev)
+        self.w = case.topk_weights[rank].to(dev)
+        self.sc = _to(case.scales[rank], dev)
+        self.eo = torch.zeros((cfg.expert_capacity, cfg.hidden), dtype=a2a.out_dtype, device=dev)
+        self.gd, self.gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.gd):
+            self.res = a2a.dispatch(self.x, self.idx, self.w, self.sc)
+        with torch.cuda.graph(self.gc):
+            self.out = a2a.combine(self.eo)
+
+    def dispatch(self, x: Any, idx: Any, w: Any, sc: Any) -> Any:
+        self.x.copy_(x)
+        self.idx.copy_(idx)
+        self.w.copy_(w)
+        if sc is not None:
+            self.sc.copy_(sc)
+        self.gd.replay()
+        return self.res
+
+    def combine(self, expert_out: Any) -> Any:
+        self.eo.copy_(expert_out)
+        self.gc.replay()
+        return self.out
+
+
+def _check_graphs(a2a: Any, cfg: Any, rank: int, dev: Any, f: Any, seed: int) -> int:
+    """Replays (every token count max_tokens) checked like eager calls, with eager calls
+    between some of them so that replays run on both slot parities."""
+    from afabric.moe import reference as ref
+
+    cap = _Captured(a2a, cfg, ref.make_case(cfg, "random", seed), rank, dev)
+    for i, scenario in enumerate(("random", "sparse_experts", "one_expert", "same_rank", "random")):
+        seed += 1
+        _check_call(cap, cfg, ref.make_case(cfg, scenario, seed), rank, dev, f)
+        if i % 2 == 0:
+            seed += 1
+            _check_call(a2a, cfg, ref.make_case(cfg, "random", seed), rank, dev, f)
+    a2a.check()
+    return seed
+
+
+def _proxy_refuses_capture(a2a: Any, cfg: Any, rank: int, dev: Any, seed: int) -> None:
+    import torch
+
+    from afabric.errors import UsageError
+    from afabric.moe import reference as ref
+
+    case = ref.make_case(cfg, "random", seed)
+    args = (case.x[rank].to(dev), case.topk_idx[rank].to(dev), case.topk_weights[rank].to(dev),
+            _to(case.scales[rank], dev))  # fmt: skip
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            a2a.dispatch(*args)
+    except UsageError:
+        pass
+    else:
+        raise AssertionError("capturing a proxy dispatch was not refused")
+
+
 def _rank_main(path: str, rank: int, world: int, init: str) -> None:
     import torch
     import torch.distributed as dist
@@ -238,6 +309,12 @@ def _rank_main(path: str, rank: int, world: int, init: str) -> None:
         _check_call(a2a, cfg, ref.make_case(cfg, "random", seed + 1), rank, dev, f)
         a2a.check()
         print(f"rank {rank} config {ci} fused {fused}: repeated calls ok", flush=True)
+        if path == "nvlink":
+            seed = _check_graphs(a2a, cfg, rank, dev, f, seed + 2)
+            print(f"rank {rank} config {ci} fused {fused}: CUDA-graph replays ok", flush=True)
+        else:
+            _proxy_refuses_capture(a2a, cfg, rank, dev, seed + 2)
+            print(f"rank {rank} config {ci}: capture through the proxy refused", flush=True)
         a2a.close()
     dist.destroy_process_group()
     print(f"rank {rank}: all checks passed ({path})", flush=True)
