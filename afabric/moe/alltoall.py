@@ -47,8 +47,9 @@ AllGather = Callable[[bytes], Sequence[bytes]]
 
 PATHS = ("auto", "nvlink", "proxy")
 # Up to this many (token, expert) entries per call in all (world * max_tokens * top-k),
-# dispatch receives in one kernel whose blocks each count every entry (decode); above it,
-# a routing kernel counts once for all and a copy kernel follows (prefill).
+# dispatch is one kernel that sends, then receives with every block counting every entry
+# (decode); above it, a send kernel, a routing kernel that counts once for all and a copy
+# kernel (prefill).
 FUSED_RECEIVE_MAX_ENTRIES = 4096
 _TABLES = 8  # dispatch dst slot/flag, src slot/flag; combine the same
 _SCRATCH = (
@@ -304,10 +305,11 @@ class AllToAll:
         self._copy = Launch(fn["dispatch_copy"], 15, COPY_THREADS)
         self._copy.set(tab, ep, ptr["_ntok"], ptr["_cursor"], lo, cap, ptr["_pos"], ptr["_wts"],
                        ptr["_x_out"], s_out, 0, 0, 0, 0, ptr["_tok_of"])  # fmt: skip
-        self._small = Launch(fn["dispatch_recv_small"], 19, COPY_THREADS, k_.route_smem)
-        self._small.set(tab, ep, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_fill"], ptr["_ntok"],
-                        ptr["_err"], tmo, ptr["_pos"], ptr["_wts"], ptr["_x_out"], s_out, 0, 0, 0, 0,
-                        ptr["_tok_of"])  # fmt: skip
+        self._small = Launch(fn["dispatch_small"], 27, k_.small_threads, k_.small_smem)
+        self._small.set(0, 0, 0, 0, 0, 0, 0, 0, lo, tab, ep, mask, self._watchers[0], ptr["_slot_of"],
+                        ptr["_tok_of"], ptr["_ctr"], ptr["_err"], cap, ptr["_counts"], ptr["_offsets"],
+                        ptr["_fill"], ptr["_ntok"], tmo, ptr["_pos"], ptr["_wts"], ptr["_x_out"],
+                        s_out)  # fmt: skip
         self.fused_receive = n * t * k <= FUSED_RECEIVE_MAX_ENTRIES
         self._csend = Launch(fn["combine_send"], 11, COPY_THREADS)
         self._csend.set(0, ptr["_pos"], ptr["_wts"], ptr["_ntok"], h, lo, tab, ep, mask, self._watchers[1],
@@ -317,6 +319,7 @@ class AllToAll:
         self._grid_send = [max(1, min(2 * k_.sms, m)) for m in range(t + 1)]
         self._grid_route = max(1, min(k_.sms, -(-n * t * k // ROUTE_THREADS)))
         self._grid_copy = max(1, min(k_.sms * 8, n * t))
+        self._grid_small = max(1, min(k_.small_resident, k_.sms * 2, n * t))
         self._grid_csend = k_.copy_blocks(n * t * (h * cfg.out_itemsize // 16))
         self._chunks_out = h * cfg.out_itemsize // 16
         self._grid_crecv = [k_.copy_blocks(m * self._chunks_out) for m in range(t + 1)]
@@ -391,7 +394,8 @@ class AllToAll:
             self._d_epoch += 1
             self.proxy.arm_dispatch(self._d_epoch)
         stream = self._stream()
-        w = self._send.words
+        launch = self._small if self.fused_receive else self._send
+        w = launch.words
         w[0] = topk_idx.data_ptr()
         w[1] = topk_idx.dtype is self._int64
         w[2] = topk_weights.data_ptr()
@@ -400,16 +404,11 @@ class AllToAll:
         w[5] = s_ptr
         w[6] = s_stride
         w[7] = n
-        self._send(self._grid_send[n], stream)
+        self._n_tok = n
         if self.fused_receive:
-            w = self._small.words
-            w[14] = x_ptr
-            w[15] = x_stride
-            w[16] = s_ptr
-            w[17] = s_stride
-            self._small(self._grid_copy, stream)
-            self._n_tok = n
+            self._small(self._grid_small, stream)
             return self._result
+        self._send(self._grid_send[n], stream)
         self._route(self._grid_route, stream)
         w = self._copy.words
         w[10] = x_ptr
@@ -417,7 +416,6 @@ class AllToAll:
         w[12] = s_ptr
         w[13] = s_stride
         self._copy(self._grid_copy, stream)
-        self._n_tok = n
         return self._result
 
     def _dispatch_args(

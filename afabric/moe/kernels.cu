@@ -114,9 +114,9 @@ __device__ bool last_block(u32 *ctr) {
 // early, before any NVLink store is issued), pass 1 the tokens for NVLink destinations,
 // then the last block publishes counts and epochs to the NVLink peers. Tokens for this
 // rank itself are not staged: only their routes, and tok_of[slot] = token, so that
-// dispatch_copy reads their rows straight from x.
+// dispatch_copy reads their rows straight from x. Returns the call's epoch.
 // dynamic shared memory: 2 * blockDim.x * N ints (slots and owned pairs of the current chunk).
-extern "C" __global__ void dispatch_send(
+__device__ __forceinline__ u64 send_tokens(
     const void *topk, int idx64, const float *weights, const char *x, long long x_stride,
     const char *scales, long long s_stride, int n_tok, const Layout *Lp, const u64 *tab,
     u64 *ep, u64 proxy_mask, u64 *watcher, int *slot_of, int *tok_of, u32 *ctr, u32 *err) {
@@ -225,6 +225,15 @@ extern "C" __global__ void dispatch_send(
             if ((nv_mask >> r) & 1) st_release_sys((u64 *)dst_flag[r], epoch);
         *(volatile u64 *)ep = epoch;
     }
+    return epoch;
+}
+
+extern "C" __global__ void dispatch_send(
+    const void *topk, int idx64, const float *weights, const char *x, long long x_stride,
+    const char *scales, long long s_stride, int n_tok, const Layout *Lp, const u64 *tab,
+    u64 *ep, u64 proxy_mask, u64 *watcher, int *slot_of, int *tok_of, u32 *ctr, u32 *err) {
+    send_tokens(topk, idx64, weights, x, x_stride, scales, s_stride, n_tok, Lp, tab, ep,
+                proxy_mask, watcher, slot_of, tok_of, ctr, err);
 }
 
 // ---------------------------------------------------------------- dispatch: receive
@@ -304,7 +313,7 @@ __device__ __forceinline__ void copy_row(
     const int K = L.K, ca = L.seg_a >> 4, cb = L.seg_b >> 2;
     const char *xa, *sa;
     if (r == L.me) {
-        const long long t = tok_of[i];
+        const long long t = __ldcg(tok_of + i);  // dispatch_small wrote it in this launch
         xa = x + t * x_stride;
         sa = scales + t * s_stride;
     } else {
@@ -370,18 +379,17 @@ extern "C" __global__ void dispatch_copy(
     }
 }
 
-// dispatch_route and dispatch_copy in one launch, for calls with few entries (decode):
+// dispatch_route and dispatch_copy in one, for calls with few entries (decode):
 // every block waits for the sources and counts every received entry itself (a few per
 // thread), so each knows every expert's offset without a grid-wide step; places come from
 // tickets in fill[parity] (block 0 clears the other parity's for the next call and writes
 // counts, offsets and ntok). dynamic shared memory: E_local ints.
-extern "C" __global__ void dispatch_recv_small(
-    const u64 *tab, const u64 *ep, const Layout *Lp, long long capacity, int *expert_counts,
+__device__ __forceinline__ void receive_small(
+    u64 epoch, const u64 *tab, const Layout *Lp, long long capacity, int *expert_counts,
     int *expert_offsets, int *fill, int *ntok, u32 *err, u64 timeout_ns, int *pos, float *wts,
     char *__restrict__ out_x, char *__restrict__ out_s, const char *x, long long x_stride,
     const char *scales, long long s_stride, const int *tok_of) {
     const Layout L = *Lp;
-    const u64 epoch = ld_volatile(ep);
     const u64 *src_slot = table(tab, epoch, 2, L.N), *src_flag = table(tab, epoch, 3, L.N);
     extern __shared__ int s_off[];  // [E_local]: counts, then offsets
     __shared__ int s_n[MAX_RANKS];
@@ -445,6 +453,24 @@ extern "C" __global__ void dispatch_recv_small(
         copy_row(L, r, i, slot, s_p, out_x, out_s, x, x_stride, scales, s_stride, tok_of);
         __syncthreads();
     }
+}
+
+// A whole decode-sized dispatch in one launch (one host call instead of two, no gap
+// between the kernels): every block sends its part, then receives. Blocks spin on the
+// sources' flags, which need every block of every rank past its send part, so the grid
+// must fit on the GPU at once (alltoall sizes it by occupancy). dynamic shared memory:
+// the larger of send_tokens' and receive_small's.
+extern "C" __global__ void dispatch_small(
+    const void *topk, int idx64, const float *weights, const char *x, long long x_stride,
+    const char *scales, long long s_stride, int n_tok, const Layout *Lp, const u64 *tab,
+    u64 *ep, u64 proxy_mask, u64 *watcher, int *slot_of, int *tok_of, u32 *ctr, u32 *err,
+    long long capacity, int *expert_counts, int *expert_offsets, int *fill, int *ntok,
+    u64 timeout_ns, int *pos, float *wts, char *__restrict__ out_x, char *__restrict__ out_s) {
+    const u64 epoch = send_tokens(topk, idx64, weights, x, x_stride, scales, s_stride, n_tok, Lp, tab, ep,
+                proxy_mask, watcher, slot_of, tok_of, ctr, err);
+    __syncthreads();  // the dynamic shared memory changes hands
+    receive_small(epoch, tab, Lp, capacity, expert_counts, expert_offsets, fill, ntok, err,
+                  timeout_ns, pos, wts, out_x, out_s, x, x_stride, scales, s_stride, tok_of);
 }
 
 // ---------------------------------------------------------------- combine

@@ -18,7 +18,7 @@ from .config import MoeConfig, SlotLayout
 
 _SRC = Path(__file__).with_name("kernels.cu")
 KERNELS = (
-    "dispatch_send", "dispatch_route", "dispatch_copy", "dispatch_recv_small", "combine_send", "combine_recv",
+    "dispatch_send", "dispatch_route", "dispatch_copy", "dispatch_small", "combine_send", "combine_recv",
 )  # fmt: skip
 ERR_CAPACITY = 1
 ERR_EXPERT = 2
@@ -83,7 +83,7 @@ def _module(device: int, out_fp32: bool) -> dict[str, Any]:
 
 
 class Kernels:
-    """The five kernels for one configuration on one device."""
+    """The kernels for one configuration on one device."""
 
     def __init__(self, cfg: MoeConfig, device: int) -> None:
         self.cfg = cfg
@@ -101,9 +101,23 @@ class Kernels:
             from ..errors import InvalidArgument
 
             raise InvalidArgument(f"{cfg.experts_per_rank} experts per rank: at most 10240 are supported")
+        # dispatch_small sends and receives in one launch: one block size for both parts
+        self.small_threads = min(threads, COPY_THREADS)
+        self.small_smem = max(2 * self.small_threads * n * 4, self.route_smem)
         import cupy
 
         self.sms = int(cupy.cuda.runtime.deviceGetAttribute(16, device))  # cudaDevAttrMultiProcessorCount
+        occupancy = getattr(cupy.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
+        with cupy.cuda.Device(device):
+            per_sm = 1
+            if occupancy is not None:
+                f = int(self.fn["dispatch_small"].kernel.ptr)
+                try:
+                    per_sm = max(1, int(occupancy(f, self.small_threads, self.small_smem)))
+                except (TypeError, RuntimeError):  # CUDADriverError is a RuntimeError
+                    per_sm = 1  # one block per SM always fits
+        # blocks of dispatch_small that fit on the GPU at once (its blocks wait on each other)
+        self.small_resident = self.sms * per_sm
 
     def copy_blocks(self, threads: int) -> int:
         """Blocks of COPY_THREADS for a grid-stride loop over ``threads`` work items: enough
