@@ -24,6 +24,8 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=$MSIZE,ro,cache=loose hostroo
 mount -t tmpfs -o mode=1777 tmp /host/tmp || fail "tmpfs"
 mkdir -p /host/tmp/xfer
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=$MSIZE xfer /host/tmp/xfer || fail "mount xfer"
+# a work tree under /tmp has no mount point on the fresh tmpfs above: make it
+[ -d "/host$WORK" ] || mkdir -p "/host$WORK" || fail "no mount point for the work tree"
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=$MSIZE work "/host$WORK" || fail "mount work"
 mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
