@@ -90,6 +90,11 @@ async def prefill_proc(
                     "active": len(pf.active), "free_pages": pf.allocator.free_pages,
                     "bad": pf.bad_messages, **pf.stats,
                 })  # fmt: skip
+            # the decoder saw every immediate; this side may still be finishing the last
+            # job's bookkeeping (its writes' local completions come after the target's)
+            deadline = loop.time() + 30
+            while pf.active and loop.time() < deadline:
+                await asyncio.sleep(0.01)
             server.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await server
