@@ -26,7 +26,7 @@
 struct afs_allow {
     uint32_t n;
     uint64_t *fi_addr[AFS_MAX_NICS]; /* per NIC: the peers' handles, sorted */
-    uint8_t **blob;                  /* the addresses as given (matched by NIC address) */
+    uint8_t **blob;                  /* the addresses as given (matched exactly) */
     uint32_t *blob_len;
     bool accept_unknown; /* AFS_ALLOW_UNKNOWN: deliver what has no known sender */
 };
@@ -65,30 +65,18 @@ static bool has_u64(const uint64_t *v, uint32_t n, uint64_t key)
     return false;
 }
 
-/* Same engine location: every NIC address equal (the incarnation may differ: a list names
- * where peers are, and a restarted peer's old descriptors are refused elsewhere). */
-static bool same_place(const afs_addr_view *a, const afs_addr_view *b)
-{
-    if (a->nics != b->nics || strcmp(a->provider, b->provider) != 0)
-        return false;
-    for (uint32_t k = 0; k < a->nics; k++)
-        if (a->nic_addr_len[k] != b->nic_addr_len[k] ||
-            memcmp(a->nic_addr[k], b->nic_addr[k], a->nic_addr_len[k]) != 0)
-            return false;
-    return true;
-}
-
-int afs_allow_check_addr(afs_engine *eng, const afs_addr_view *v)
+/* A listed address is one engine instance: a peer that restarts (a new incarnation at the
+ * same NIC addresses) is not on the list until it is listed again. */
+int afs_allow_check_addr(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
+                         uint32_t len)
 {
     int rc = 0;
     pthread_mutex_lock(&eng->peer_lock);
     const afs_allow *a = eng->allow_book;
     if (a) {
         bool found = false;
-        for (uint32_t i = 0; i < a->n && !found; i++) {
-            afs_addr_view w;
-            found = afs_addr_parse(a->blob[i], a->blob_len[i], &w) == 0 && same_place(&w, v);
-        }
+        for (uint32_t i = 0; i < a->n && !found; i++)
+            found = a->blob_len[i] == len && memcmp(a->blob[i], blob, len) == 0;
         if (!found)
             rc = afs_fail(AFS_EDENIED,
                           "peer %016llx is not on this engine's allow-list: not resolved, "

@@ -671,7 +671,7 @@ int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len, uin
     if (!peer_id)
         return afs_fail(AFS_EINVAL, "resolve: NULL output");
     afs_addr_view v;
-    if ((rc = afs_addr_parse(addr, len, &v)) || (rc = afs_allow_check_addr(eng, &v)))
+    if ((rc = afs_addr_parse(addr, len, &v)) || (rc = afs_allow_check_addr(eng, &v, addr, len)))
         return rc;
     return afs_find_or_resolve_peer(eng, &v, addr, len, peer_id);
 }
@@ -684,7 +684,8 @@ int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len, ui
     if (!remote_id)
         return afs_fail(AFS_EINVAL, "import: NULL output");
     afs_desc_view d;
-    if ((rc = afs_desc_parse(desc, len, &d)) || (rc = afs_allow_check_addr(eng, &d.owner)))
+    if ((rc = afs_desc_parse(desc, len, &d)) ||
+        (rc = afs_allow_check_addr(eng, &d.owner, d.addr_blob, d.addr_blob_len)))
         return rc;
     uint64_t peer_id;
     if ((rc = afs_find_or_resolve_peer(eng, &d.owner, d.addr_blob, d.addr_blob_len, &peer_id)))

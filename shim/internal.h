@@ -407,7 +407,8 @@ int afs_submit_built(afs_engine *eng, afs_xfer *x, uint32_t trig_kind, uint64_t 
 void afs_dynlen_resolve(afs_xfer *x);
 
 /* allow.c: the allow-list (see there for what it can and cannot stop) */
-int afs_allow_check_addr(afs_engine *eng, const afs_addr_view *v); /* AFS_EDENIED if not on it */
+int afs_allow_check_addr(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
+                         uint32_t len); /* AFS_EDENIED if not on the list */
 bool afs_allow_refuse_src(afs_engine *eng, uint32_t nic, uint64_t src); /* worker; counts */
 bool afs_allow_refuse_out(afs_engine *eng, afs_xfer *x); /* worker: sets x's error */
 int afs_allow_poll(afs_engine *eng, uint32_t nic, afp_event *ev, uint64_t *src, uint32_t max,

@@ -76,9 +76,10 @@ async def nothing_more(eng: afabric.Engine) -> None:
         await asyncio.wait_for(eng.recv(), 0.5)
 
 
-def exact_imm_sources(provider: str) -> bool:
-    """shm names the sender of every immediate; tcp;ofi_rxm of none (README, Security)."""
-    return provider == "shm"
+def exact_imm_sources(eng: afabric.Engine) -> bool:
+    """shm and libfabric 2's native tcp name the sender of every immediate, 1.17's
+    tcp;ofi_rxm of none (README, Security)."""
+    return "ofi_rxm" not in eng.fabric_provider
 
 
 async def test_listed_peer_delivers_unlisted_flood_is_dropped(provider: str, peers: list[Peer]) -> None:
@@ -94,11 +95,11 @@ async def test_listed_peer_delivers_unlisted_flood_is_dropped(provider: str, pee
         await flood_task
         got = await drain_messages(eng, 40)
         assert sorted(got) == sorted(b"A %d" % i for i in range(40))
-        unknown_imms = 0 if exact_imm_sources(provider) else 50 + 30
+        unknown_imms = 0 if exact_imm_sources(eng) else 50 + 30
         nic = await counters_reach(eng, {"rejected": flood, "rejected_unknown": unknown_imms})
         await nothing_more(eng)
         assert nic["recvs"] == 40  # only the listed peer's messages were delivered
-        if exact_imm_sources(provider):
+        if exact_imm_sources(eng):
             assert nic["rejected"] == flood + 50  # B's messages and immediates
             assert nic["rejected_unknown"] == 0
             await eng.expect_imm(IMM_A, 30, timeout=10)
@@ -152,8 +153,8 @@ async def test_changes_take_effect_at_once(provider: str, peers: list[Peer]) -> 
 
 async def test_unknown_sources_are_refused_unless_accepted(provider: str, peers: list[Peer]) -> None:
     """tcp;ofi_rxm gives no source for an immediate: with a list set, even the listed
-    peer's immediates are refused (counted), until the list accepts unknown senders. On
-    shm every sender is known, so the flag changes nothing there."""
+    peer's immediates are refused (counted), until the list accepts unknown senders. Where
+    every sender is known (shm) the flag changes nothing."""
     ((a, addr_a),) = await start_senders(peers, provider, 1)
     async with afabric.Engine(provider) as eng:
         buf = np.zeros(64, dtype=np.uint8)
@@ -161,7 +162,7 @@ async def test_unknown_sources_are_refused_unless_accepted(provider: str, peers:
         eng.allow_peers([addr_a])
         await burst(a, eng, mr, b"A", 2, IMM_A, 10)
         assert len(await drain_messages(eng, 2)) == 2
-        if exact_imm_sources(provider):
+        if exact_imm_sources(eng):
             await eng.expect_imm(IMM_A, 10, timeout=10)
         else:
             nic = await counters_reach(eng, {"rejected_unknown": 10})

@@ -611,13 +611,13 @@ static int open_cq(afp_domain *d, size_t size)
     return 0;
 }
 
-/* Which senders FI_SOURCE names exactly, as tests/test_allow.py saw with libfabric 1.17:
- * tcp;ofi_rxm names a message's sender (FI_ADDR_NOTAVAIL for one never inserted in the
- * AV) but leaves the source of remote CQ data at 0, whoever wrote it; shm names both, but
- * reports a sender never inserted as 0. So index 0 of the AV is taken by our own address
- * (no peer ever gets it: 0, like FI_ADDR_NOTAVAIL, means a sender never resolved),
- * immediates over rxm have no source, and other providers' sources are not passed on until
- * they are tested. */
+/* Which senders FI_SOURCE names exactly, as seen (tests/test_allow.py) with libfabric 1.17
+ * and 2.5: shm and 2.x's native tcp name the sender of messages and immediates, with
+ * FI_ADDR_NOTAVAIL for one never inserted in the AV, except that 1.17's shm reports such a
+ * sender as 0; 1.17's tcp;ofi_rxm names a message's sender but leaves the source of remote
+ * CQ data at 0, whoever wrote it. So index 0 of the AV is taken by our own address (no peer
+ * ever gets it: 0, like FI_ADDR_NOTAVAIL, means a sender never resolved), immediates over
+ * rxm have no source, and other providers' sources are not passed on until tested. */
 static void trust_sources(afp_domain *d, const char *self_name)
 {
     uint8_t padded[AFP_MAX_ADDR_LEN + 8] = {0};
@@ -628,7 +628,7 @@ static void trust_sources(afp_domain *d, const char *self_name)
         return;
     }
     d->self_fa = fa;
-    if (strcmp(d->prov_name, "shm") == 0) {
+    if (strcmp(d->prov_name, "shm") == 0 || strcmp(d->prov_name, "tcp") == 0) {
         d->src_msg = d->src_imm = true;
     } else if (strncmp(d->prov_name, "tcp", 3) == 0 && strstr(d->prov_name, "ofi_rxm")) {
         d->src_msg = true;
