@@ -111,3 +111,9 @@ def peers() -> Iterator[list[Any]]:
     yield started
     for p in started:
         p.close()
+    # a killed peer cannot remove its /dev/shm files (libfabric shm names them '<pid>:...')
+    pids = {str(p.proc.pid) for p in started}
+    for name in _shm_files():
+        if name.split(":", 1)[0] in pids:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
