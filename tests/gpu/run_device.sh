@@ -21,29 +21,9 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/device-out}
 mkdir -p "$OUT"
 
-# NVLink multicast stays off on the shared GPU hosts (afabric never asks for it; these
-# are inherited by every process started below).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-# The checkout's afabric/ has no compiled libraries: never let the current directory
-# (python -m puts it first on sys.path) shadow the installed wheel.
-export PYTHONSAFEPATH=1
+source tests/gpu/common.sh  # the step runner and environment (cwd is the repo root)
 # On the GPU machine a GPU test that would skip (no CuPy, no CUDA) fails instead.
 export AFABRIC_REQUIRE_GPU=${AFABRIC_REQUIRE_GPU:-1}
-PY=${PYTHON:-python3}
-SITE=${AFABRIC_SITE:-/tmp/afabric-site}
-FAILS=()
-
-step() { # step LOG NAME SECONDS CMD...: run CMD (time-limited), its output to $OUT/LOG and stdout
-    local log=$OUT/$1 name=$2 limit=$3
-    shift 3
-    echo "== $name: $*" | tee -a "$log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')" | tee -a "$log"
-    [ "$rc" -eq 0 ] || FAILS+=("$name (exit $rc)")
-    return 0
-}
 
 # ---- the machine, and the install ----
 {

@@ -19,24 +19,9 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/device-out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+source tests/gpu/common.sh  # the step runner and environment (cwd is the repo root)
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
-PY=${PYTHON:-python3}
-SITE=${AFABRIC_SITE:-/tmp/afabric-site}
 P=${KV_PROVIDER:-nvlink}
-FAILS=()
-
-step() { # step LOG NAME SECONDS CMD...
-    local log=$OUT/$1 name=$2 limit=$3
-    shift 3
-    echo "== $name: $*" | tee -a "$log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')" | tee -a "$log"
-    [ "$rc" -eq 0 ] || FAILS+=("$name (exit $rc)")
-    return 0
-}
 
 # ---- install the wheel (unless run_device.sh already did, into the same place) ----
 if ! PYTHONPATH=$SITE "$PY" -c 'import afabric.kvcache' 2>/dev/null; then

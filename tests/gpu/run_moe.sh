@@ -11,20 +11,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 AFABRIC_REQUIRE_GPU=1
-PY=${PYTHON:-python3}
+source tests/gpu/common.sh  # the step runner and environment (cwd is the repo root)
+export AFABRIC_REQUIRE_GPU=1
 SITE=/tmp/afabric-site
-FAILS=()
-step() { # step LOG NAME SECONDS CMD...
-    local log=$OUT/$1 name=$2 limit=$3
-    shift 3
-    echo "== $name: $*" | tee -a "$log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc" | tee -a "$log"
-    [ "$rc" -eq 0 ] || FAILS+=("$name (exit $rc)")
-}
 { nvidia-smi -L; nvidia-smi topo -m; "$PY" -c 'import torch, cupy; print(torch.__version__, cupy.__version__, torch.cuda.device_count())'; } \
     >>"$OUT/setup.log" 2>&1
 rm -rf "$SITE"

@@ -14,22 +14,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 # NVLink multicast stays off on the shared GPU hosts (afabric never asks for it).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 AFABRIC_REQUIRE_GPU=${AFABRIC_REQUIRE_GPU:-1}
-PY=${PYTHON:-python3}
-SITE=${AFABRIC_SITE:-/tmp/afabric-site}
-FAILS=()
-
-step() { # step LOG NAME SECONDS CMD...
-    local log=$OUT/$1 name=$2 limit=$3
-    shift 3
-    echo "== $name: $*" | tee -a "$log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')" | tee -a "$log"
-    [ "$rc" -eq 0 ] || FAILS+=("$name (exit $rc)")
-    return 0
-}
+source tests/gpu/common.sh  # the step runner and environment (cwd is the repo root)
+export AFABRIC_REQUIRE_GPU=${AFABRIC_REQUIRE_GPU:-1}
 
 {
     echo "date: $(date -Is)  host: $(hostname)  cpus: $(nproc)"
