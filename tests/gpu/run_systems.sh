@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The KV-cache and weight-transfer systems on the 2x H200 machine, plus the provider GPU
-# tests as a regression, in one device call (the session's device time is scarce):
+# The KV-cache and weight-transfer systems on the 2x H200 machine, plus all GPU tests as a
+# regression, in one device call (the session's device time is scarce):
 #
 #     pip wheel --no-deps -w .whl .     # here; carried to the machine in .whl/
 #     bash tests/gpu/run_systems.sh     # there; logs and JSON go to $OUT (<= 8 files)
@@ -8,7 +8,7 @@
 # Steps (each time-limited; the script goes on after a failed step, exits non-zero if any
 # failed): the KV-cache example with prefill on cuda:0 and decode on cuda:1 over nvlink
 # (bit-identical check), `afabric bench kvcache --device cuda`, `afabric bench weights`
-# with 8 trainers and 4 inference workers (CUDA shards, shm), and tests/gpu's provider tests.
+# with 8 trainers and 4 inference workers (CUDA shards, shm), and every test in tests/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
@@ -31,9 +31,8 @@ step weights.log "bench weights (cuda, shm)" 150 afabric bench weights --trainer
     --device cuda --provider shm --json "$OUT/weights-cuda-shm.json"
 conf=()
 "$PY" -c 'import pytest_asyncio' 2>/dev/null || conf=(--noconftest)
-step pytest-gpu.log "pytest providers on GPU" 100 "$PY" -m pytest -q -rA -p no:cacheprovider \
-    --import-mode=importlib "${conf[@]}" tests/gpu/test_nvlink.py tests/gpu/test_cuda_register.py \
-    tests/gpu/test_watcher_gpu.py
+step pytest-gpu.log "pytest tests/gpu" 160 "$PY" -m pytest -q -rA -p no:cacheprovider \
+    --import-mode=importlib "${conf[@]}" tests/gpu
 { [ ${#FAILS[@]} -eq 0 ] && echo "all steps passed" || { echo "FAILED steps:"; printf '  %s\n' "${FAILS[@]}"; }; } \
     | tee "$OUT/summary.txt"
 [ ${#FAILS[@]} -eq 0 ]
