@@ -12,7 +12,9 @@ The spec names a native library exporting ``afp_get_ops`` (the C table of
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PROVIDER_ABI_MAJOR = 1
 
@@ -38,3 +40,12 @@ class ProviderSpec:
     description: str = ""
     options: dict[str, str] = field(default_factory=dict)
     """Free-form, provider-specific settings, shown by `afabric info`."""
+
+
+def plugin_library(package_file: str, name: str, env: str) -> str:
+    """Absolute path of a plugin's native library: ``name`` next to the package whose
+    ``__file__`` is given, unless ``$env`` names another build (a sanitizer build, say)."""
+    override = os.environ.get(env)
+    if override:
+        return str(Path(override).resolve())
+    return str(Path(package_file).resolve().parent / name)

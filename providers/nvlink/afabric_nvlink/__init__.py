@@ -19,10 +19,7 @@ Environment:
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec
+from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec, plugin_library
 
 __all__ = ["LIBRARY_NAME", "library_path", "nvlink"]
 
@@ -31,10 +28,7 @@ LIBRARY_NAME = "libafabric_nvlink.so"
 
 def library_path() -> str:
     """Absolute path of the nvlink provider library (``$AFABRIC_NVLINK_LIB`` overrides it)."""
-    env = os.environ.get("AFABRIC_NVLINK_LIB")
-    if env:
-        return str(Path(env).resolve())
-    return str(Path(__file__).resolve().parent / LIBRARY_NAME)
+    return plugin_library(__file__, LIBRARY_NAME, "AFABRIC_NVLINK_LIB")
 
 
 def nvlink() -> ProviderSpec:

@@ -16,9 +16,8 @@ Environment:
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec
+from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec, plugin_library
 
 __all__ = ["LIBRARY_NAME", "efa", "library_path", "shm", "tcp"]
 
@@ -29,10 +28,7 @@ _LIBFABRIC_HINT = "apt-get install libfabric1 (or point LD_LIBRARY_PATH at anoth
 
 def library_path() -> str:
     """Absolute path of the libfabric provider library (``$AFABRIC_OFI_LIB`` overrides it)."""
-    env = os.environ.get("AFABRIC_OFI_LIB")
-    if env:
-        return str(Path(env).resolve())
-    return str(Path(__file__).resolve().parent / LIBRARY_NAME)
+    return plugin_library(__file__, LIBRARY_NAME, "AFABRIC_OFI_LIB")
 
 
 def efa() -> ProviderSpec:

@@ -23,10 +23,7 @@ Environment (read by the native library when an engine opens a NIC):
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec
+from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec, plugin_library
 
 __all__ = ["LIBRARY_NAME", "library_path", "verbs"]
 
@@ -35,10 +32,7 @@ LIBRARY_NAME = "libafabric_verbs.so"
 
 def library_path() -> str:
     """Absolute path of the verbs provider library (``$AFABRIC_VERBS_LIB`` overrides it)."""
-    env = os.environ.get("AFABRIC_VERBS_LIB")
-    if env:
-        return str(Path(env).resolve())
-    return str(Path(__file__).resolve().parent / LIBRARY_NAME)
+    return plugin_library(__file__, LIBRARY_NAME, "AFABRIC_VERBS_LIB")
 
 
 def verbs() -> ProviderSpec:
