@@ -18,14 +18,29 @@
 #ifndef AFABRIC_PROVIDER_H
 #define AFABRIC_PROVIDER_H
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #define AFP_ABI_MAJOR 1u
 #define AFP_ABI_MINOR 3u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
+
+/* For provider authors: formats an error text into `buf` (a domain's errbuf or a call's
+ * `err` buffer); a NULL or empty buffer is ignored. Not part of the table. */
+__attribute__((format(printf, 3, 4))) static inline void afp_errf(char *buf, size_t len,
+                                                                  const char *fmt, ...)
+{
+    if (!buf || !len)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, len, fmt, ap);
+    va_end(ap);
+}
 
 typedef struct afp_domain afp_domain; /* opaque, owned by the provider */
 typedef struct afp_mr afp_mr;         /* opaque, owned by the provider */

@@ -179,18 +179,7 @@ struct afp_domain {
 /* ------------------------------------------------------------------------------------ */
 /* Errors and small helpers                                                              */
 
-__attribute__((format(printf, 3, 4))) static void errf(char *buf, size_t len, const char *fmt,
-                                                        ...)
-{
-    if (!buf || !len)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, len, fmt, ap);
-    va_end(ap);
-}
-
-#define DERR(d, code, ...) (errf((d)->errbuf, sizeof (d)->errbuf, __VA_ARGS__), (code))
+#define DERR(d, code, ...) (afp_errf((d)->errbuf, sizeof (d)->errbuf, __VA_ARGS__), (code))
 
 static int cuda_fail(afp_domain *d, int code, const char *what, CUresult r)
 {
@@ -256,7 +245,7 @@ static int dev_count(const struct afnv_cuda *cu, int *n, char *err, size_t errle
 {
     CUresult r = cu->device_get_count(n);
     if (r != CUDA_SUCCESS) {
-        errf(err, errlen, "cuDeviceGetCount: %s", afnv_cuda_errstr(cu, r));
+        afp_errf(err, errlen, "cuDeviceGetCount: %s", afnv_cuda_errstr(cu, r));
         return AFS_ENODEV;
     }
     return 0;
@@ -318,7 +307,7 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     const struct afnv_cuda *cu = afnv_cuda_get(&why);
     *n = 0;
     if (!cu) {
-        errf(err, errlen, "%s", why);
+        afp_errf(err, errlen, "%s", why);
         return AFS_ENODEV;
     }
     int ndev = 0, rc = dev_count(cu, &ndev, err, errlen);
@@ -327,7 +316,7 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     bool ok[NVL_MAX_DEV];
     int usable = peer_capable(cu, ndev, ok);
     if (usable < 2) {
-        errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access; %d GPU(s), %d "
+        afp_errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access; %d GPU(s), %d "
                           "with a peer", ndev, usable);
         return AFS_ENODEV;
     }
@@ -345,7 +334,7 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     }
     *n = count;
     if (count == 0) {
-        errf(err, errlen, "no CUDA GPU named %s with peer access", args->nic);
+        afp_errf(err, errlen, "no CUDA GPU named %s with peer access", args->nic);
         return AFS_ENODEV;
     }
     return 0;
@@ -1334,7 +1323,7 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     const char *why = NULL;
     const struct afnv_cuda *cu = afnv_cuda_get(&why);
     if (!cu) {
-        errf(err, errlen, "%s", why);
+        afp_errf(err, errlen, "%s", why);
         return AFS_ENODEV;
     }
     int ndev = 0, rc = dev_count(cu, &ndev, err, errlen);
@@ -1342,24 +1331,24 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
         return rc;
     bool ok[NVL_MAX_DEV];
     if (peer_capable(cu, ndev, ok) < 2) {
-        errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access (%d GPU(s))", ndev);
+        afp_errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access (%d GPU(s))", ndev);
         return AFS_ENODEV;
     }
     int home = -1;
     if (parse_nic(args->nic, &home) != 0) {
-        errf(err, errlen, "nvlink NICs are named cuda<N> (got \"%s\")", args->nic);
+        afp_errf(err, errlen, "nvlink NICs are named cuda<N> (got \"%s\")", args->nic);
         return AFS_ENODEV;
     }
     if (home < 0)
         for (home = 0; home < ndev && !ok[home]; home++) {
         }
     if (home >= ndev || home >= (int)NVL_MAX_DEV || !ok[home]) {
-        errf(err, errlen, "no CUDA GPU %s with peer access", args->nic ? args->nic : "");
+        afp_errf(err, errlen, "no CUDA GPU %s with peer access", args->nic ? args->nic : "");
         return AFS_ENODEV;
     }
     afp_domain *d = calloc(1, sizeof *d);
     if (!d) {
-        errf(err, errlen, "out of memory");
+        afp_errf(err, errlen, "out of memory");
         return AFS_ENOMEM;
     }
     d->cu = cu;
@@ -1373,7 +1362,7 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     read_boot_id(d->boot_id);
     d->export_next = calloc(MB_EXPORTS, sizeof *d->export_next);
     if (!d->export_next) {
-        errf(err, errlen, "out of memory");
+        afp_errf(err, errlen, "out of memory");
         rc = AFS_ENOMEM;
         goto out_fail;
     }
@@ -1393,7 +1382,7 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     }
     d->send_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if ((rc = dev_ready(d, home))) {
-        errf(err, errlen, "%s", d->errbuf);
+        afp_errf(err, errlen, "%s", d->errbuf);
         goto out_fail;
     }
     *out = d;

@@ -120,17 +120,6 @@ struct afp_domain {
 /* ------------------------------------------------------------------------------------ */
 /* Errors                                                                                */
 
-__attribute__((format(printf, 3, 4))) static void errf(char *buf, size_t len, const char *fmt,
-                                                        ...)
-{
-    if (!buf || !len)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, len, fmt, ap);
-    va_end(ap);
-}
-
 /* A positive libfabric/POSIX errno -> AFS_E* code. */
 static int map_errno(int e)
 {
@@ -184,7 +173,7 @@ static int map_errno(int e)
 static int fail(afp_domain *d, const char *what, ssize_t fi_ret)
 {
     int e = fi_ret < 0 ? (int)-fi_ret : (int)fi_ret;
-    errf(d->errbuf, sizeof d->errbuf, "%s: %s (%s)", what, d->lib->strerror(e),
+    afp_errf(d->errbuf, sizeof d->errbuf, "%s: %s (%s)", what, d->lib->strerror(e),
          d->prov_name[0] ? d->prov_name : "libfabric");
     return map_errno(e);
 }
@@ -301,7 +290,7 @@ static void emu_rx_done(afp_domain *d, struct ofi_op *op)
     }
     d->stealing--;
     if (!imm_push(d, op->stolen_imm))
-        errf(d->errbuf, sizeof d->errbuf, "out of memory: emulated immediate %u dropped",
+        afp_errf(d->errbuf, sizeof d->errbuf, "out of memory: emulated immediate %u dropped",
              op->stolen_imm);
 }
 
@@ -444,12 +433,12 @@ static int ofi_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max
     if (n)
         *n = 0;
     if (!a || !n || (max && !out)) {
-        errf(err, errlen, "list_nics: invalid arguments");
+        afp_errf(err, errlen, "list_nics: invalid arguments");
         return AFS_EINVAL;
     }
     const struct ofi_lib *lib = ofi_lib_get(&why);
     if (!lib) {
-        errf(err, errlen, "%s", why);
+        afp_errf(err, errlen, "%s", why);
         return AFS_EPROVIDER;
     }
     /* The plainest hints: a NIC is listed if it can be opened at all. Only an explicit
@@ -459,7 +448,7 @@ static int ofi_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max
     if (ret == -FI_ENODATA)
         goto out; /* no NIC is not an error here */
     if (ret) {
-        errf(err, errlen, "fi_getinfo(%s): %s", str_or_empty(a->fabric_provider),
+        afp_errf(err, errlen, "fi_getinfo(%s): %s", str_or_empty(a->fabric_provider),
              lib->strerror(-ret));
         rc = map_errno(-ret);
         goto out;
@@ -554,7 +543,7 @@ static int select_info(afp_domain *d, const afp_open_args *a)
         }
         d->lib->freeinfo(list);
     }
-    errf(d->errbuf, sizeof d->errbuf,
+    afp_errf(d->errbuf, sizeof d->errbuf,
          "no usable libfabric domain for provider '%s'%s%s%s%s (RDM, RMA write, %u-byte "
          "remote CQ data)",
          str_or_empty(a->fabric_provider), a->nic ? ", nic " : "", str_or_empty(a->nic),
@@ -642,18 +631,18 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     int rc, ret;
 
     if (!a || !out) {
-        errf(err, errlen, "open: invalid arguments");
+        afp_errf(err, errlen, "open: invalid arguments");
         return AFS_EINVAL;
     }
     *out = NULL;
     const struct ofi_lib *lib = ofi_lib_get(&why);
     if (!lib) {
-        errf(err, errlen, "%s", why);
+        afp_errf(err, errlen, "%s", why);
         return AFS_EPROVIDER;
     }
     d = calloc(1, sizeof *d);
     if (!d) {
-        errf(err, errlen, "open: out of memory");
+        afp_errf(err, errlen, "open: out of memory");
         return AFS_ENOMEM;
     }
     d->lib = lib;
@@ -687,7 +676,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     d->pool_size = tx + rx;
     d->pool = calloc(d->pool_size, sizeof *d->pool);
     if (!d->pool) {
-        errf(d->errbuf, sizeof d->errbuf, "open: out of memory");
+        afp_errf(d->errbuf, sizeof d->errbuf, "open: out of memory");
         rc = AFS_ENOMEM;
         goto out_close;
     }
@@ -764,7 +753,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     return 0;
 
 out_close:
-    errf(err, errlen, "%s", d->errbuf);
+    afp_errf(err, errlen, "%s", d->errbuf);
     ofi_close(d);
     return rc;
 }
@@ -799,7 +788,7 @@ static int ofi_address(afp_domain *d, void *buf, size_t *len)
     size_t have = *len;
     int ret = fi_getname(&d->ep->fid, buf, &have);
     if (ret == -FI_ETOOSMALL) {
-        errf(d->errbuf, sizeof d->errbuf, "address: buffer of %zu bytes, need %zu", *len,
+        afp_errf(d->errbuf, sizeof d->errbuf, "address: buffer of %zu bytes, need %zu", *len,
              have);
         *len = have;
         return AFS_EINVAL;
@@ -817,7 +806,7 @@ static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
      * zero-padded copy that is never shorter than what it reads. */
     uint8_t padded[AFP_MAX_ADDR_LEN + 8] = {0};
     if (len == 0 || len > AFP_MAX_ADDR_LEN || d->addr_len > sizeof padded) {
-        errf(d->errbuf, sizeof d->errbuf, "resolve: address of %zu bytes (1..%u allowed)", len,
+        afp_errf(d->errbuf, sizeof d->errbuf, "resolve: address of %zu bytes (1..%u allowed)", len,
              AFP_MAX_ADDR_LEN);
         return AFS_EBADDESC;
     }
@@ -856,7 +845,7 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
 
     if (flags & AFP_MR_DEVICE) {
         if (!d->hmem) {
-            errf(d->errbuf, sizeof d->errbuf, "%s: no device-memory (FI_HMEM) support",
+            afp_errf(d->errbuf, sizeof d->errbuf, "%s: no device-memory (FI_HMEM) support",
                  d->prov_name);
             return AFS_EUNSUPPORTED;
         }
@@ -895,7 +884,7 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
      * for a remote one that value means keys beyond 64 bits (fi_mr_raw_attr): unserved. */
     uint64_t k = fi_mr_key(mr);
     if (k == FI_KEY_NOTAVAIL && (flags & AFP_MR_REMOTE)) {
-        errf(d->errbuf, sizeof d->errbuf, "%s: memory keys need fi_mr_raw_attr",
+        afp_errf(d->errbuf, sizeof d->errbuf, "%s: memory keys need fi_mr_raw_attr",
              d->prov_name);
         rc = AFS_EUNSUPPORTED;
         goto out_close;
@@ -941,7 +930,7 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
     for (i = 0; i < n; i++) {
         const afp_write *w = &wr[i];
         if (w->length > d->max_msg_size) {
-            errf(d->errbuf, sizeof d->errbuf, "write of %llu bytes > %s max %llu",
+            afp_errf(d->errbuf, sizeof d->errbuf, "write of %llu bytes > %s max %llu",
                  (unsigned long long)w->length, d->prov_name,
                  (unsigned long long)d->max_msg_size);
             rc = AFS_ETOOBIG;
@@ -987,7 +976,7 @@ static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
                          void *desc, uint64_t ctx)
 {
     if (len > d->max_msg_size) {
-        errf(d->errbuf, sizeof d->errbuf, "send of %llu bytes > %s max %llu",
+        afp_errf(d->errbuf, sizeof d->errbuf, "send of %llu bytes > %s max %llu",
              (unsigned long long)len, d->prov_name, (unsigned long long)d->max_msg_size);
         return AFS_ETOOBIG;
     }

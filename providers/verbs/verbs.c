@@ -201,18 +201,7 @@ struct afp_domain {
 /* ------------------------------------------------------------------------------------ */
 /* Small helpers                                                                         */
 
-__attribute__((format(printf, 3, 4))) static void errf(char *buf, size_t len, const char *fmt,
-                                                        ...)
-{
-    if (!buf || !len)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, len, fmt, ap);
-    va_end(ap);
-}
-
-#define derr(d, ...) errf((d)->errbuf, sizeof (d)->errbuf, __VA_ARGS__)
+#define derr(d, ...) afp_errf((d)->errbuf, sizeof (d)->errbuf, __VA_ARGS__)
 
 static uint64_t now_ns(void)
 {
@@ -476,12 +465,12 @@ static int vb_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max,
     if (n)
         *n = 0;
     if (!a || !n || (max && !out)) {
-        errf(err, errlen, "list_nics: invalid arguments");
+        afp_errf(err, errlen, "list_nics: invalid arguments");
         return AFS_EINVAL;
     }
     const struct vb_lib *lib = vb_lib_get(&why);
     if (!lib) {
-        errf(err, errlen, "%s", why);
+        afp_errf(err, errlen, "%s", why);
         return AFS_EPROVIDER;
     }
     char want_dev[AFP_NAME_LEN];
@@ -729,18 +718,18 @@ static int vb_open(const afp_open_args *a, afp_domain **out, char *err, size_t e
     const char *why = NULL;
     int rc;
     if (!a || !out) {
-        errf(err, errlen, "open: invalid arguments");
+        afp_errf(err, errlen, "open: invalid arguments");
         return AFS_EINVAL;
     }
     *out = NULL;
     const struct vb_lib *lib = vb_lib_get(&why);
     if (!lib) {
-        errf(err, errlen, "%s", why);
+        afp_errf(err, errlen, "%s", why);
         return AFS_EPROVIDER;
     }
     afp_domain *d = calloc(1, sizeof *d);
     if (!d) {
-        errf(err, errlen, "open: out of memory");
+        afp_errf(err, errlen, "open: out of memory");
         return AFS_ENOMEM;
     }
     d->lib = lib;
@@ -865,7 +854,7 @@ static int vb_open(const afp_open_args *a, afp_domain **out, char *err, size_t e
     return 0;
 
 out_close:
-    errf(err, errlen, "%s", d->errbuf);
+    afp_errf(err, errlen, "%s", d->errbuf);
     vb_close(d);
     return rc;
 }
