@@ -395,6 +395,23 @@ def _count_list(text: str) -> list[int]:
     return counts
 
 
+def _add_run_arguments(p: argparse.ArgumentParser, provider: str, quick: str) -> None:
+    """The options every measuring benchmark takes: provider, outputs, a smoke-run switch."""
+    p.add_argument("--provider", default=provider, help=f"provider name or 'auto' (default: {provider})")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    p.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
+    p.add_argument("--quick", action="store_true", help=quick)
+
+
+def _add_loop_arguments(p: argparse.ArgumentParser, who: str) -> None:
+    """How the measuring process runs: its workers' polling and its event loop."""
+    p.add_argument("--polling", choices=("adaptive", "spin"), default=None,
+                   help=f"{who} polling: adaptive (default; spin briefly, then sleep) "
+                        "or spin (a core per worker)")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
+                   help="event loop (default: uvloop if installed, else asyncio)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="afabric", description="Portable point-to-point RDMA for asyncio.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log afabric's decisions (INFO) to stderr")
@@ -407,45 +424,29 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     p2p = bsub.add_parser("p2p", help="point-to-point write/send bandwidth and latency between two processes")
-    p2p.add_argument("--provider", default="auto", help="provider name or 'auto' (default: auto)")
-    p2p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
-    p2p.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
-    p2p.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
+    _add_run_arguments(p2p, "auto", "fewer sizes and iterations (smoke run)")
     p2p.add_argument(
         "--sizes", type=_size_list, default=None, metavar="LIST",
         help="comma-separated message sizes, e.g. 8,4K,64K,1M (default: the benchmark's own list)",
     )
     p2p.add_argument("--repeat", type=int, default=None, metavar="N",
                      help="repetitions per measurement (default: the benchmark's own)")
-    p2p.add_argument("--polling", choices=("adaptive", "spin"), default=None,
-                     help="worker polling: adaptive (default; spin briefly, then sleep) "
-                          "or spin (a core per worker)")
-    p2p.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
-                     help="event loop (default: uvloop if installed, else asyncio)")
+    _add_loop_arguments(p2p, "worker")
     p2p.set_defaults(func=_cmd_bench_p2p)
 
     trig = bsub.add_parser(
         "trigger", help="latency from a watcher change to the write it releases: triggered vs Python loop"
     )
-    trig.add_argument("--provider", default="shm", help="provider name or 'auto' (default: shm)")
-    trig.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
-    trig.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
-    trig.add_argument("--quick", action="store_true", help="300 iterations per mode (smoke run)")
+    _add_run_arguments(trig, "shm", "300 iterations per mode (smoke run)")
     trig.add_argument("--iterations", type=int, default=None, metavar="N",
                       help="iterations per mode (default: 2000, or 300 with --quick)")
-    trig.add_argument("--polling", choices=("adaptive", "spin"), default=None,
-                      help="worker polling: adaptive (default) or spin (a core per worker)")
-    trig.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
-                      help="event loop (default: uvloop if installed, else asyncio)")
+    _add_loop_arguments(trig, "worker")
     trig.set_defaults(func=_cmd_bench_trigger)
 
     ovh = bsub.add_parser(
         "overhead", help="where a scatter's microseconds go: per-stage p50/p99/p99.9 by peer count"
     )
-    ovh.add_argument("--provider", default="shm", help="provider name or 'auto' (default: shm)")
-    ovh.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
-    ovh.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
-    ovh.add_argument("--quick", action="store_true", help="300 scatters per peer count (smoke run)")
+    _add_run_arguments(ovh, "shm", "300 scatters per peer count (smoke run)")
     ovh.add_argument("--peers", type=_count_list, default=None, metavar="LIST",
                      help="comma-separated peer counts (default: 8,16,32,64)")
     ovh.add_argument("--size", type=parse_size, default=None, metavar="BYTES",
@@ -454,10 +455,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="scatters per peer count (default: 20000 for 8 peers down to 2500 for 64)")
     ovh.add_argument("--procs", type=int, default=None, metavar="N",
                      help="target processes hosting the peer engines (default: 2)")
-    ovh.add_argument("--polling", choices=("adaptive", "spin"), default=None,
-                     help="initiator's worker polling: adaptive (default) or spin (a core per worker)")
-    ovh.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
-                     help="event loop (default: uvloop if installed, else asyncio)")
+    _add_loop_arguments(ovh, "initiator's worker")
     ovh.set_defaults(func=_cmd_bench_overhead)
 
     rep = bsub.add_parser(
