@@ -28,7 +28,7 @@ import numpy as np
 from .. import Engine, MemoryRegion, MrDesc, Pages
 from . import report
 from .loops import run as run_on_loop
-from .p2p import Latency, _fmt_size, _latency, _py_paged, _py_writes
+from .p2p import Latency, _fmt_size, _latency, _py_paged, _py_writes, _window_for
 from .progress import Progress
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -88,10 +88,6 @@ def _iters(nbytes: int, quick: bool) -> int:
     return int(max(16, min(5000 if quick else 20000, budget // max(nbytes, 1))))
 
 
-def _window(nbytes: int) -> int:
-    return 64 if nbytes <= 64 * KiB else 16 if nbytes <= 1 * MiB else 4
-
-
 def _peer_copies(cp: Any, dst: Any, src: Any, sizes: list[tuple[int, int, int]], repeat: int) -> float:
     """Seconds per round of ``cudaMemcpyPeerAsync(dst+d, DST_GPU, src+s, SRC_GPU, n)`` for
     each (s, d, n) of ``sizes``, issued back to back on one stream (median of rounds)."""
@@ -125,7 +121,7 @@ class _Setup:
 
 
 async def _write_row(t: _Setup, size: int, args: argparse.Namespace) -> Row:
-    window, iters = _window(size), _iters(size, args.quick)
+    window, iters = _window_for(size), _iters(size, args.quick)
     span = max(1, REGION // size)
     py: list[float] = []
     raw: list[float] = []
