@@ -31,13 +31,13 @@ import numpy.typing as npt
 
 from ..address import Address
 from ..engine import Engine
-from ..errors import AfabricError, EngineClosed, InvalidArgument, OperationTimeout, UsageError
+from ..errors import AfabricError, InvalidArgument, OperationTimeout, UsageError
 from ..memory import MemoryRegion
 from . import plan, wire
 from .allocator import PageAllocator
-from .errors import CacheFull, ProtocolError, RequestCancelled, RequestFailed, RequestRejected
+from .errors import CacheFull, RequestCancelled, RequestFailed, RequestRejected
 from .layout import KvCacheLayout
-from .peers import Peers, every
+from .peers import Peers, every, receive_messages
 
 
 class State(enum.Enum):
@@ -204,7 +204,7 @@ class Decoder:
                 raise InvalidArgument("tail region smaller than layout.tail_region_bytes")
         self._fingerprint = self.layout.fingerprint()
         self._tasks = [
-            asyncio.ensure_future(self._receive()),
+            asyncio.ensure_future(receive_messages(self.eng, self.peers, self._handle, self._bad)),
             asyncio.ensure_future(every(self.heartbeat_interval, self._tick)),
         ]
 
@@ -432,22 +432,11 @@ class Decoder:
 
     # ---- messages ----
 
-    async def _receive(self) -> None:
-        while True:
-            try:
-                msg = await self.eng.recv()
-            except EngineClosed:
-                return
-            try:
-                m = wire.parse(msg)
-            except ProtocolError as e:
-                self._bad(str(e))
-                continue
-            self.peers.saw(m.sender)
-            if isinstance(m, wire.Confirm):
-                self._on_confirm(m)
-            elif not isinstance(m, wire.Heartbeat):
-                self._bad(f"a decoder does not take {type(m).__name__} messages")
+    def _handle(self, m: wire.Message) -> None:
+        if isinstance(m, wire.Confirm):
+            self._on_confirm(m)
+        elif not isinstance(m, wire.Heartbeat):
+            self._bad(f"a decoder does not take {type(m).__name__} messages")
 
     def _bad(self, why: str) -> None:
         self.bad_messages += 1

@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterable
 
 from ..address import Address
 from ..engine import Engine
-from ..errors import AfabricError
+from ..errors import AfabricError, EngineClosed
 from . import wire
+from .errors import ProtocolError
 
 
 class Peers:
@@ -92,3 +93,22 @@ async def every(interval: float, fn: Callable[[], None]) -> None:
     while True:
         await asyncio.sleep(interval)
         fn()
+
+
+async def receive_messages(
+    eng: Engine, peers: Peers, handle: Callable[[wire.Message], None], bad: Callable[[str], None]
+) -> None:
+    """Parse every message the engine receives until it closes: a malformed one goes to
+    ``bad`` (and nowhere else); a good one marks its sender alive, then goes to ``handle``."""
+    while True:
+        try:
+            msg = await eng.recv()
+        except EngineClosed:
+            return
+        try:
+            m = wire.parse(msg)
+        except ProtocolError as e:
+            bad(str(e))
+            continue
+        peers.saw(m.sender)
+        handle(m)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import Engine
-from ..errors import AfabricError, EngineClosed, InvalidArgument, UsageError
+from ..errors import AfabricError, InvalidArgument, UsageError
 from ..memory import MemoryRegion
 from ..pages import Pages
 from . import plan, wire
@@ -40,7 +40,7 @@ from .allocator import PageAllocator
 from .bump import Bumper
 from .errors import CacheFull, ProtocolError, RequestCancelled
 from .layout import KvCacheLayout
-from .peers import Peers, every
+from .peers import Peers, every, receive_messages
 
 Key = tuple[bytes, int]  # (decoder address, request id)
 
@@ -242,7 +242,7 @@ class Prefiller:
         self.watcher = self.eng.uvm_watcher(self.device)
         self._bump = Bumper(self.watcher)
         self._tasks = [
-            asyncio.ensure_future(self._receive()),
+            asyncio.ensure_future(receive_messages(self.eng, self.peers, self._handle, self._bad)),
             asyncio.ensure_future(every(self.heartbeat_interval, self._tick)),
         ]
 
@@ -455,24 +455,13 @@ class Prefiller:
 
     # ---- messages ----
 
-    async def _receive(self) -> None:
-        while True:
-            try:
-                msg = await self.eng.recv()
-            except EngineClosed:
-                return
-            try:
-                m = wire.parse(msg)
-            except ProtocolError as e:
-                self._bad(str(e))
-                continue
-            self.peers.saw(m.sender)
-            if isinstance(m, wire.Fragment):
-                self._on_fragment(m)
-            elif isinstance(m, wire.Cancel):
-                self._on_cancel((m.sender, m.request_id))
-            elif not isinstance(m, wire.Heartbeat):
-                self._bad(f"a prefiller does not take {type(m).__name__} messages")
+    def _handle(self, m: wire.Message) -> None:
+        if isinstance(m, wire.Fragment):
+            self._on_fragment(m)
+        elif isinstance(m, wire.Cancel):
+            self._on_cancel((m.sender, m.request_id))
+        elif not isinstance(m, wire.Heartbeat):
+            self._bad(f"a prefiller does not take {type(m).__name__} messages")
 
     def _bad(self, why: str) -> None:
         self.bad_messages += 1
