@@ -8,7 +8,8 @@ build serves every Python version):
   (the libfabric provider plugin; it needs libfabric's headers at build time only: it
   dlopens libfabric at run time, so nothing here links it).
 - ``libafabric_verbs.so`` from ``providers/verbs/*.c`` -> ``providers/verbs/afabric_verbs/``
-  (the libibverbs provider plugin; likewise libibverbs' headers at build time only).
+  (the libibverbs provider plugin; it needs no rdma-core headers: it carries its own
+  declarations, providers/verbs/vb_verbs.h, and dlopens libibverbs at run time).
 - ``libafabric_nvlink.so`` from ``providers/nvlink/*.c`` -> ``providers/nvlink/afabric_nvlink/``
   (GPU to GPU within a node through CUDA IPC; needs no CUDA to build: it dlopens libcuda).
 
@@ -74,11 +75,6 @@ LIBFABRIC_HINT = (
     "for a vendor libfabric elsewhere (e.g. /opt/amazon/efa) set CFLAGS=-I/opt/amazon/efa/include"
 )
 
-IBVERBS_HINT = (
-    "libibverbs' development headers (infiniband/verbs.h) are missing: "
-    "apt-get install libibverbs-dev (Debian/Ubuntu) or rdma-core-devel (RHEL/Fedora)"
-)
-
 
 class BuildError(RuntimeError):
     """A native library could not be built; the message says why and what to install."""
@@ -92,7 +88,6 @@ class Library:
     src_dir: Path
     default_out: Path
     needs_libfabric: bool
-    needs_ibverbs: bool = False
 
     def sources(self) -> list[Path]:
         # test_*.c and fuzz_*.c are standalone programs (providers/ofi/test_ofi.c,
@@ -105,7 +100,8 @@ class Library:
 
 SHIM = Library(SHIM_NAME, SHIM_DIR, DEFAULT_SHIM_OUT, needs_libfabric=False)
 OFI = Library(OFI_NAME, OFI_DIR, DEFAULT_OFI_OUT, needs_libfabric=True)
-VERBS = Library(VERBS_NAME, VERBS_DIR, DEFAULT_VERBS_OUT, needs_libfabric=False, needs_ibverbs=True)
+# The verbs provider carries its own libibverbs declarations (vb_verbs.h): no -dev package.
+VERBS = Library(VERBS_NAME, VERBS_DIR, DEFAULT_VERBS_OUT, needs_libfabric=False)
 NVLINK = Library(NVLINK_NAME, NVLINK_DIR, DEFAULT_NVLINK_OUT, needs_libfabric=False)
 
 
@@ -136,11 +132,6 @@ def flags(*, sanitize: bool = False, debug: bool = False) -> list[str]:
 def check_libfabric_headers(cc: Sequence[str] | None = None) -> None:
     """Raise BuildError naming the package to install if <rdma/fabric.h> cannot be included."""
     _check_header("rdma/fabric.h", LIBFABRIC_HINT, cc)
-
-
-def check_ibverbs_headers(cc: Sequence[str] | None = None) -> None:
-    """Raise BuildError naming the package to install if <infiniband/verbs.h> is missing."""
-    _check_header("infiniband/verbs.h", IBVERBS_HINT, cc)
 
 
 def _check_header(header: str, hint: str, cc: Sequence[str] | None) -> None:
@@ -181,8 +172,6 @@ def build_library(
         raise BuildError(f"no C sources in {lib.src_dir} for {lib.name}")
     if lib.needs_libfabric:
         check_libfabric_headers(cc)
-    if lib.needs_ibverbs:
-        check_ibverbs_headers(cc)
     dest_dir = Path(out_dir) if out_dir is not None else lib.default_out
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / lib.name
