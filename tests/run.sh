@@ -11,8 +11,10 @@ command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
 ldconfig -p | grep -q 'libfabric.so.1 ' || need_apt+=(libfabric1)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 { command -v ip && command -v tc; } >/dev/null 2>&1 || need_apt+=(iproute2)  # two-rail tests
-# verbs provider: headers to build it; the Soft-RoCE qemu guest (tests/rxe) that tests it
+# rdma-core's verbs.h is not needed to build (the verbs provider carries its own
+# declarations); tests/test_build.py compares the provider built against it with ours.
 [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
+# the Soft-RoCE qemu guest (tests/rxe) that tests the verbs provider
 has_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'ok installed'; }
 for p in qemu-system-x86 busybox-static kmod rdma-core ibverbs-utils ibverbs-providers perftest; do
     has_pkg "$p" || need_apt+=("$p")
@@ -34,4 +36,6 @@ $py -m pip install -q ./examples/plugin_sockets
 # Neither the 2.x libfabric run (tests/libfabric2.py), the two-rail network-namespace
 # tests (tests/netns.py) nor the Soft-RoCE guest (tests/rxe) may be skipped silently here.
 export AFABRIC_REQUIRE_LIBFABRIC2=1 AFABRIC_REQUIRE_NETNS=1 AFABRIC_REQUIRE_RXE=1
+# Nor the ABI comparison of the verbs declarations with rdma-core's header.
+export AFABRIC_REQUIRE_VERBS_ABI=1
 exec $py -m pytest -q -ra "$@"
