@@ -38,4 +38,7 @@ $py -m pip install -q ./examples/plugin_sockets
 export AFABRIC_REQUIRE_LIBFABRIC2=1 AFABRIC_REQUIRE_NETNS=1 AFABRIC_REQUIRE_RXE=1
 # Nor the ABI comparison of the verbs declarations with rdma-core's header.
 export AFABRIC_REQUIRE_VERBS_ABI=1
+# The README's install line in a fresh debootstrap'd Debian (tests/fresh_machine.sh, about
+# 2 minutes with its root cached in ~/.cache/afabric; needs Debian's mirror and PyPI).
+export AFABRIC_FRESH_MACHINE=1
 exec $py -m pytest -q -ra "$@"

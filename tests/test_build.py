@@ -225,3 +225,24 @@ def test_manylinux_wheel_in_a_clean_venv_moves_data(built_wheel: tuple[Path, str
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "target: 1048576 bytes arrived" in proc.stdout, proc.stdout
     assert "initiator: wrote 1048576 bytes" in proc.stdout, proc.stdout
+
+
+# -- the README's first command on a fresh Debian --------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_readme_install_line_on_a_fresh_debian() -> None:
+    """tests/fresh_machine.sh: the README's first command, as written (with --quick added to
+    its benchmark), as root in a chroot of a fresh debootstrap'd bookworm; it must print the
+    benchmark's table. Needs root, Debian's mirror and PyPI: tests/run.sh turns it on with
+    AFABRIC_FRESH_MACHINE=1 (2 minutes here with the root cached in ~/.cache/afabric;
+    the first run's debootstrap adds about 2 more)."""
+    if os.environ.get("AFABRIC_FRESH_MACHINE") != "1":
+        pytest.skip("AFABRIC_FRESH_MACHINE=1 runs it (root, network; tests/run.sh sets it)")
+    proc = _run(
+        ["bash", str(ROOT / "tests" / "fresh_machine.sh")], 870,
+        env={**os.environ, "AFABRIC_FRESH_QUICK": "1", "AFABRIC_FRESH_DEADLINE": "780"},
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "fresh_machine: OK" in proc.stderr, proc.stderr[-3000:]
+    assert "py/raw" in proc.stdout, proc.stdout[-3000:]
