@@ -43,14 +43,16 @@
  *
  * Everything below is copied from rdma-core's <infiniband/verbs.h> (v44, Debian bookworm),
  * trimmed to what the provider uses. These structs are libibverbs.so.1's IBVERBS_1.1 ABI,
- * which rdma-core keeps stable (new fields only ever go at the end of structs the library
- * itself allocates); each is copied whole, never a prefix, so sizes and offsets are the
- * library's.
+ * which rdma-core keeps compatible (a change comes with a new symbol version or an _ex
+ * variant, and vb_lib.c binds the versions these structs belong to); each is copied whole,
+ * never a prefix, so sizes and offsets are the library's.
  * Differences from the original: __be16/__be32/__be64 are spelled uint16_t/uint32_t/
  * uint64_t (the same types without the sparse annotation), the functions resolved with
  * dlvsym are not declared (vb_lib.h holds them as pointers), and the include guard is
- * ours. tests/test_build.py compares every size, offset and constant here with the system
- * header when one is installed. rdma-core's licence notice is kept above, as it requires.
+ * ours. tests/test_build.py checks, where rdma-core's header is installed, that the provider
+ * built against this file is byte-identical to one built against it, and that every struct
+ * and union here has its size and alignment. rdma-core's licence notice is kept above, as
+ * it requires.
  */
 #ifndef AFABRIC_VB_VERBS_H
 #define AFABRIC_VB_VERBS_H
