@@ -16,7 +16,7 @@ def test_bench_kvcache_quick(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "kvcache.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--provider", "shm", "--json", str(out)],
         check=False,
         capture_output=True,
         text=True,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import plots
+from . import harness, plots
 
 __all__ = [
     "Result",
@@ -61,10 +61,10 @@ def command_line(args: argparse.Namespace) -> str | None:
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Before a benchmark runs: raise :class:`afabric.bench.plots.PlotUnavailable` if it was
-    asked for a plot (``args.plot``) that cannot be drawn here, rather than after the run."""
-    if getattr(args, "plot", None):
-        plots.require()
+    """Before a benchmark runs: raise :class:`afabric.bench.harness.CommandError` for an
+    output (``args.json``, ``args.plot``) that could not be written after the run (a missing
+    directory, a plot without matplotlib), rather than after the run."""
+    harness.check_outputs(args)
 
 
 def wants_doc(args: argparse.Namespace) -> bool:
@@ -73,11 +73,9 @@ def wants_doc(args: argparse.Namespace) -> bool:
 
 
 def write_outputs(doc: Doc, args: argparse.Namespace) -> None:
-    """A benchmark's document as JSON to ``args.json`` and as a PNG plot to ``args.plot``
-    (each when given)."""
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    """A benchmark's document as JSON to ``args.json`` (``-``: stdout) and as a PNG plot to
+    ``args.plot`` (each when given)."""
+    harness.write_json(doc, args)  # a file, or stdout for "-"
     if getattr(args, "plot", None):
         plots.save(doc, args.plot)
 
