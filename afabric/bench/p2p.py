@@ -231,18 +231,18 @@ def py_raw_note(rows: list[Row]) -> list[str]:
     """Lines explaining the ``py/raw`` column, and each row where Python beat the raw loop
     with the spread of its repeats (min-max GB/s), so the reader can see it is within noise."""
     out = [
-        "py/raw: the Python API's rate over the raw C loop's (same run, same submit path); "
-        "below 1 is what Python costs per operation."
+        "py/raw: the Python API's rate over the raw C loop's (same run, same submit path); below 1 is\n"
+        "  what Python costs per operation."
     ]
     above = [r for r in rows if r.ratio > 1.0]
     if not above:
         return out
     out.append(
-        "Above 1 the raw loop is not a ceiling: both loops are then limited by the transport, not by "
-        "the code submitting, so the ratio is 1 give or take run-to-run noise (the raw loop is one C "
-        "thread that sleeps until writes complete and then refills the window, for writes of 64 KiB "
-        "and more after each completion, while Python's lanes resume in batches from one drain of the "
-        "completion ring). Spread of the repeats, GB/s:"
+        "  Above 1 the raw loop is not a ceiling: both loops are then limited by the transport, not by\n"
+        "  the code submitting, so the ratio is 1 give or take run-to-run noise (the raw loop is one C\n"
+        "  thread that sleeps until writes complete, then refills the window: for writes of 64 KiB and\n"
+        "  more after each completion; Python's lanes resume in batches from one drain of the\n"
+        "  completion ring). Spread of the repeats where py/raw > 1, GB/s:"
     )
     for r in above:
         py = [r.size * r.ops_per_call / t / 1e9 for t in r.samples.get("py_s_per_call", []) if t > 0]
