@@ -249,6 +249,14 @@ def test_py_raw_explained_where_python_wins() -> None:
     assert spread.startswith("  write 1 MiB: py ") and "raw" in spread and "(3 repeats)" in spread
     text = p2p.render([slow_py, fast_py], [], "header")
     assert "not a ceiling" in text
+    # the Markdown report of the same rows says it too
+    from dataclasses import asdict
+
+    from afabric.bench import report
+
+    doc = {"bench": "p2p", "rows": [asdict(r) | {"ratio": r.ratio} for r in (slow_py, fast_py)]}
+    [line] = [ln for ln in report._p2p(doc) if ln.startswith("Python/raw above 1")]
+    assert "(1 MiB)" in line and "not a ceiling" in line
 
 
 def test_progress_lines_are_rate_limited(monkeypatch: pytest.MonkeyPatch) -> None:

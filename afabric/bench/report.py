@@ -188,6 +188,14 @@ def _p2p(d: Doc) -> list[str]:
             f"p99 {_f(x.get('p99_us'))} µs (raw C loop: {_f(x.get('raw_p50_us'))} µs mean; "
             f"{x.get('samples', '?')} samples)."
         )
+    above = [r for r in d.get("rows", []) if isinstance(r.get("ratio"), int | float) and r["ratio"] > 1]
+    if above:
+        sizes = ", ".join(plots.fmt_size(float(r["size"])) for r in above)
+        out.append(
+            f"Python/raw above 1 ({sizes}): the raw loop is not a ceiling there; both are limited by the "
+            "transport and the ratio is 1 give or take run-to-run noise (each repeat's time is in the "
+            "JSON's `samples`)."
+        )
     paged = [r for r in d.get("rows", []) if r.get("kind") == "paged"]
     if paged:
         out.append(
