@@ -164,6 +164,23 @@ def test_killed_target_fails_the_parent_at_once(tmp_path: Path, provider: str, s
 
 
 @pytest.mark.timeout(150)
+def test_killed_prefiller_fails_kvcache_at_once(tmp_path: Path, shm_cleanup: None) -> None:
+    """`bench kvcache`, the issue's case: its prefill process SIGKILLed mid-run. The decoder
+    does not wait its 60 s peer timeout, nor for a local prefill running in a thread."""
+    pytest.importorskip("torch")
+    kill_after = 9.0
+    proc, took = _run(
+        ["bench", "kvcache", "--provider", "tcp", "--tokens", "4K,32K", "--repeat", "3"],
+        env=_child_hooks(tmp_path, KILL_CHILD_AFTER=str(kill_after)), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("afabric: error: the benchmark's prefill process"), proc.stderr
+    assert "was killed by SIGKILL" in last, last
+    assert took < kill_after + 30, f"the parent took {took:.1f} s to notice"
+
+
+@pytest.mark.timeout(150)
 def test_json_dash_and_progress_when_piped(tmp_path: Path) -> None:
     """`--json -`: stdout is the JSON document alone (before: a file named '-'); the report
     and the progress lines (before: silence when piped) are on stderr."""

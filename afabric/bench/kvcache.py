@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import statistics
+import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -251,6 +254,43 @@ async def _prefill(conn: Connection, provider: str, device: str, shape: ModelSha
 # ---- the decoder: measurements ----
 
 
+@contextlib.asynccontextmanager
+async def _close_on_cancel(eng: Any, halt: threading.Event) -> AsyncIterator[None]:
+    """Cancelled (the prefill process died, see harness.watch, or the user interrupted):
+    stop the local prefill running in a thread at its next layer (a thread cannot be
+    cancelled, and the loop waits for it) and close the engine at once, so that the decoder
+    does not wait ``peer_timeout`` for the confirmations of a prefiller that is gone."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        halt.set()
+        await eng.aclose()
+        raise
+
+
+def _local_prefill(
+    model: _Model, lay: Any, cache: Any, dec: Any, kv_dtype: Any, halt: threading.Event, tokens: int
+) -> float:
+    """The decoder computes the prefill itself (the baseline TTFT); runs in a thread, and
+    stops at the next layer once ``halt`` is set."""
+    from ..kvcache.views import store_layer
+
+    pages = dec.allocator.alloc(lay.pages_for(tokens), contiguous=True)
+    t0 = time.monotonic()  # the embeddings count, as they do in the disaggregated TTFT
+    x = model.embed(tokens)
+    for layer in range(model.shape.layers):
+        if halt.is_set():
+            raise RuntimeError("local prefill stopped: the benchmark was cancelled")
+        x, kv = model.layer(x)
+        store_layer(cache, layer, int(pages[0]), kv)
+    last = x[-1].to(kv_dtype).clone()  # the tail, as the prefiller makes it
+    model.sync()
+    del last
+    dt = time.monotonic() - t0
+    dec.allocator.free(pages)
+    return dt
+
+
 async def _measure(
     args: argparse.Namespace, conn: Connection, prefiller: bytes, shape: ModelShape, bar: Progress
 ) -> tuple[list[Row], str]:
@@ -258,7 +298,6 @@ async def _measure(
 
     from .. import Address, Engine
     from ..kvcache import Decoder
-    from ..kvcache.views import store_layer
 
     torch.set_num_threads(1)
     dev = torch.device("cuda:1" if args.device == "cuda" else "cpu")
@@ -267,13 +306,14 @@ async def _measure(
     kv_dtype = torch.bfloat16 if args.device == "cuda" else torch.float16
     aloop = asyncio.get_running_loop()
     rows: list[Row] = []
+    halt = threading.Event()
     async with Engine(args.provider) as eng:
         fabric = eng.fabric_provider
         cache = torch.zeros(lay.shape(), dtype=kv_dtype, device=dev)
         tail = torch.zeros(lay.tail_region_bytes, dtype=torch.uint8, device=dev)
         async with Decoder(
             eng, lay, cache=cache, tail=tail, peer_timeout=60.0, max_write=args.max_write
-        ) as dec:
+        ) as dec, _close_on_cancel(eng, halt):
             peer = Address.from_bytes(prefiller)
 
             async def remote(tokens: int, mode: bytes) -> tuple[float, float, float]:
@@ -287,18 +327,7 @@ async def _measure(
                 return t1 - t0, t1 - te, te - tb
 
             def local(tokens: int) -> float:
-                pages = dec.allocator.alloc(lay.pages_for(tokens), contiguous=True)
-                t0 = time.monotonic()  # the embeddings count, as they do in the disaggregated TTFT
-                x = model.embed(tokens)
-                for layer in range(shape.layers):
-                    x, kv = model.layer(x)
-                    store_layer(cache, layer, int(pages[0]), kv)
-                last = x[-1].to(kv_dtype).clone()  # the tail, as the prefiller makes it
-                model.sync()
-                del last
-                dt = time.monotonic() - t0
-                dec.allocator.free(pages)
-                return dt
+                return _local_prefill(model, lay, cache, dec, kv_dtype, halt, tokens)
 
             await remote(min(args.token_list), b"compute")  # warm up: connections, kernels
             await aloop.run_in_executor(None, local, min(args.token_list))
