@@ -1,16 +1,22 @@
-"""The ``afabric`` command: ``afabric info`` and ``afabric bench p2p|trigger|overhead|report``.
+"""The ``afabric`` command: ``afabric info``, ``afabric bench ...`` and ``afabric weights plan``.
 
 ``info`` lists the installed providers (from the ``afabric.providers`` entry points),
 whether each is usable here and why not, the NICs each sees, what ``provider="auto"``
 would pick, GPUs and NUMA nodes. Each ``bench`` subcommand parses its options and hands
 them to the ``main`` of its module in :mod:`afabric.bench`, importing it only then.
+
+What every command does the same way (:mod:`afabric.bench.harness`): options and output
+paths are checked before anything runs, and a missing optional package (torch, cupy,
+matplotlib, uvloop) is named with how to install it: exit status 2 for all of these;
+``--json -`` writes the JSON document to stdout and the report to stderr; progress goes to
+stderr (a bar on a terminal, plain lines otherwise); a failed run exits 1 with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -18,12 +24,13 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import TypedDict
+from typing import TextIO, TypedDict
 
 from . import _native, registry
+from .bench import harness
 from .errors import AfabricError
 
 __all__ = ["main", "parse_size"]
@@ -312,31 +319,47 @@ def _cmd_info(ns: argparse.Namespace) -> int:
 # ---- bench ----
 
 
-def _default_loop() -> str:
-    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-
-
 _PLOT_HELP = "also draw the results as a PNG plot to PATH (needs matplotlib: pip install 'afabric[plot]')"
 
 
-def _plot_problem(path: str | None) -> str | None:
-    """Why ``--plot PATH`` cannot work here (checked before a benchmark runs), or None."""
-    if not path:
-        return None
-    from .bench import plots
-
-    if not plots.available():
-        return f"--plot needs matplotlib, which is not installed: {plots.INSTALL_HINT}"
-    if not Path(path).resolve().parent.is_dir():
-        return f"--plot: the directory of {path} does not exist"
-    return None
+@contextlib.contextmanager
+def _json_to_stdout(ns: argparse.Namespace) -> Iterator[None]:
+    """For ``--json -``: standard output carries the JSON document only. The report (and
+    anything child processes print) goes to stderr; the document is written to a copy of
+    the original stdout kept in ``ns.json_stream``."""
+    if getattr(ns, "json", None) != "-":
+        yield
+        return
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+        err = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stdout is not a file (called in-process)
+        ns.json_stream = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+        return
+    saved = os.dup(fd)
+    stream: TextIO = os.fdopen(saved, "w")
+    ns.json_stream = stream
+    os.dup2(err, fd)  # children inherit fd 1: their prints go to stderr too
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        stream.flush()
+        os.dup2(saved, fd)
+        stream.close()
 
 
 def _run_bench(module: str, ns: argparse.Namespace) -> int:
-    problem = _plot_problem(getattr(ns, "plot", None))
-    if problem:
-        print(f"afabric: error: {problem}", file=sys.stderr)
-        return 2
+    command = "afabric " + " ".join(
+        str(getattr(ns, k)) for k in ("command", "bench") if getattr(ns, k, None)
+    )
+    harness.check_outputs(ns, command)  # before anything runs, not after it
+    if getattr(ns, "loop", None) == "uvloop":
+        harness.require(f"{command} --loop uvloop", "uvloop")
     # Imported here, on use only: the benchmark pulls in numpy and the engine.
     try:
         mod = importlib.import_module(module)
@@ -346,7 +369,8 @@ def _run_bench(module: str, ns: argparse.Namespace) -> int:
         print(f"afabric: error: this install has no benchmark module ({e})", file=sys.stderr)
         return 2
     run: Callable[[argparse.Namespace], int] = mod.main
-    return int(run(ns))
+    with _json_to_stdout(ns):
+        return int(run(ns))
 
 
 def _cmd_bench_p2p(ns: argparse.Namespace) -> int:
@@ -395,10 +419,10 @@ def _count_list(text: str) -> list[int]:
     return counts
 
 
-def _add_run_arguments(p: argparse.ArgumentParser, provider: str, quick: str) -> None:
+def _add_run_arguments(p: argparse.ArgumentParser, quick: str) -> None:
     """The options every measuring benchmark takes: provider, outputs, a smoke-run switch."""
-    p.add_argument("--provider", default=provider, help=f"provider name or 'auto' (default: {provider})")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    p.add_argument("--provider", default="auto", help=harness.PROVIDER_HELP)
+    p.add_argument("--json", metavar="PATH", default=None, help=harness.JSON_HELP)
     p.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
     p.add_argument("--quick", action="store_true", help=quick)
 
@@ -408,12 +432,14 @@ def _add_loop_arguments(p: argparse.ArgumentParser, who: str) -> None:
     p.add_argument("--polling", choices=("adaptive", "spin"), default=None,
                    help=f"{who} polling: adaptive (default; spin briefly, then sleep) "
                         "or spin (a core per worker)")
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default=_default_loop(),
-                   help="event loop (default: uvloop if installed, else asyncio)")
+    p.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default=harness.default_loop(), help=harness.LOOP_HELP
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="afabric", description="Portable point-to-point RDMA for asyncio.")
+    ap.add_argument("-V", "--version", action="version", version=f"afabric {_version()}")
     ap.add_argument("-v", "--verbose", action="store_true", help="log afabric's decisions (INFO) to stderr")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -424,7 +450,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     p2p = bsub.add_parser("p2p", help="point-to-point write/send bandwidth and latency between two processes")
-    _add_run_arguments(p2p, "auto", "fewer sizes and iterations (smoke run)")
+    _add_run_arguments(p2p, "fewer sizes and iterations (smoke run)")
     p2p.add_argument(
         "--sizes", type=_size_list, default=None, metavar="LIST",
         help="comma-separated message sizes, e.g. 8,4K,64K,1M (default: the benchmark's own list)",
@@ -437,7 +463,7 @@ def _parser() -> argparse.ArgumentParser:
     trig = bsub.add_parser(
         "trigger", help="latency from a watcher change to the write it releases: triggered vs Python loop"
     )
-    _add_run_arguments(trig, "shm", "300 iterations per mode (smoke run)")
+    _add_run_arguments(trig, "300 iterations per mode (smoke run)")
     trig.add_argument("--iterations", type=int, default=None, metavar="N",
                       help="iterations per mode (default: 2000, or 300 with --quick)")
     _add_loop_arguments(trig, "worker")
@@ -446,7 +472,7 @@ def _parser() -> argparse.ArgumentParser:
     ovh = bsub.add_parser(
         "overhead", help="where a scatter's microseconds go: per-stage p50/p99/p99.9 by peer count"
     )
-    _add_run_arguments(ovh, "shm", "300 scatters per peer count (smoke run)")
+    _add_run_arguments(ovh, "300 scatters per peer count (smoke run)")
     ovh.add_argument("--peers", type=_count_list, default=None, metavar="LIST",
                      help="comma-separated peer counts (default: 8,16,32,64)")
     ovh.add_argument("--size", type=parse_size, default=None, metavar="BYTES",
@@ -479,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("afabric").setLevel(logging.INFO)
     try:
         rc: int = ns.func(ns)
+    except harness.CommandError as e:
+        print(f"afabric: error: {e}", file=sys.stderr)
+        return e.exit_status
     except AfabricError as e:
         print(f"afabric: error: {e}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = subprocess.run(
         [sys.executable, "-m", "afabric.cli", "bench", "overhead", "--quick", "--peers", "8",
-         "--loop", "asyncio", "--json", str(out)],
+         "--provider", "shm", "--loop", "asyncio", "--json", str(out)],
         check=False,
         capture_output=True,
         text=True,

@@ -134,8 +134,20 @@ def test_progress_bar() -> None:
     bar.close()
     assert tty.getvalue().endswith("\r" + " " * len(bar.line()) + "\r")  # wiped: output starts clean
 
-    pipe = io.StringIO()  # not a terminal: silent
-    with Progress(3, stream=pipe) as quiet:
-        quiet.step("x")
-        quiet.advance()
-    assert pipe.getvalue() == ""
+    pipe = io.StringIO()  # not a terminal: a plain line per step, no bar, no carriage return
+    with Progress(3, stream=pipe) as plain:
+        plain.step("write 8 B")
+        plain.advance()  # within LINE_EVERY_S of the last line: nothing
+        plain.step("write 1 MiB")
+        plain.advance(2)
+    lines = pipe.getvalue().splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == [
+        "afabric: 0/3 write 8 B", "afabric: 1/3 write 1 MiB", "afabric: 3/3 done"
+    ], lines
+    assert "\r" not in pipe.getvalue() and "[#" not in pipe.getvalue()
+
+    quiet = io.StringIO()
+    with Progress(3, stream=quiet, lines=False) as bar2:
+        bar2.step("x")
+        bar2.advance()
+    assert quiet.getvalue() == ""

@@ -16,7 +16,7 @@ def test_bench_trigger_quick(tmp_path: Path) -> None:
     out = tmp_path / "trigger.json"
     proc = subprocess.run(
         [sys.executable, "-m", "afabric.cli", "bench", "trigger", "--quick", "--loop", "asyncio",
-         "--json", str(out)],
+         "--provider", "shm", "--json", str(out)],
         check=False,
         capture_output=True,
         text=True,

@@ -16,12 +16,13 @@ def test_bench_kvcache_quick(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "kvcache.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--provider", "shm",
+         "--json", str(out)],
         check=False,
         capture_output=True,
         text=True,
         timeout=180,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["bench"] == "kvcache" and doc["provider"] == "shm" and doc["page_bytes"] == 32768

@@ -26,17 +26,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import multiprocessing as mp
 import os
 import platform
 import statistics
+import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from .. import _native
-from . import report
+from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
 
@@ -84,8 +85,9 @@ class Row:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--provider", default=None, help="provider (default: shm on CPU, nvlink with --device cuda)"
-    )
+        "--provider", default="auto",
+        help=harness.PROVIDER_HELP + "; with --device cuda, 'auto' is nvlink (GPU memory on both sides)",
+    )  # fmt: skip
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="cpu, or cuda: prefill on cuda:0, decode on cuda:1",
@@ -110,9 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick", action="store_true", help="1K and 4K tokens, 2 layers, one run each (smoke run)"
     )
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    p.add_argument("--json", metavar="PATH", default=None, help=harness.JSON_HELP)
     p.add_argument(
-        "--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop (default asyncio)"
+        "--loop", choices=("asyncio", "uvloop"), default=harness.default_loop(), help=harness.LOOP_HELP
     )
 
 
@@ -252,6 +254,43 @@ async def _prefill(conn: Connection, provider: str, device: str, shape: ModelSha
 # ---- the decoder: measurements ----
 
 
+@contextlib.asynccontextmanager
+async def _close_on_cancel(eng: Any, halt: threading.Event) -> AsyncIterator[None]:
+    """Cancelled (the prefill process died, see harness.watch, or the user interrupted):
+    stop the local prefill running in a thread at its next layer (a thread cannot be
+    cancelled, and the loop waits for it) and close the engine at once, so that the decoder
+    does not wait ``peer_timeout`` for the confirmations of a prefiller that is gone."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        halt.set()
+        await eng.aclose()
+        raise
+
+
+def _local_prefill(
+    model: _Model, lay: Any, cache: Any, dec: Any, kv_dtype: Any, halt: threading.Event, tokens: int
+) -> float:
+    """The decoder computes the prefill itself (the baseline TTFT); runs in a thread, and
+    stops at the next layer once ``halt`` is set."""
+    from ..kvcache.views import store_layer
+
+    pages = dec.allocator.alloc(lay.pages_for(tokens), contiguous=True)
+    t0 = time.monotonic()  # the embeddings count, as they do in the disaggregated TTFT
+    x = model.embed(tokens)
+    for layer in range(model.shape.layers):
+        if halt.is_set():
+            raise RuntimeError("local prefill stopped: the benchmark was cancelled")
+        x, kv = model.layer(x)
+        store_layer(cache, layer, int(pages[0]), kv)
+    last = x[-1].to(kv_dtype).clone()  # the tail, as the prefiller makes it
+    model.sync()
+    del last
+    dt = time.monotonic() - t0
+    dec.allocator.free(pages)
+    return dt
+
+
 async def _measure(
     args: argparse.Namespace, conn: Connection, prefiller: bytes, shape: ModelShape, bar: Progress
 ) -> tuple[list[Row], str]:
@@ -259,7 +298,6 @@ async def _measure(
 
     from .. import Address, Engine
     from ..kvcache import Decoder
-    from ..kvcache.views import store_layer
 
     torch.set_num_threads(1)
     dev = torch.device("cuda:1" if args.device == "cuda" else "cpu")
@@ -268,13 +306,14 @@ async def _measure(
     kv_dtype = torch.bfloat16 if args.device == "cuda" else torch.float16
     aloop = asyncio.get_running_loop()
     rows: list[Row] = []
+    halt = threading.Event()
     async with Engine(args.provider) as eng:
         fabric = eng.fabric_provider
         cache = torch.zeros(lay.shape(), dtype=kv_dtype, device=dev)
         tail = torch.zeros(lay.tail_region_bytes, dtype=torch.uint8, device=dev)
         async with Decoder(
             eng, lay, cache=cache, tail=tail, peer_timeout=60.0, max_write=args.max_write
-        ) as dec:
+        ) as dec, _close_on_cancel(eng, halt):
             peer = Address.from_bytes(prefiller)
 
             async def remote(tokens: int, mode: bytes) -> tuple[float, float, float]:
@@ -288,18 +327,7 @@ async def _measure(
                 return t1 - t0, t1 - te, te - tb
 
             def local(tokens: int) -> float:
-                pages = dec.allocator.alloc(lay.pages_for(tokens), contiguous=True)
-                t0 = time.monotonic()  # the embeddings count, as they do in the disaggregated TTFT
-                x = model.embed(tokens)
-                for layer in range(shape.layers):
-                    x, kv = model.layer(x)
-                    store_layer(cache, layer, int(pages[0]), kv)
-                last = x[-1].to(kv_dtype).clone()  # the tail, as the prefiller makes it
-                model.sync()
-                del last
-                dt = time.monotonic() - t0
-                dec.allocator.free(pages)
-                return dt
+                return _local_prefill(model, lay, cache, dec, kv_dtype, halt, tokens)
 
             await remote(min(args.token_list), b"compute")  # warm up: connections, kernels
             await aloop.run_in_executor(None, local, min(args.token_list))
@@ -365,10 +393,16 @@ def render(rows: list[Row], header: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    harness.require("afabric bench kvcache", "torch")  # both processes need it: say so now
+    report.check_outputs(args)
     quick = bool(getattr(args, "quick", False))
     device = getattr(args, "device", None) or "cpu"
     args.device = device
-    args.provider = getattr(args, "provider", None) or ("nvlink" if device == "cuda" else "shm")
+    requested = getattr(args, "provider", None) or "auto"
+    if device == "cuda" and requested == "auto":
+        args.provider, why = "nvlink", "using nvlink: --device cuda puts both caches in GPU memory"
+    else:
+        args.provider, why = harness.resolve_provider(requested)
     tokens = getattr(args, "tokens", None)
     args.token_list = _tokens(tokens) if tokens else ([1024, 4096] if quick else [4096, 32768, 131072])
     base = GPU_MODEL if device == "cuda" else CPU_MODEL
@@ -379,45 +413,35 @@ def main(args: argparse.Namespace) -> int:
     # one 32 KiB page per write on GPUs: the nvlink provider's copy kernel moves a page per
     # warp (many small units in parallel); larger writes are fewer work requests elsewhere
     args.max_write = getattr(args, "max_write", None) or (32 << 10 if device == "cuda" else 2 << 20)
-    loop = getattr(args, "loop", None) or "asyncio"
+    loop = getattr(args, "loop", None) or harness.default_loop()
     if device == "cuda":
         import torch
 
         if torch.cuda.device_count() < 2:
-            print("afabric: error: --device cuda needs two GPUs (prefill on cuda:0, decode on cuda:1)")
-            return 2
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=prefill_process,
-        args=(child, args.provider, device, shape, max(args.token_list), loop),
-        daemon=True,
+            raise harness.CommandError("--device cuda needs two GPUs (prefill on cuda:0, decode on cuda:1)")
+    child = harness.Child(
+        "the benchmark's prefill process",
+        prefill_process,
+        (harness.PIPE, args.provider, device, shape, max(args.token_list), loop),
     )
-    proc.start()
 
     async def run() -> tuple[list[Row], str]:
-        aloop = asyncio.get_running_loop()
-        if not await aloop.run_in_executor(None, parent.poll, 300):
-            raise RuntimeError("benchmark prefill process did not start")
-        addr = parent.recv()
-        with Progress(len(args.token_list) * args.repeat) as bar:
-            return await _measure(args, parent, addr, shape, bar)
+        async with harness.watch(child):  # a prefill process that dies fails the run at once
+            addr = await child.arecv(300)
+            with Progress(len(args.token_list) * args.repeat) as bar:
+                return await _measure(args, child.conn, addr, shape, bar)
 
     try:
         rows, fabric = run_on_loop(run(), loop)
     finally:
-        with contextlib.suppress(OSError):
-            parent.send("stop")
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        child.stop("stop")
+        child.close(60)
     where = (
         "prefill cuda:0 -> decode cuda:1" if device == "cuda" else "prefill and decode processes on the CPU"
     )
     header = (
-        f"afabric bench kvcache — provider {args.provider} ({fabric}), {where}, {os.cpu_count()} cores, "
-        f"{platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        f"afabric bench kvcache — provider {args.provider} ({fabric}), {where}, loop {loop}, "
+        f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}\n"
         f"model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads / {shape.kv_heads} KV "
         f"heads x {HEAD_DIM}, ffn {shape.ffn} ({shape.flops_per_token_layer() / 1e6:.1f} MFLOP per token and "
         f"layer, no attention); 32 KiB pages ({TOKENS_PER_PAGE} tokens), writes up to {args.max_write} B; "
@@ -434,6 +458,7 @@ def main(args: argparse.Namespace) -> int:
             "provider": args.provider,
             "fabric_provider": fabric,
             "device": device,
+            "loop": loop,
             "cpus": os.cpu_count(),
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),

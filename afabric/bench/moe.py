@@ -25,7 +25,6 @@ agree, the host sets the pace.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -37,6 +36,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
+from . import harness
 
 HELP = "MoE dispatch/combine latency: afabric.moe.AllToAll vs NCCL all_to_all_single"
 WORKLOADS = {"decode": 128, "prefill": 4096}
@@ -62,11 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10_000, help="timed calls per workload and implementation")
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--world", type=int, default=0, help="ranks (GPUs); 0: every GPU")
-    p.add_argument("--provider", default="tcp", help="engine provider of the proxy path")
+    p.add_argument(
+        "--provider", default="auto", help="engine provider of the proxy path; " + harness.PROVIDER_HELP
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph runs (NVLink path)")
     p.add_argument("--baseline-iters", type=int, default=0, help="timed NCCL calls (0: as --iters)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--json", metavar="PATH", help=harness.JSON_HELP)
     p.add_argument("--quick", action="store_true", help="1,000 calls (a smoke run, not a measurement)")
 
 
@@ -323,19 +326,24 @@ def _free_port() -> int:
 
 
 def _collect(procs: list[Any], results: Any, world: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every rank's rows and errors; then the processes are joined."""
+    """Every rank's rows and errors; then the processes are joined. A rank that exits
+    without reporting fails the run at once (the others, waiting on it in NCCL, are killed)."""
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
-    reported = 0
-    while reported < world:
+    reported: set[int] = set()
+    while len(reported) < world:
         try:
-            rank, out, err = results.get(timeout=5)
+            rank, out, err = results.get(timeout=1)
         except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                errors.append(f"{world - reported} rank(s) exited without reporting")
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+            if dead:
+                errors += [f"rank {r} exited with status {procs[r].exitcode} without reporting" for r in dead]
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
                 break
             continue
-        reported += 1
+        reported.add(rank)
         for r in out:
             r["rank"] = rank
         rows += out
@@ -362,25 +370,25 @@ def _worst(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(ns: argparse.Namespace) -> int:
     for k, v in _NO_MULTICAST.items():
         os.environ.setdefault(k, v)
-    try:
-        import torch
-    except ImportError:
-        print("afabric bench moe: needs torch with CUDA (and CuPy)", file=sys.stderr)
-        return 2
+    harness.require("afabric bench moe", "torch", "cupy")
+    harness.check_outputs(ns)
+    import torch
+
     gpus = torch.cuda.device_count()
     world = ns.world or gpus
     if gpus < 1 or world > gpus or world < 1:
-        print(f"afabric bench moe: needs {world or 1} CUDA GPU(s), found {gpus}", file=sys.stderr)
-        return 2
+        raise harness.CommandError(f"afabric bench moe needs {world or 1} CUDA GPU(s), found {gpus}")
     if ns.quick:
         ns.iters = min(ns.iters, 1000)
     if ns.iters < 1 or ns.warmup < 0 or ns.baseline_iters < 0:
-        print("afabric bench moe: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
+        raise harness.CommandError("--iters must be >= 1 and --warmup >= 0")
+    if ns.path == "proxy":
+        ns.provider, why = harness.resolve_provider(ns.provider)
+        print(why, flush=True)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    args = {k: v for k, v in vars(ns).items() if k != "func"}
+    args = {k: v for k, v in vars(ns).items() if k not in ("func", "json_stream")}
     print(f"afabric bench moe: path {ns.path}, {world} ranks ({torch.cuda.get_device_name(0)}), "
           f"{ns.iters} calls after {ns.warmup} warm-up", flush=True)  # fmt: skip
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, results)) for r in range(world)]
@@ -399,8 +407,7 @@ def main(ns: argparse.Namespace) -> int:
             "worst_rank": worst, "per_rank": rows, "errors": errors,
             "command": " ".join(["afabric", *sys.argv[1:]]),
         }  # fmt: skip
-        with open(ns.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        harness.write_json(doc, ns)
     for e in errors:
         print(f"error: {e}", file=sys.stderr)
     return 1 if errors else 0

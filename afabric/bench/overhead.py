@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import math
-import multiprocessing as mp
 import os
 import platform
 import time
@@ -47,7 +46,7 @@ import numpy as np
 
 from .. import Address, Engine, MrDesc, OpTiming, ScatterTarget, _native
 from ..errors import AfabricError
-from . import report
+from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
 
@@ -114,51 +113,37 @@ def run_targets(
 
 
 class _Targets:
-    """The target processes of one measurement, started and stopped together."""
+    """The target processes of one measurement, started and stopped together; one that dies
+    fails the measurement at once (:func:`afabric.bench.harness.watch`)."""
 
     def __init__(self, args: argparse.Namespace, peers: int) -> None:
-        ctx = mp.get_context("spawn")
         nprocs = max(1, min(args.procs, peers))
         per = -(-peers // nprocs)
         self.layout: list[int] = []
-        self.pipes: list[Connection] = []
-        self.procs: list[Any] = []
+        self.children: list[harness.Child] = []
         first = 0
         while first < peers:
             count = min(per, peers - first)
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=run_targets,
-                args=(child, args.provider, first, count, args.size, args.target_polling, args.loop),
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self.pipes.append(parent)
-            self.procs.append(proc)
+            self.children.append(harness.Child(
+                f"benchmark target process {len(self.children)}", run_targets,
+                (harness.PIPE, args.provider, first, count, args.size, args.target_polling, args.loop),
+            ))  # fmt: skip
             self.layout.append(count)
             first += count
-        self.stopped = [False] * len(self.pipes)
 
     async def endpoints(self) -> list[tuple[bytes, bytes]]:
-        aloop = asyncio.get_running_loop()
         out: list[tuple[bytes, bytes]] = []
-        for k, p in enumerate(self.pipes):
-            if not await aloop.run_in_executor(None, p.poll, 60):
-                raise RuntimeError(f"benchmark target process {k} did not start")
-            out.extend(p.recv())
+        for c in self.children:
+            out.extend(await c.arecv(60))
         return out
 
     async def check(self, imm: int, peers: int) -> str:
-        aloop = asyncio.get_running_loop()
-        for k, p in enumerate(self.pipes):
-            p.send((imm, peers))
-            self.stopped[k] = True
+        for c in self.children:
+            c.stopping = True  # each answers, then exits
+            c.send((imm, peers))
         got = 0
-        for k, p in enumerate(self.pipes):
-            if not await aloop.run_in_executor(None, p.poll, 60):
-                raise RuntimeError(f"benchmark target process {k} did not answer")
-            state, detail = p.recv()
+        for c in self.children:
+            state, detail = await c.arecv(60)
             if state != "ok":
                 raise RuntimeError(f"benchmark target: {detail}")
             got += int(detail)
@@ -166,17 +151,11 @@ class _Targets:
 
     async def close(self) -> None:
         aloop = asyncio.get_running_loop()
-        for k, p in enumerate(self.pipes):
-            if not self.stopped[k]:
-                with contextlib.suppress(OSError):
-                    p.send((None, 0))
-        for proc in self.procs:
-            await aloop.run_in_executor(None, proc.join, 30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for p in self.pipes:
-            p.close()
+        for c in self.children:
+            if not c.stopping:
+                c.stop((None, 0))
+        for c in self.children:
+            await aloop.run_in_executor(None, c.close, 30.0)
 
 
 # ---- statistics ----
@@ -254,32 +233,33 @@ async def _measure(args: argparse.Namespace, peers: int, iterations: int) -> Pee
     t_start = time.monotonic()
     targets = _Targets(args, peers)
     try:
-        eps = await targets.endpoints()
-        async with Engine(args.provider, polling=args.polling, timing=True) as eng:
-            src = pattern(peers * args.size)
-            mr = eng.register(src, remote=False)
-            group = eng.peer_group([Address.from_bytes(a) for a, _ in eps])
-            tgts = [
-                ScatterTarget(MrDesc.from_bytes(d), args.size, src_offset=i * args.size)
-                for i, (_, d) in enumerate(eps)
-            ]
-            warmup = max(20, iterations // 20)
-            for _ in range(warmup):  # connects to every peer, faults pages in, settles
-                await eng.scatter(mr, tgts, group=group)
-            eng.timings()  # drop the warm-up's records
-            clock = time.perf_counter_ns
-            app: list[tuple[int, int]] = []
-            timings: list[OpTiming] = []
-            for i in range(iterations):
-                t0 = clock()
-                await eng.scatter(mr, tgts, group=group)
-                app.append((t0, clock()))
-                if i % 4096 == 4095:  # the shim keeps the newest 65,536 records
-                    timings.extend(eng.timings())
-            timings.extend(eng.timings())
-            samples, wrs = _stage_samples(timings, app)
-            await eng.scatter(mr, tgts, group=group, imm=CHECK_IMM)
-        check = await targets.check(CHECK_IMM, peers)
+        async with harness.watch(*targets.children):  # a target that dies fails the run at once
+            eps = await targets.endpoints()
+            async with Engine(args.provider, polling=args.polling, timing=True) as eng:
+                src = pattern(peers * args.size)
+                mr = eng.register(src, remote=False)
+                group = eng.peer_group([Address.from_bytes(a) for a, _ in eps])
+                tgts = [
+                    ScatterTarget(MrDesc.from_bytes(d), args.size, src_offset=i * args.size)
+                    for i, (_, d) in enumerate(eps)
+                ]
+                warmup = max(20, iterations // 20)
+                for _ in range(warmup):  # connects to every peer, faults pages in, settles
+                    await eng.scatter(mr, tgts, group=group)
+                eng.timings()  # drop the warm-up's records
+                clock = time.perf_counter_ns
+                app: list[tuple[int, int]] = []
+                timings: list[OpTiming] = []
+                for i in range(iterations):
+                    t0 = clock()
+                    await eng.scatter(mr, tgts, group=group)
+                    app.append((t0, clock()))
+                    if i % 4096 == 4095:  # the shim keeps the newest 65,536 records
+                        timings.extend(eng.timings())
+                timings.extend(eng.timings())
+                samples, wrs = _stage_samples(timings, app)
+                await eng.scatter(mr, tgts, group=group, imm=CHECK_IMM)
+            check = await targets.check(CHECK_IMM, peers)
     finally:
         await targets.close()
     res = PeersResult(peers, iterations, warmup, targets.layout, wrs, check=check)
@@ -357,8 +337,8 @@ def main(args: argparse.Namespace) -> int:
     args.procs = max(1, int(getattr(args, "procs", None) or PROCS))
     args.polling = getattr(args, "polling", None) or "adaptive"
     args.target_polling = getattr(args, "target_polling", None) or "adaptive"
-    args.provider = getattr(args, "provider", None) or "shm"
-    args.loop = getattr(args, "loop", None) or "asyncio"
+    args.provider = getattr(args, "provider", None) or "auto"
+    args.loop = getattr(args, "loop", None) or harness.default_loop()
     args.json = getattr(args, "json", None)
     report.check_outputs(args)  # a plot that cannot be drawn is refused before the run
     fixed = getattr(args, "iterations", None)

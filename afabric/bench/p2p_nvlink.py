@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import Engine, MemoryRegion, MrDesc, Pages
-from . import report
+from . import harness, report
 from .loops import run as run_on_loop
 from .p2p import Latency, _fmt_size, _latency, _py_paged, _py_writes, _window_for
 from .progress import Progress
@@ -61,12 +60,11 @@ class Row:
 
 
 def _cupy() -> Any:
-    try:
-        import cupy
-    except Exception as e:  # ImportError, or CUDA libraries CuPy cannot load
-        raise SystemExit(f"afabric bench p2p --provider nvlink needs CuPy ({type(e).__name__}: {e})") from e
+    harness.require("afabric bench p2p --provider nvlink", "cupy")  # ImportError, or CUDA libraries missing
+    import cupy
+
     if int(cupy.cuda.runtime.getDeviceCount()) < 2:
-        raise SystemExit("afabric bench p2p --provider nvlink needs two CUDA GPUs")
+        raise harness.CommandError("afabric bench p2p --provider nvlink needs two CUDA GPUs")
     return cupy
 
 
@@ -207,28 +205,21 @@ def render(rows: list[Row], lat: Latency, header: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
-        raise SystemExit("afabric bench p2p --provider nvlink writes --json only (no --plot)")
+        raise harness.CommandError("afabric bench p2p --provider nvlink writes --json only (no --plot)")
     args.repeat = max(1, int(getattr(args, "repeat", None) or 3))
     args.polling = getattr(args, "polling", None) or "adaptive"
     args.sizes = getattr(args, "sizes", None)
-    loop = getattr(args, "loop", None) or "asyncio"
+    loop = getattr(args, "loop", None) or harness.default_loop()
     _cupy()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
 
     async def run() -> tuple[list[Row], Latency]:
-        proc = ctx.Process(target=_target, args=(child, args.polling, loop), daemon=True)
-        proc.start()
+        target = harness.Child("the benchmark's target process", _target, (harness.PIPE, args.polling, loop))
         try:
-            ready = await asyncio.get_running_loop().run_in_executor(None, parent.poll, 120)
-            if not ready:
-                raise RuntimeError("benchmark target did not start")
-            return await _measure(args, parent.recv())
+            async with harness.watch(target):  # a target that dies fails the run at once
+                return await _measure(args, await target.arecv(120))
         finally:
-            parent.send("stop")
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+            target.stop("stop")
+            await asyncio.get_running_loop().run_in_executor(None, target.close, 30.0)
 
     rows, lat = run_on_loop(run(), loop)
     header = (

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import plots
+from . import harness, plots
 
 __all__ = [
     "Result",
@@ -61,10 +61,10 @@ def command_line(args: argparse.Namespace) -> str | None:
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Before a benchmark runs: raise :class:`afabric.bench.plots.PlotUnavailable` if it was
-    asked for a plot (``args.plot``) that cannot be drawn here, rather than after the run."""
-    if getattr(args, "plot", None):
-        plots.require()
+    """Before a benchmark runs: raise :class:`afabric.bench.harness.CommandError` for an
+    output (``args.json``, ``args.plot``) that could not be written after the run (a missing
+    directory, a plot without matplotlib), rather than after the run."""
+    harness.check_outputs(args)
 
 
 def wants_doc(args: argparse.Namespace) -> bool:
@@ -73,11 +73,9 @@ def wants_doc(args: argparse.Namespace) -> bool:
 
 
 def write_outputs(doc: Doc, args: argparse.Namespace) -> None:
-    """A benchmark's document as JSON to ``args.json`` and as a PNG plot to ``args.plot``
-    (each when given)."""
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    """A benchmark's document as JSON to ``args.json`` (``-``: stdout) and as a PNG plot to
+    ``args.plot`` (each when given)."""
+    harness.write_json(doc, args)  # a file, or stdout for "-"
     if getattr(args, "plot", None):
         plots.save(doc, args.plot)
 
@@ -189,6 +187,14 @@ def _p2p(d: Doc) -> list[str]:
             f"Awaited {plots.fmt_size(float(x['size']))} write, one at a time: p50 {_f(x.get('p50_us'))} µs, "
             f"p99 {_f(x.get('p99_us'))} µs (raw C loop: {_f(x.get('raw_p50_us'))} µs mean; "
             f"{x.get('samples', '?')} samples)."
+        )
+    above = [r for r in d.get("rows", []) if isinstance(r.get("ratio"), int | float) and r["ratio"] > 1]
+    if above:
+        sizes = ", ".join(plots.fmt_size(float(r["size"])) for r in above)
+        out.append(
+            f"Python/raw above 1 ({sizes}): the raw loop is not a ceiling there; both are limited by the "
+            "transport and the ratio is 1 give or take run-to-run noise (each repeat's time is in the "
+            "JSON's `samples`)."
         )
     paged = [r for r in d.get("rows", []) if r.get("kind") == "paged"]
     if paged:

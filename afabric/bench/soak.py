@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import multiprocessing as mp
 import os
 import sys
 import threading
@@ -19,7 +17,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import cast
 
@@ -31,7 +28,7 @@ from ..engine import Engine
 from ..groups import PeerGroup, ScatterTarget
 from ..memory import MemoryRegion
 from ..pages import Pages
-from . import loops
+from . import harness, loops
 
 HELP = "mixed traffic to several peers for N minutes; threads, fds and memory must stay flat"
 PAGE = 256
@@ -43,11 +40,13 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="how long to run (default 10)")
-    p.add_argument("--provider", default="tcp", help="provider (default tcp)")
+    p.add_argument("--provider", default="auto", help=harness.PROVIDER_HELP)
     p.add_argument("--peers", type=int, default=3, help="target processes (default 3)")
     p.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
-    p.add_argument("--json", metavar="FILE", help="write the samples and the verdict as JSON")
-    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    p.add_argument("--json", metavar="PATH", help=harness.JSON_HELP)
+    p.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default=harness.default_loop(), help=harness.LOOP_HELP
+    )
 
 
 @dataclass
@@ -148,22 +147,30 @@ async def _round(
 
 
 async def _soak(args: argparse.Namespace) -> dict[str, object]:
-    ctx = mp.get_context("spawn")
-    pipes: list[Connection] = []
-    procs: list[BaseProcess] = []
-    for _ in range(args.peers):
-        a, b = ctx.Pipe()
-        p = ctx.Process(target=_target, args=(b, args.provider), daemon=True)
-        p.start()
-        b.close()
-        pipes.append(a)
-        procs.append(p)
-    loop = asyncio.get_running_loop()
+    children = [
+        harness.Child(f"soak peer process {k}", _target, (harness.PIPE, args.provider))
+        for k in range(args.peers)
+    ]
+    try:
+        async with harness.watch(*children):  # a peer that dies fails the run at once
+            return await _soak_with(args, children)
+    finally:
+        for c in children:
+            if not c.stopping:
+                c.stop(None)
+        for c in children:
+            await asyncio.get_running_loop().run_in_executor(None, c.close, 30.0)
+
+
+async def _soak_with(args: argparse.Namespace, children: list[harness.Child]) -> dict[str, object]:
+    pipes = [c.conn for c in children]
+    by_conn = {id(c.conn): c for c in children}
 
     async def get(c: Connection) -> object:
-        if not await loop.run_in_executor(None, c.poll, 120):
-            raise TimeoutError("a peer stopped answering")
-        return c.recv()
+        try:
+            return await by_conn[id(c)].arecv(120)
+        except harness.ChildFailed as e:
+            raise TimeoutError(f"a peer stopped answering: {e}") from None
 
     offers = [cast("tuple[bytes, bytes]", await get(c)) for c in pipes]
     descs = [MrDesc.from_bytes(d) for d, _ in offers]
@@ -192,11 +199,11 @@ async def _soak(args: argparse.Namespace) -> dict[str, object]:
                     flush=True,
                 )
                 next_line += args.every
-        for c in pipes:
-            await get(c)  # the next round's immediate
-            c.send(None)
-    for proc in procs:
-        proc.join(30)
+        for child in children:
+            await get(child.conn)  # the next round's immediate
+            child.stop(None)
+    for child in children:
+        await asyncio.get_running_loop().run_in_executor(None, child.proc.join, 30)
     after = _sample(t0, ops, writes)
     first, last = (samples[0], samples[-1]) if samples else (after, after)
     flat = last.threads <= first.threads and last.fds <= first.fds
@@ -213,9 +220,9 @@ async def _soak(args: argparse.Namespace) -> dict[str, object]:
 
 def main(args: argparse.Namespace) -> int:
     if args.peers < 1 or args.minutes <= 0:
-        print("afabric: error: --peers must be >= 1 and --minutes > 0")
-        return 2
+        raise harness.CommandError("--peers must be >= 1 and --minutes > 0")
+    args.provider, why = harness.resolve_provider(getattr(args, "provider", None))
+    print(f"afabric bench soak — provider {args.provider}, loop {args.loop}, {args.peers} peers\n{why}")
     result = loops.run(_soak(args), args.loop)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    harness.write_json(result, args)
     return 0 if result["ok"] else 1

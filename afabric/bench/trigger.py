@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import math
-import multiprocessing as mp
 import os
 import platform
 import queue
@@ -39,7 +37,7 @@ import numpy as np
 
 from .. import Engine, MemoryRegion, MrDesc, UvmWatcher, _native
 from ..errors import AfabricError
-from . import report
+from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
 
@@ -366,42 +364,34 @@ def main(args: argparse.Namespace) -> int:
     args.iterations = max(1, int(iters if iters is not None else (300 if quick else 2000)))
     args.rounds = max(1, min(args.iterations, 2 if quick else 4))
     args.polling = getattr(args, "polling", None) or "adaptive"
-    args.provider = getattr(args, "provider", None) or "shm"
-    loop = getattr(args, "loop", None) or "asyncio"
+    args.provider = getattr(args, "provider", None) or "auto"
+    loop = getattr(args, "loop", None) or harness.default_loop()
     report.check_outputs(args)  # a --plot that cannot be drawn fails before the run, not after it
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
 
     async def run() -> Outcome:
         probe = Engine(args.provider)  # resolve "auto" once, for both processes
         provider, fabric, why = probe.provider, probe.fabric_provider, probe.provider_choice
         await probe.aclose()
         args.provider = provider
-        proc = ctx.Process(target=run_target, args=(child, provider, args.polling, loop), daemon=True)
-        proc.start()
-        aloop = asyncio.get_running_loop()
+        target = harness.Child(
+            "the benchmark's target process", run_target, (harness.PIPE, provider, args.polling, loop)
+        )
         sent_stop = False
         try:
-            if not await aloop.run_in_executor(None, parent.poll, 60):
-                raise RuntimeError("benchmark target did not start")
-            desc_blob, imm = parent.recv()
-            res, writes = await _measure(args, desc_blob, imm)
-            parent.send((writes, bytes(np.arange(SIZE, dtype=np.uint64).astype(np.uint8))))
-            sent_stop = True
-            if not await aloop.run_in_executor(None, parent.poll, 60):
-                raise RuntimeError("benchmark target did not answer")
-            state, detail = parent.recv()
+            async with harness.watch(target):  # a target that dies fails the run at once
+                desc_blob, imm = await target.arecv(60)
+                res, writes = await _measure(args, desc_blob, imm)
+                target.stopping = True  # it answers, then exits
+                target.send((writes, bytes(np.arange(SIZE, dtype=np.uint64).astype(np.uint8))))
+                sent_stop = True
+                state, detail = await target.arecv(60)
             if state != "ok":
                 raise RuntimeError(f"benchmark target: {detail}")
             return Outcome(res, fabric, why, f"all {detail} writes arrived", args.rounds)
         finally:
             if not sent_stop:
-                with contextlib.suppress(OSError):
-                    parent.send((None, b""))
-            await aloop.run_in_executor(None, proc.join, 30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+                target.stop((None, b""))
+            await asyncio.get_running_loop().run_in_executor(None, target.close, 30.0)
 
     o = run_on_loop(run(), loop)
     header = (

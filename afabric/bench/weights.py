@@ -16,15 +16,16 @@ host memory. Nothing here asserts speed: it reports.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
 import statistics
 import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as connection_wait
 from typing import Any
+
+from . import harness
 
 HELP = "RL weight update: N trainers -> M inference processes, point-to-point vs rank-0"
 
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="inference ranks per replica (default: all of them, one replica)",
     )
-    p.add_argument("--provider", default="shm", help="provider for the point-to-point writes (default shm)")
+    p.add_argument("--provider", default="auto", help=harness.PROVIDER_HELP)
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -76,7 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a small model and 2 updates per method (CI-sized)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any update may take (default 300)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    p.add_argument("--json", metavar="PATH", default=None, help=harness.JSON_HELP)
+    p.add_argument(
+        "--loop", choices=("asyncio", "uvloop"), default=harness.default_loop(), help=harness.LOOP_HELP
+    )
 
 
 def _model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -90,9 +94,9 @@ def _model_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _rank(rank: int, world: int, port: int, cfg: dict[str, Any], conn: Connection) -> None:
     try:
-        import asyncio
+        from .loops import run
 
-        conn.send(("ok", asyncio.run(_rank_async(rank, world, port, cfg))))
+        conn.send(("ok", run(_rank_async(rank, world, port, cfg), cfg.get("loop", "asyncio"))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -191,87 +195,92 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n < 1e10 else f"{n / 1e9:.1f} GB"
 
 
+def _collect(children: list[harness.Child], results: list[Any], deadline: float) -> str | None:
+    """Each rank's result into ``results`` as it comes; why the run failed, or None."""
+    pending = dict(enumerate(children))
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"rank {min(pending)} did not finish in time"
+        handles: list[Any] = [c.conn for c in pending.values()] + [c.sentinel for c in pending.values()]
+        ready = set(connection_wait(handles, left))
+        for r, c in sorted(pending.items()):
+            if c.conn in ready:
+                try:
+                    kind, val = c.conn.recv()
+                except EOFError:
+                    return c.failure()
+                if kind == "error":
+                    return str(val)
+                results[r] = val
+                c.stopping = True
+                del pending[r]
+            elif c.sentinel in ready:
+                return c.failure()
+    return None
+
+
 def _run(world: int, cfg: dict[str, Any], wait: float) -> tuple[list[Any], str | None]:
-    """Start every rank, wait for all; ``(results, None)`` or ``(partial, why it failed)``."""
+    """Start every rank, wait for all; ``(results, None)`` or ``(partial, why it failed)``.
+    A rank that dies without reporting fails the run at once (not when its turn comes)."""
     port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs, conns = [], []
+    children: list[harness.Child] = []
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # a dozen processes on a few cores: no thread pool in each
     try:
         for r in range(world):
-            a, b = ctx.Pipe()
-            pr = ctx.Process(target=_rank, args=(r, world, port, cfg, b), daemon=True)
-            pr.start()
-            b.close()
-            procs.append(pr)
-            conns.append(a)
+            children.append(harness.Child(f"rank {r}", _rank, (r, world, port, cfg, harness.PIPE)))
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved
-    deadline = time.monotonic() + wait
     results: list[Any] = [None] * world
     failed = None
     try:
-        for r, c in enumerate(conns):
-            if not c.poll(max(1.0, deadline - time.monotonic())):
-                failed = f"rank {r} did not finish in time"
-                break
-            try:
-                kind, val = c.recv()
-            except EOFError:
-                failed = f"rank {r} died"
-                break
-            if kind == "error":
-                failed = val
-                break
-            results[r] = val
+        failed = _collect(children, results, time.monotonic() + wait)
     finally:
-        for pr in procs:
-            if failed is not None and pr.is_alive() and pr.pid is not None:
-                pr.kill()
-            pr.join(10)
+        for c in children:
+            if failed is not None and c.proc.is_alive():
+                c.proc.kill()
+            c.close(10)
     return results, failed
 
 
 def main(ns: argparse.Namespace) -> int:
     if ns.trainers < 1 or ns.inference < 1:
-        print("afabric: error: --trainers and --inference must be at least 1")
-        return 2
+        raise harness.CommandError("--trainers and --inference must be at least 1")
     tp = ns.inference_tp or ns.inference
     if ns.inference % tp:
-        print(f"afabric: error: --inference-tp {tp} does not divide {ns.inference} inference processes")
-        return 2
+        raise harness.CommandError(f"--inference-tp {tp} does not divide {ns.inference} inference processes")
     repeat = max(1, ns.repeat if ns.repeat is not None else (2 if ns.quick else 5))
     on_gpu = ns.device == "cuda" and not ns.offload
     shards = "local" if on_gpu else (ns.shards or "dtensor")
     if on_gpu and ns.shards == "dtensor":
-        print(
-            "afabric: error: shards on the GPU are --shards local (DTensor's gloo collectives are host-only)"
+        raise harness.CommandError(
+            "shards on the GPU are --shards local (DTensor's gloo collectives are host-only)"
         )
-        return 2
     if ns.offload and ns.device != "cuda":
-        print("afabric: error: --offload goes with --device cuda")
-        return 2
+        raise harness.CommandError("--offload goes with --device cuda")
+    harness.require("afabric bench weights", "torch")  # every rank needs it: say so now
+    harness.check_outputs(ns)
+    ns.provider, why = harness.resolve_provider(ns.provider)
+    print(why, flush=True)
     cfg = {"trainers": ns.trainers, "model": _model_kwargs(ns), "tp": tp, "fp8": ns.fp8, "device": ns.device,
            "provider": ns.provider, "staging": ns.staging_mib << 20, "repeat": repeat, "shards": shards,
-           "offload": ns.offload,
+           "offload": ns.offload, "loop": getattr(ns, "loop", None) or harness.default_loop(),
            "timeout": ns.timeout}  # fmt: skip
     results, failed = _run(ns.trainers + ns.inference, cfg, ns.timeout * (2 * repeat + 4) + 120)
     if failed is not None:
-        print(f"afabric: error: {failed}")
-        return 1
+        raise harness.ChildFailed(failed)
     res = results[0]
     _report(ns, cfg, res)
     if ns.json:
         med_p, med_r = statistics.median(res["p2p"]), statistics.median(res["rank0"])
-        with open(ns.json, "w") as f:
-            json.dump({"bench": "weights", "argv": getattr(ns, "argv", []), "config": cfg,
-                       "p2p_seconds": res["p2p"], "rank0_seconds": res["rank0"], "ratio": med_r / med_p,
-                       "sent": res["sent"], "received": res["received"], "plan": res["plan"],
-                       "payload_bytes": res["payload"], "params": res["params"]}, f, indent=1)  # fmt: skip
+        harness.write_json({"bench": "weights", "argv": getattr(ns, "argv", []), "config": cfg,
+                            "p2p_seconds": res["p2p"], "rank0_seconds": res["rank0"], "ratio": med_r / med_p,
+                            "sent": res["sent"], "received": res["received"], "plan": res["plan"],
+                            "payload_bytes": res["payload"], "params": res["params"]}, ns)  # fmt: skip
     return 0
 
 
@@ -282,7 +291,8 @@ def _report(ns: argparse.Namespace, cfg: dict[str, Any], res: dict[str, Any]) ->
     tp = cfg["tp"]
     where = ns.device + (" (offload)" if ns.offload else "")
     print(f"afabric bench weights: {ns.trainers} trainers -> {ns.inference} inference ({ns.inference // tp} "
-          f"replica(s) of TP {tp}); provider {ns.provider}; device {where}; {cfg['shards']} shards; "
+          f"replica(s) of TP {tp}); provider {ns.provider}; loop {cfg['loop']}; device {where}; "
+          f"{cfg['shards']} shards; "
           f"{'fp8' if ns.fp8 else 'bf16'} inference weights")  # fmt: skip
     print(f"model: {res['params'] / 1e6:.1f} M parameters, {cfg['model']}; plan: {summary['tasks']} slices, "
           f"{summary['writes']} writes, {res['unshard_params']} parameters unsharded")  # fmt: skip

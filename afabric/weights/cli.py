@@ -5,7 +5,6 @@ point-to-point and for the rank-0 baseline at a given NIC speed."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -54,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bf16", action="store_true", help="inference keeps bf16 (default: fp8 linear layers)")
     p.add_argument("--layers", type=int, default=None, help="plan only this many layers (quick look)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the numbers as JSON")
+    p.add_argument(
+        "--json", metavar="PATH", default=None,
+        help="also write the numbers as JSON to PATH ('-': to stdout, and the report to stderr)",
+    )  # fmt: skip
 
 
 def project(ns: argparse.Namespace) -> dict[str, Any]:
@@ -165,8 +167,9 @@ def main(ns: argparse.Namespace) -> int:
         f"scatter {_gb(z['scatter_from_inference0'])} -> {z['seconds']:.1f} s at {nic}"
     )
     print(f"projected  p2p {p['seconds']:.2f} s vs rank-0 {z['seconds']:.1f} s: {r['ratio']:.0f}x")
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(r, f, indent=1)
     sys.stdout.flush()
+    if ns.json:
+        from ..bench import harness
+
+        harness.write_json(r, ns)
     return 0

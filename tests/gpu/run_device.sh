@@ -83,8 +83,8 @@ for f in tests/gpu/test_*.py; do
 done
 
 # ---- benchmarks ----
-step bench.log "bench trigger (shm)" 240 "${AFABRIC[@]}" bench trigger --quick --json "$OUT/trigger-shm.json"
-step bench.log "bench trigger (shm, spin)" 240 "${AFABRIC[@]}" bench trigger --quick --polling spin \
+step bench.log "bench trigger (shm)" 240 "${AFABRIC[@]}" bench trigger --quick --provider shm --json "$OUT/trigger-shm.json"
+step bench.log "bench trigger (shm, spin)" 240 "${AFABRIC[@]}" bench trigger --quick --provider shm --polling spin \
     --json "$OUT/trigger-shm-spin.json"
 step bench.log "bench trigger (tcp)" 240 "${AFABRIC[@]}" bench trigger --quick --provider tcp \
     --json "$OUT/trigger-tcp.json"

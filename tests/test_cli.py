@@ -1,0 +1,305 @@
+"""The ``afabric`` command as a new user meets it (issue 17, items 3 and 4), run as a real
+subprocess of the venv's ``afabric`` script:
+
+- ``--version``;
+- optional packages (torch, cupy, uvloop) missing: exit 2 at once, naming the package and
+  how to install it (simulated by a directory on PYTHONPATH whose ``torch`` package raises
+  ImportError: a missing optional package, not a transport mock);
+- a benchmark's child process that dies (a dependency missing only in the child; a child
+  SIGKILLed mid-run): the parent fails at once, with the child's error;
+- ``--json -`` writes the document to stdout and the report and progress to stderr;
+- output paths refused before a benchmark runs;
+- progress lines on stderr when it is not a terminal;
+- one set of defaults (provider ``auto``, the same loop) across subcommands;
+- the ``py/raw`` column explained where Python beats the raw loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from afabric.bench import harness, p2p
+from afabric.cli import _parser
+
+BIN = Path(sys.executable).parent
+AFABRIC = shutil.which("afabric", path=str(BIN)) or ""
+
+# Quick arguments for each benchmark that needs an optional package.
+QUICK = {
+    "kvcache": ["bench", "kvcache", "--quick"],
+    "weights": ["bench", "weights", "--quick", "--trainers", "1", "--inference", "1", "--repeat", "1"],
+    "moe": ["bench", "moe", "--quick"],
+}
+
+# In spawned children only (multiprocessing's spawn passes --multiprocessing-fork): torch
+# cannot be imported, or the process kills itself after $KILL_CHILD_AFTER seconds.
+CHILD_SITECUSTOMIZE = '''
+import os, signal, sys, threading
+if "--multiprocessing-fork" in sys.argv:
+    if os.environ.get("KILL_CHILD_AFTER"):
+        t = threading.Timer(float(os.environ["KILL_CHILD_AFTER"]), os.kill, (os.getpid(), signal.SIGKILL))
+        t.daemon = True
+        t.start()
+    if os.environ.get("CHILD_WITHOUT_TORCH"):
+        class _NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ModuleNotFoundError("No module named 'torch' (in the child only)", name=name)
+                return None
+        sys.meta_path.insert(0, _NoTorch())
+'''
+
+
+def _run(
+    args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 100
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    assert AFABRIC, f"no afabric script next to {sys.executable}"
+    full_env = dict(os.environ)
+    full_env.pop("AFABRIC_PROVIDER", None)
+    full_env.update(env or {})
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [AFABRIC, *args], check=False, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd
+    )
+    return proc, time.monotonic() - t0
+
+
+def _missing(tmp_path: Path, *packages: str) -> dict[str, str]:
+    """PYTHONPATH with a package of each name whose import fails, as if not installed."""
+    root = tmp_path / "missing"
+    for name in packages:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "__init__.py").write_text(f"raise ImportError('simulated: {name} is not installed')\n")
+    return {"PYTHONPATH": str(root)}
+
+
+def _child_hooks(tmp_path: Path, **env: str) -> dict[str, str]:
+    root = tmp_path / "hooks"
+    root.mkdir(exist_ok=True)
+    (root / "sitecustomize.py").write_text(CHILD_SITECUSTOMIZE)
+    return {"PYTHONPATH": str(root), **env}
+
+
+def test_version() -> None:
+    proc, _ = _run(["--version"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"afabric {metadata.version('afabric')}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("command", "package", "install"),
+    [
+        ("kvcache", "torch", "pip install torch"),
+        ("weights", "torch", "pip install torch"),
+        ("moe", "torch", "pip install torch"),
+        ("moe", "cupy", "pip install cupy"),
+    ],
+)
+def test_missing_optional_package_exits_2_at_once(
+    tmp_path: Path, command: str, package: str, install: str
+) -> None:
+    """Before: `bench kvcache` without torch started its child, which died, and the parent
+    waited five minutes. Now: exit 2 before anything starts, naming the package."""
+    if package == "cupy":
+        pytest.importorskip("torch", reason="moe checks torch first")
+    proc, took = _run(QUICK[command], env=_missing(tmp_path, package), cwd=tmp_path, timeout=100)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"needs {package}" in proc.stderr and install in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+    assert took < 30, f"took {took:.1f} s to say so"
+
+
+@pytest.mark.timeout(60)
+def test_explicit_uvloop_without_uvloop_exits_2(tmp_path: Path) -> None:
+    proc, took = _run(["bench", "p2p", "--quick", "--loop", "uvloop"], env=_missing(tmp_path, "uvloop"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "needs uvloop" in proc.stderr and "pip install 'afabric[uvloop]'" in proc.stderr, proc.stderr
+    assert proc.stdout == "" and took < 30
+
+
+@pytest.mark.timeout(150)
+def test_child_without_its_dependency_fails_the_parent_at_once(tmp_path: Path) -> None:
+    """The prefill process cannot import torch (the parent can): the parent fails at once
+    with the child's own error (before: it waited 300 s for the child's address)."""
+    pytest.importorskip("torch")
+    proc, took = _run(
+        ["bench", "kvcache", "--quick", "--provider", "shm"],
+        env=_child_hooks(tmp_path, CHILD_WITHOUT_TORCH="1"), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("afabric: error: the benchmark's prefill process"), proc.stderr
+    assert "exited with status 1" in last and "ModuleNotFoundError: No module named 'torch'" in last, last
+    assert took < 60, f"the parent took {took:.1f} s to notice"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_killed_target_fails_the_parent_at_once(tmp_path: Path, provider: str, shm_cleanup: None) -> None:
+    """The p2p target is SIGKILLed while the parent is measuring: the parent stops at once
+    and says which process died and how (shm: writes to the dead target never complete; tcp:
+    they fail with a transport error, and the target's death is still what is reported)."""
+    kill_after = 4.0
+    proc, took = _run(
+        ["bench", "p2p", "--provider", provider, "--sizes", "4K,64K,1M", "--repeat", "50"],
+        env=_child_hooks(tmp_path, KILL_CHILD_AFTER=str(kill_after)), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("afabric: error: the benchmark's target process"), proc.stderr
+    assert "was killed by SIGKILL" in last, last
+    assert "py GB/s" not in proc.stdout, "results printed although the target died"
+    assert took < kill_after + 40, f"the parent took {took:.1f} s to notice"
+
+
+@pytest.mark.timeout(150)
+def test_killed_prefiller_fails_kvcache_at_once(tmp_path: Path, shm_cleanup: None) -> None:
+    """`bench kvcache`, the issue's case: its prefill process SIGKILLed mid-run. The decoder
+    does not wait its 60 s peer timeout, nor for a local prefill running in a thread."""
+    pytest.importorskip("torch")
+    kill_after = 9.0
+    proc, took = _run(
+        ["bench", "kvcache", "--provider", "tcp", "--tokens", "4K,32K", "--repeat", "3"],
+        env=_child_hooks(tmp_path, KILL_CHILD_AFTER=str(kill_after)), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("afabric: error: the benchmark's prefill process"), proc.stderr
+    assert "was killed by SIGKILL" in last, last
+    assert took < kill_after + 30, f"the parent took {took:.1f} s to notice"
+
+
+@pytest.mark.timeout(150)
+def test_json_dash_and_progress_when_piped(tmp_path: Path) -> None:
+    """`--json -`: stdout is the JSON document alone (before: a file named '-'); the report
+    and the progress lines (before: silence when piped) are on stderr."""
+    proc, _ = _run(
+        ["bench", "p2p", "--quick", "--sizes", "4K", "--repeat", "1", "--json", "-"],
+        cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["bench"] == "p2p" and doc["rows"], doc
+    assert not (tmp_path / "-").exists()
+    assert "afabric bench p2p — provider" in proc.stderr and "py/raw:" in proc.stderr, proc.stderr
+    progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("afabric: ") and "/" in ln]
+    assert any("write 4 KiB" in ln for ln in progress) and progress[-1].split(" (")[0].endswith("latency 8 B")
+    assert "\r" not in proc.stderr and "[#" not in proc.stderr, "a terminal's bar drawn on a pipe"
+    # `auto` was resolved once and said which provider it took
+    assert doc["provider"] != "auto" and ("auto picked" in proc.stderr or "using " in proc.stderr)
+
+    plan, _ = _run(
+        ["weights", "plan", "--model", "deepseek-v3", "--layers", "2", "--json", "-"], cwd=tmp_path
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["model"] and "projected" in plan.stderr
+    assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "p2p", "--quick"],
+        ["bench", "trigger", "--quick"],
+        ["bench", "overhead", "--quick"],
+        ["bench", "soak", "--minutes", "0.1"],
+        QUICK["kvcache"],
+        QUICK["weights"],
+        ["weights", "plan", "--model", "deepseek-v3", "--layers", "2"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
+def test_output_paths_checked_before_the_run(tmp_path: Path, args: list[str]) -> None:
+    """Before: a traceback after the whole run. Now: exit 2 before anything starts."""
+    bad = [
+        ("--json", str(tmp_path / "no such dir" / "r.json"), "does not exist"),
+        ("--json", str(tmp_path), "is a directory"),
+    ]
+    if args[1] in ("p2p", "trigger", "overhead"):
+        bad.append(("--plot", str(tmp_path / "no such dir" / "r.png"), "does not exist"))
+    for option, path, why in bad:
+        proc, took = _run([*args, option, path], cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2, (option, path, proc.stdout + proc.stderr)
+        assert f"{option} {path}: " in proc.stderr and why in proc.stderr, proc.stderr
+        assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+        assert took < 30
+
+
+def test_one_set_of_defaults() -> None:
+    """Every command that takes --provider defaults to `auto`, every --loop to the same loop."""
+    loop = harness.default_loop()
+    parser = _parser()
+    for name in ("p2p", "trigger", "overhead", "kvcache", "soak", "weights", "moe"):
+        ns = parser.parse_args(["bench", name])
+        assert ns.provider == "auto", name
+        if name != "moe":  # moe's ranks run no event loop
+            assert ns.loop == loop, name
+
+
+def _row(size: int, py_s: list[float], raw_s: list[float]) -> p2p.Row:
+    row = p2p.Row("write", size, 1, 16)
+    p2p._fill(row, py_s, raw_s, size)
+    return row
+
+
+def test_py_raw_explained_where_python_wins() -> None:
+    slow_py = _row(4096, [2e-5, 2e-5], [1e-5, 1e-5])  # Python at half the raw rate
+    assert p2p.py_raw_note([slow_py])[0].startswith("py/raw: ")
+    assert len(p2p.py_raw_note([slow_py])) == 1  # nothing to explain
+    fast_py = _row(1 << 20, [1.0e-4, 1.1e-4, 0.9e-4], [1.2e-4, 1.3e-4, 1.0e-4])
+    assert fast_py.ratio > 1
+    note = p2p.py_raw_note([slow_py, fast_py])
+    assert "not a ceiling" in note[1] and "py/raw > 1" in note[1]
+    [spread] = note[2:]
+    assert spread.startswith("  write 1 MiB: py ") and "raw" in spread and "(3 repeats)" in spread
+    text = p2p.render([slow_py, fast_py], [], "header")
+    assert "not a ceiling" in text
+    # the Markdown report of the same rows says it too
+    from dataclasses import asdict
+
+    from afabric.bench import report
+
+    doc = {"bench": "p2p", "rows": [asdict(r) | {"ratio": r.ratio} for r in (slow_py, fast_py)]}
+    [line] = [ln for ln in report._p2p(doc) if ln.startswith("Python/raw above 1")]
+    assert "(1 MiB)" in line and "not a ceiling" in line
+
+
+def test_progress_lines_are_rate_limited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped, a sweep with thousands of advances prints a handful of lines, not thousands."""
+    import io
+
+    from afabric.bench import progress
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])  # the module progress uses
+    out = io.StringIO()
+    bar = progress.Progress(1000, stream=out)
+    bar.step("mode a")
+    for _ in range(999):
+        clock[0] += 0.05  # 50 s in all
+        bar.advance()
+    bar.advance()
+    lines = out.getvalue().splitlines()
+    assert 5 <= len(lines) <= 8, lines
+    assert lines[-1] == "afabric: 1000/1000 done (50.0 s)"
+
+
+def test_check_outputs_in_process(tmp_path: Path) -> None:
+    ok = argparse.Namespace(json=str(tmp_path / "r.json"), plot=None)
+    harness.check_outputs(ok)
+    assert not (tmp_path / "r.json").exists(), "checking must not create the file"
+    harness.check_outputs(argparse.Namespace(json="-", plot=None))
+    with pytest.raises(harness.CommandError, match="give a path"):
+        harness.check_outputs(argparse.Namespace(json=None, plot="-"))
