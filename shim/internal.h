@@ -214,7 +214,8 @@ enum afs_req_kind {
     AFS_REQ_CANCEL,
     AFS_REQ_RECV_RELEASE,
     AFS_REQ_SCATTER, /* one write per target (a barrier is a scatter of zero-length writes) */
-    AFS_REQ_WATCH    /* the watcher thread saw a word change: (watcher, old, new) */
+    AFS_REQ_WATCH,   /* the watcher thread saw a word change: (watcher, old, new) */
+    AFS_REQ_IMM_RETURN /* arrivals (imm, count) an expectation consumed after its withdrawal */
 };
 
 /* One target of a scatter or barrier, resolved at submit time. */

@@ -543,12 +543,12 @@ static void satisfy(afs_engine *eng, afs_xfer *x, uint64_t now)
         fire(eng, x, now);
 }
 
-static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
+static void imm_arrived_n(afs_engine *eng, uint32_t imm, uint64_t n, uint64_t now)
 {
     afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
     if (!e)
         return; /* out of memory: the counter cannot grow; nothing else to do */
-    e->arrived++;
+    e->arrived += n;
     if (e->expected && e->arrived >= e->expected) {
         afs_xfer *x = e->waiter;
         e->arrived -= e->expected;
@@ -557,6 +557,11 @@ static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
         afs_immtab_maybe_remove(&eng->imm, e);
         satisfy(eng, x, now);
     }
+}
+
+static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
+{
+    imm_arrived_n(eng, imm, 1, now);
 }
 
 /* Registers x (an expectation, or an operation triggered on a count) as the waiter of
@@ -849,6 +854,10 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             break;
         case AFS_REQ_RECV_RELEASE:
             release_rx(eng, x);
+            break;
+        case AFS_REQ_IMM_RETURN: /* counted again, as if they had just arrived */
+            imm_arrived_n(eng, x->imm, x->count, now);
+            afs_xfer_free(x);
             break;
         default:
             afs_xfer_free(x);
