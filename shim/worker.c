@@ -868,11 +868,27 @@ static bool take_requests(afs_engine *eng, uint64_t now)
 
 /* ---- completions ---- */
 
-static void on_op_done(afs_engine *eng, const afp_event *ev)
+/* A work request of x completed: x made progress, so its deadline starts again from now
+ * (op_timeout bounds the time without progress, not the whole transfer: a 10 M-page write
+ * that keeps completing pages is not dead). The active list stays in deadline order. */
+static void made_progress(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    if (x->reported || !eng->cfg.op_timeout_ns)
+        return;
+    x->deadline_ns = now + eng->cfg.op_timeout_ns;
+    if (eng->active.tail != x) {
+        list_remove(&eng->active, x);
+        list_append(&eng->active, x);
+    }
+}
+
+static void on_op_done(afs_engine *eng, const afp_event *ev, uint64_t now)
 {
     afs_xfer *x = (afs_xfer *)(uintptr_t)ev->ctx;
     if (!x)
         return;
+    if (ev->status == 0)
+        made_progress(eng, x, now);
     if (x->kind == AFS_REQ_SEND && x->posted_wr) {
         afs_nic *n = &eng->nics[0];
         n->tx_free[n->tx_free_len++] = x->tx_slot;
@@ -938,13 +954,13 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
             break;
         case AFP_EV_WRITE_DONE:
         case AFP_EV_SEND_DONE:
-            on_op_done(eng, e);
+            on_op_done(eng, e, now);
             break;
         case AFP_EV_ERROR:
             if (is_rx)
                 on_recv(eng, nic, e);
             else
-                on_op_done(eng, e);
+                on_op_done(eng, e, now);
             break;
         case AFP_EV_ACTIVITY: /* counted in n: keeps an adaptive worker spinning */
             afs_count(&nn->st_landed, e->len);
@@ -964,10 +980,12 @@ static void check_deadlines(afs_engine *eng, uint64_t now)
         if (x->deadline_ns > now)
             break; /* submitted later than everything before it: not due either */
         if (!x->reported) {
-            char msg[128];
+            char msg[192];
             snprintf(msg, sizeof(msg),
-                     "no completion after %.1f s (peer dead, unreachable or not progressing)",
-                     (double)eng->cfg.op_timeout_ns / 1e9);
+                     "no progress for %.1f s: %llu of %llu work requests completed, %llu "
+                     "posted (peer dead, unreachable or not progressing)",
+                     (double)eng->cfg.op_timeout_ns / 1e9, (unsigned long long)x->done_wr,
+                     (unsigned long long)x->total_wr, (unsigned long long)x->posted_wr);
             set_error(x, AFS_ETIMEDOUT, "%s", msg);
             x->total_wr = x->posted_wr;
             x->imm_pending = false;
