@@ -715,6 +715,65 @@ out_undo:
     }
 }
 
+/* Remote writes and immediates this engine has seen land, over all NICs. */
+static uint64_t landed_total(afs_engine *eng)
+{
+    uint64_t sum = 0;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        sum += atomic_load_explicit(&eng->nics[k].st_landed, memory_order_relaxed) +
+               atomic_load_explicit(&eng->nics[k].st_imms, memory_order_relaxed);
+    return sum;
+}
+
+/*
+ * Deregistering a remote region on a provider whose target copies the bytes itself
+ * (AFP_CAP_TARGET_COPIES: libfabric 1.17's tcp;ofi_rxm reads an accepted write's payload from
+ * the socket straight into the region over many progress calls, shm's SAR protocol copies in
+ * steps): closing the key stops new writes, not one already accepted, and its bytes kept
+ * landing up to ~6 ms after deregister returned (issue 16). So the caller is answered only
+ * once the worker, polling as usual, has seen no remote write complete for DEREG_QUIET_NS
+ * (an accepted write completes as its last byte lands), or after DEREG_MAX_NS at most.
+ * The counter is per engine, not per region: writes streaming into other regions keep it
+ * moving, and the deregistration then takes DEREG_MAX_NS.
+ */
+#define DEREG_QUIET_NS 50000000ull  /* 50 ms */
+#define DEREG_MAX_NS 2000000000ull  /* 2 s */
+
+static bool settle_dereg(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    if (!(x->ctrl_mr->flags & AFP_MR_REMOTE) || x->ctrl_rc)
+        return false;
+    bool copies = false;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        copies |= (eng->nics[k].caps.flags & AFP_CAP_TARGET_COPIES) != 0;
+    if (!copies)
+        return false;
+    x->settle_seen = landed_total(eng);
+    x->settle_since = now;
+    x->deadline_ns = now + DEREG_MAX_NS;
+    list_append(&eng->settling, x);
+    return true;
+}
+
+/* Answers the deregistrations whose remote writes have stopped landing (after a poll). */
+static void settle_deregs(afs_engine *eng, uint64_t now)
+{
+    uint64_t seen = landed_total(eng);
+    afs_xfer *x = eng->settling.head;
+    while (x) {
+        afs_xfer *next = x->next;
+        if (seen != x->settle_seen) {
+            x->settle_seen = seen;
+            x->settle_since = now;
+        }
+        if (now - x->settle_since >= DEREG_QUIET_NS || now >= x->deadline_ns) {
+            list_remove(&eng->settling, x);
+            sem_post(&x->ctrl_done); /* the caller owns x */
+        }
+        x = next;
+    }
+}
+
 static void ctrl_dereg(afs_engine *eng, afs_xfer *x)
 {
     afs_mr_entry *m = x->ctrl_mr;
@@ -745,7 +804,7 @@ static void ctrl_resolve(afs_engine *eng, afs_xfer *x)
     }
 }
 
-static void run_ctrl(afs_engine *eng, afs_xfer *x)
+static void run_ctrl(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     switch (x->ctrl_op) {
     case AFS_CTRL_REG:
@@ -753,6 +812,8 @@ static void run_ctrl(afs_engine *eng, afs_xfer *x)
         break;
     case AFS_CTRL_DEREG:
         ctrl_dereg(eng, x);
+        if (settle_dereg(eng, x, now))
+            return; /* answered by settle_deregs */
         break;
     case AFS_CTRL_RESOLVE:
         ctrl_resolve(eng, x);
@@ -820,7 +881,7 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             x->t_pickup = afs_now_ns();
         switch (x->kind) {
         case AFS_REQ_CTRL:
-            run_ctrl(eng, x);
+            run_ctrl(eng, x, now);
             break;
         case AFS_REQ_WRITE:
         case AFS_REQ_PAGED:
@@ -1074,6 +1135,10 @@ static void fail_queued(afs_engine *eng)
         sched_yield();
     }
     afs_xfer *x;
+    while ((x = eng->settling.head) != NULL) { /* closing: nothing lands any more */
+        list_remove(&eng->settling, x);
+        sem_post(&x->ctrl_done);
+    }
     while ((x = eng->active.head) != NULL) {
         list_remove(&eng->active, x);
         if (x->bench)
@@ -1111,6 +1176,10 @@ void *afs_worker_main(void *arg)
         for (uint32_t k = 0; k < eng->nnics; k++)
             did |= poll_nic(eng, k, now);
         now = afs_now_ns();
+        if (eng->settling.head) {
+            settle_deregs(eng, now);
+            did = true; /* keep polling: that is what lands (or refuses) the last bytes */
+        }
         if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
             eng->last_deadline_check = now;
             if (eng->cfg.op_timeout_ns)

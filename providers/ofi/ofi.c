@@ -771,7 +771,10 @@ static int ofi_caps(afp_domain *d, afp_caps *out)
                  (d->hmem ? AFP_CAP_DEVICE_MEM : 0) | (d->mr_local ? AFP_CAP_MR_LOCAL : 0) |
                  (d->virt_addr ? AFP_CAP_VIRT_ADDR : 0) |
                  (d->prov_key || d->emu_prov_key ? AFP_CAP_PROV_KEY : 0) |
-                 (d->delivery_complete ? AFP_CAP_DELIVERY_COMPLETE : 0);
+                 (d->delivery_complete ? AFP_CAP_DELIVERY_COMPLETE : 0) |
+                 /* fi_info cannot say who copies a remote write; tcp and shm copy in our
+                  * progress calls (and efa's protocol layer may): assume it, everywhere */
+                 AFP_CAP_TARGET_COPIES;
     out->imm_size = OFI_IMM_SIZE;
     out->max_msg_size = d->max_msg_size;
     out->inject_size = d->inject_size;

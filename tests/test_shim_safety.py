@@ -1,0 +1,170 @@
+"""Memory and bookkeeping safety of the shim and the libfabric provider, between real
+processes (issue 16): arrivals never lost to a cancelled expectation, deadlines that
+measure progress, no byte landing after deregister() returned, no crash writing to a
+closed engine, and no lost notification reported as a success."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+
+import afabric
+from afabric import errors
+
+from .procs import Ctl, Peer
+
+# ---- expect_imm cancelled while arrivals stream in (item 12) ----
+
+ARRIVALS = 20_000
+
+
+async def imm_streamer(ctl: Ctl, provider: str, blob: bytes, imm: int, total: int) -> int:
+    """Writes `total` 8-byte writes with immediate `imm`, many in flight at once."""
+    desc = afabric.MrDesc.from_bytes(blob)
+    async with afabric.Engine(provider) as eng:
+        src = eng.register(np.ones(8, dtype=np.uint8), remote=False)
+        sent = 0
+        while sent < total:
+            batch = min(250, total - sent)
+            await asyncio.gather(*(eng.write(src, desc, 8, imm=imm) for _ in range(batch)))
+            sent += batch
+        return sent
+
+
+async def test_cancelled_expectations_never_lose_arrivals(provider: str, peers: list[Peer]) -> None:
+    """A tight cancel/re-expect loop on one immediate while 20,000 arrivals stream in: an
+    expectation withdrawn just as it completed gives back what it consumed, so what the
+    completed expectations counted plus what is left adds up to every arrival, exactly."""
+    async with afabric.Engine(provider) as eng:
+        buf = np.zeros(8, dtype=np.uint8)
+        mr = eng.register(buf)
+        imm = eng.alloc_imm()
+        writer = Peer(imm_streamer, provider, bytes(mr.descriptor), imm, ARRIVALS)
+        peers.append(writer)
+        done = asyncio.ensure_future(writer.result(timeout=100))
+        counted = cancels = 0
+        rng = np.random.default_rng(12)
+        while not done.done():
+            t = asyncio.ensure_future(eng.expect_imm(imm, 1))
+            for _ in range(int(rng.integers(1, 6))):  # cancel at every stage of its life
+                await asyncio.sleep(0)
+            if not t.done():
+                t.cancel()
+                cancels += 1
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+                counted += 1
+        assert await done == ARRIVALS
+        left = ARRIVALS - counted
+        print(f"\n{provider}: {counted} counted in the loop, {cancels} cancels, {left} left")
+        assert cancels > 100 and counted > 100, "the loop never raced a cancel against arrivals"
+        if left:
+            await eng.expect_imm(imm, left, timeout=20)
+        with pytest.raises(errors.OperationTimeout):
+            await eng.expect_imm(imm, 1, timeout=0.5)
+
+
+# ---- op_timeout bounds the time without progress, not the whole operation (item 11) ----
+
+PAGES = 1_000_000
+PAGE = 16
+
+
+async def page_sink(ctl: Ctl, provider: str) -> int:
+    """Registers PAGES pages and answers how many carry the writer's bytes."""
+    async with afabric.Engine(provider) as eng:
+        buf = np.zeros(PAGES * PAGE, dtype=np.uint8)
+        mr = eng.register(buf)
+        ctl.put(bytes(mr.descriptor))
+        assert await ctl.get(timeout=100) == "count"
+        return int(np.count_nonzero(buf.reshape(PAGES, PAGE).all(axis=1)))
+
+
+async def test_a_slow_but_progressing_paged_write_does_not_time_out(provider: str, peers: list[Peer]) -> None:
+    """A paged write of a million pages takes several op_timeouts in all, but completes
+    pages all along: it must succeed, every page delivered."""
+    target = Peer(page_sink, provider)
+    peers.append(target)
+    desc = afabric.MrDesc.from_bytes(await target.get())
+    op_timeout = 0.5
+    async with afabric.Engine(provider, op_timeout=op_timeout) as eng:
+        src = eng.register(np.full(PAGES * PAGE, 7, dtype=np.uint8), remote=False)
+        idx = np.arange(PAGES, dtype=np.int64)
+        dst = np.random.default_rng(16).permutation(PAGES)
+        t0 = asyncio.get_running_loop().time()
+        await eng.write_paged(
+            src, desc, page_len=PAGE, src_pages=afabric.Pages(idx, PAGE), dst_pages=afabric.Pages(dst, PAGE)
+        )
+        took = asyncio.get_running_loop().time() - t0
+    print(f"\n{provider}: {PAGES} pages in {took:.2f} s with op_timeout={op_timeout} s")
+    assert took > 2 * op_timeout, "the write was too quick to show anything: make it larger"
+    target.put("count")
+    assert await target.result(timeout=100) == PAGES
+
+
+# ---- no byte lands after deregister() returned (item 3) ----
+
+BIG = 8 << 20
+ROUNDS = 4
+
+
+async def big_streamer(ctl: Ctl, provider: str) -> list[int]:
+    """Per round: a fresh engine streams 8 MiB writes (two in flight) to the descriptor it
+    is given, errors and all, until told "next"; returns how many succeeded per round."""
+    ok_per_round: list[int] = []
+    while (msg := await ctl.get(timeout=100)) != "stop":
+        desc = afabric.MrDesc.from_bytes(msg)
+        eng = afabric.Engine(provider, op_timeout=2.0)
+        try:
+            src = eng.register(np.full(BIG, 0xAB, dtype=np.uint8), remote=False)
+            nxt = asyncio.ensure_future(ctl.get(timeout=100))
+            ok = 0
+            while not nxt.done():
+                res = await asyncio.gather(
+                    *(eng.write(src, desc, BIG) for _ in range(2)), return_exceptions=True
+                )
+                ok += sum(r is None for r in res)
+                if not all(r is None for r in res):
+                    await asyncio.sleep(0.01)
+            assert nxt.result() == "next"
+            ok_per_round.append(ok)
+        finally:
+            eng.close()
+    return ok_per_round
+
+
+async def test_no_byte_lands_after_deregister_returns(provider: str, peers: list[Peer]) -> None:
+    """A writer streams 8 MiB writes into a region; the target deregisters it mid-stream,
+    paints a canary over it at once, keeps progressing for 200 ms and finds the canary
+    intact: deregister() returned only once nothing more could land. Several rounds."""
+    writer = Peer(big_streamer, provider)
+    peers.append(writer)
+    rng = np.random.default_rng(3)
+    async with afabric.Engine(provider) as eng:
+        for rnd in range(ROUNDS):
+            buf = np.zeros(BIG, dtype=np.uint8)
+            mr = eng.register(buf)
+            writer.put(bytes(mr.descriptor))
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 30
+            while buf[-1] != 0xAB:  # a whole write landed: the stream is flowing
+                assert loop.time() < until, "no write landed"
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(float(rng.uniform(0, 0.01)))  # somewhere inside a write
+            t0 = loop.time()
+            eng.deregister(mr)
+            took = loop.time() - t0
+            buf[:] = 0x5A
+            await asyncio.sleep(0.2)  # the worker keeps progressing meanwhile
+            changed = int(np.count_nonzero(buf != 0x5A))
+            print(
+                f"\n{provider} round {rnd}: deregister took {took * 1e3:.1f} ms, "
+                f"{changed} bytes changed after it"
+            )
+            assert changed == 0, f"{changed} bytes landed after deregister() returned"
+            writer.put("next")
+        writer.put("stop")
+        print(f"writes that succeeded per round: {await writer.result(timeout=100)}")
