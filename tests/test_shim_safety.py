@@ -168,3 +168,88 @@ async def test_no_byte_lands_after_deregister_returns(provider: str, peers: list
             writer.put("next")
         writer.put("stop")
         print(f"writes that succeeded per round: {await writer.result(timeout=100)}")
+
+
+# ---- writing to a closed engine fails, never crashes (item 4) ----
+
+
+async def test_writing_to_a_closed_engine_of_this_process_fails_at_once(provider: str) -> None:
+    """Two engines of one process that wrote to each other; one closes. Writes and sends
+    to it fail with PeerUnreachable before anything is posted (shm used to segfault in
+    libfabric on the worker thread), so does a third engine resolving it, and the survivor
+    still works and closes cleanly (no /dev/shm file left: the autouse fixture checks)."""
+    a = afabric.Engine(provider, op_timeout=5.0)
+    b = afabric.Engine(provider, op_timeout=5.0)
+    try:
+        abuf, bbuf = np.zeros(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+        amr, bmr = a.register(abuf), b.register(bbuf)
+        await a.write(amr, bmr.descriptor, 4096)
+        await b.write(bmr, amr.descriptor, 4096)
+        b_addr, b_desc = b.address, bmr.descriptor
+        await b.aclose()
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            t0 = loop.time()
+            with pytest.raises(errors.PeerUnreachable, match="closed"):
+                await a.write(amr, b_desc, 4096)
+            with pytest.raises(errors.PeerUnreachable, match="closed"):
+                await a.send(b_addr, b"hello")
+            assert loop.time() - t0 < 1.0, "the failure was not immediate"
+        async with afabric.Engine(provider, op_timeout=5.0) as c:
+            cmr = c.register(np.zeros(4096, dtype=np.uint8))
+            with pytest.raises(errors.PeerUnreachable, match="closed"):
+                await c.write(cmr, b_desc, 4096)
+            await c.write(cmr, amr.descriptor, 4096)  # the survivor still takes writes
+            await a.write(amr, cmr.descriptor, 4096)  # ... and makes them
+    finally:
+        await b.aclose()
+        await a.aclose()
+
+
+async def closing_target(ctl: Ctl, provider: str) -> bool:
+    """Registers a region, hands out its descriptor, closes its engine on request and stays
+    alive until told to stop (its shm files are gone by then)."""
+    eng = afabric.Engine(provider)
+    mr = eng.register(np.zeros(4096, dtype=np.uint8))
+    ctl.put((bytes(mr.descriptor), bytes(eng.address)))
+    assert await ctl.get() == "close"
+    await eng.aclose()
+    ctl.put("closed")
+    assert await ctl.get() == "stop"
+    return True
+
+
+@pytest.mark.parametrize("first_write", [True, False])
+async def test_writing_to_a_closed_engine_of_another_process_fails(
+    provider: str, first_write: bool, peers: list[Peer]
+) -> None:
+    """The closed engine lives in another (still running) process, its /dev/shm file gone:
+    writes to it fail with a typed error within op_timeout, whether or not this engine had
+    talked to it before, and the engine still works for others. On shm the failure is
+    PeerUnreachable at once (a write posted there would stall the endpoint for good)."""
+    target = Peer(closing_target, provider)
+    peers.append(target)
+    blob, addr = await target.get()
+    desc = afabric.MrDesc.from_bytes(blob)
+    async with afabric.Engine(provider, op_timeout=2.0) as eng:
+        src = eng.register(np.ones(4096, dtype=np.uint8))
+        if first_write:
+            await eng.write(src, desc, 4096)
+        target.put("close")
+        assert await target.get() == "closed"
+        await asyncio.sleep(0.05)  # shm looks for the peer's file at most every 10 ms
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises((errors.PeerUnreachable, errors.OperationTimeout)) as seen:
+            await asyncio.wait_for(eng.write(src, desc, 4096), 10)
+        print(
+            f"\n{provider}: write to a closed engine -> {type(seen.value).__name__} "
+            f"after {loop.time() - t0:.2f} s: {seen.value}"
+        )
+        if provider == "shm":
+            assert isinstance(seen.value, errors.PeerUnreachable)
+        async with afabric.Engine(provider) as other:
+            dst = other.register(np.zeros(4096, dtype=np.uint8))
+            await eng.write(src, dst.descriptor, 4096)
+    target.put("stop")
+    assert await target.result() is True
