@@ -117,6 +117,7 @@ struct afp_domain {
     bool mr_endpoint;
     bool hmem;
     bool delivery_complete;
+    bool zero_len_dc; /* zero-length writes are sent delivery-complete too (ofi_open) */
     bool rma_event;
     bool source; /* FI_SOURCE: completions of receives say who sent them (poll_from) */
     bool src_msg, src_imm; /* which events' sources are passed on (see trust_sources) */
@@ -923,6 +924,12 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     d->hmem = info->caps & FI_HMEM;
     /* fi_writemsg ignores tx_attr->op_flags: the completion level goes in every call. */
     d->write_flags = FI_COMPLETION | (d->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
+    /* A zero-length write with an immediate (what barrier sends) to a revoked key: sent with
+     * FI_COMPLETION alone, tcp;ofi_rxm (1.17) and tcp (2.5.1) report success and the target
+     * drops it (issue 16); delivery-complete, they report the refusal. shm is the exception,
+     * measured: 1.17 never completes a zero-length FI_DELIVERY_COMPLETE write and stalls its
+     * queue behind it, 2.5.1 reports success either way (README, known limitations). */
+    d->zero_len_dc = d->delivery_complete && strcmp(d->prov_name, "shm") != 0;
     d->next_key = 1;
     d->max_msg_size = info->ep_attr->max_msg_size;
     d->inject_size = info->tx_attr->inject_size;
@@ -1259,9 +1266,9 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
         msg.addr = w->peer;
         msg.context = op;
         msg.data = w->imm;
-        /* Delivery-complete only when there is data to deliver: shm (1.17) never
-         * completes a zero-length FI_DELIVERY_COMPLETE write and then stalls its queue. */
-        uint64_t flags = w->length ? d->write_flags : FI_COMPLETION;
+        /* Delivery-complete for zero-length writes too where the provider completes them
+         * (zero_len_dc): only then is an immediate-only write the target refused an error. */
+        uint64_t flags = w->length || d->zero_len_dc ? d->write_flags : FI_COMPLETION;
         if (w->has_imm)
             flags |= FI_REMOTE_CQ_DATA;
         ssize_t ret = fi_writemsg(d->ep, &msg, flags);
