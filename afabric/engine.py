@@ -380,7 +380,9 @@ class Engine:
 
     def deregister(self, mr: MemoryRegion) -> None:
         """Revoke remote access at once. Writes already in flight from this region keep its
-        buffer referenced until they complete."""
+        buffer referenced until they complete. On libfabric providers it returns only once
+        remote writes accepted before the revocation stopped landing (50 ms without one, 2 s
+        at most; README, Security), so no byte lands in the buffer after it returns."""
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"deregister takes a MemoryRegion, got {type(mr).__name__}")
         mr_id = mr.check(self)
