@@ -69,7 +69,7 @@ async def test_cancelled_expectations_never_lose_arrivals(provider: str, peers: 
 
 # ---- op_timeout bounds the time without progress, not the whole operation (item 11) ----
 
-PAGES = 1_000_000
+PAGES = 400_000
 PAGE = 16
 
 
@@ -84,12 +84,13 @@ async def page_sink(ctl: Ctl, provider: str) -> int:
 
 
 async def test_a_slow_but_progressing_paged_write_does_not_time_out(provider: str, peers: list[Peer]) -> None:
-    """A paged write of a million pages takes several op_timeouts in all, but completes
-    pages all along: it must succeed, every page delivered."""
+    """A paged write of 400,000 pages takes several op_timeouts in all, but completes
+    pages all along: it must succeed, every page delivered (it failed with OperationTimeout
+    after op_timeout while deadlines ran from the start)."""
     target = Peer(page_sink, provider)
     peers.append(target)
     desc = afabric.MrDesc.from_bytes(await target.get())
-    op_timeout = 0.5
+    op_timeout = 1.0
     async with afabric.Engine(provider, op_timeout=op_timeout) as eng:
         src = eng.register(np.full(PAGES * PAGE, 7, dtype=np.uint8), remote=False)
         idx = np.arange(PAGES, dtype=np.int64)
