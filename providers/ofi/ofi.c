@@ -326,10 +326,10 @@ static void emu_rx_done(afp_domain *d, struct ofi_op *op)
 /*
  * Two engines of one process on libfabric 1.17's shm: a peer in the same process is not
  * mapped from /dev/shm, its AV entry points straight at that endpoint's own shared region.
- * Once that endpoint is closed (its region unmapped), a write to it, and even closing the
- * AV that holds it, dereferences unmapped memory: SIGSEGV in pthread_spin_lock on the
- * worker thread, 3 of 3 runs (issue 16). So this process's domains are listed here by
- * address, every domain that resolves one of them holds a reference, and:
+ * Once that endpoint is closed (its region unmapped), a write to it dereferences unmapped
+ * memory: SIGSEGV in pthread_spin_lock on the worker thread, 3 of 3 runs (issue 16). So
+ * this process's domains are listed here by address, every domain that resolves one of
+ * them holds a reference, and:
  *  - a closed domain is marked closed at once (writes and sends to it fail with AFS_EPEER
  *    before anything is posted; resolving it fails the same way), but its libfabric objects,
  *    and so its shared region, stay open until no other domain of the process refers to it;
