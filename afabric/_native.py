@@ -347,6 +347,7 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_send": (ctypes.c_int32, [_E, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64, _u64p]),
     "afs_expect_imm": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.c_uint64, _u64p]),
     "afs_cancel": (ctypes.c_int32, [_E, ctypes.c_uint64]),
+    "afs_imm_return": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.c_uint64]),
     "afs_drain": (ctypes.c_int32, [_E, ctypes.POINTER(Completion), ctypes.c_uint32, _u32p]),
     "afs_timing_drain": (
         ctypes.c_int32,
@@ -832,6 +833,10 @@ class NativeEngine:
     def cancel(self, op_id: int) -> None:
         if self._h is not None:
             self._s.check(self._s.f.afs_cancel(self._h, op_id), "cancel", self.provider)
+
+    def imm_return(self, imm: int, count: int) -> None:
+        if self._h is not None:
+            self._s.check(self._s.f.afs_imm_return(self._h, imm, count), "imm_return", self.provider)
 
     def drain(self) -> list[Event]:
         """Every completion ready now (one ctypes call per 256 records)."""

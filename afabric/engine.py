@@ -380,7 +380,9 @@ class Engine:
 
     def deregister(self, mr: MemoryRegion) -> None:
         """Revoke remote access at once. Writes already in flight from this region keep its
-        buffer referenced until they complete."""
+        buffer referenced until they complete. On libfabric providers it returns only once
+        remote writes accepted before the revocation stopped landing (50 ms without one, 2 s
+        at most; README, Security), so no byte lands in the buffer after it returns."""
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"deregister takes a MemoryRegion, got {type(mr).__name__}")
         mr_id = mr.check(self)
@@ -651,7 +653,8 @@ class Engine:
     async def expect_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Wait until ``count`` arrivals of ``imm`` have been counted, and consume them.
         Arrivals before this call are kept and count. Cancelling (or the timeout) withdraws
-        the expectation; arrivals consumed by a completion that raced the cancel are lost."""
+        the expectation: arrivals it consumed in a completion that raced the cancel are
+        given back to the counter, so none is lost."""
         self._check_open()
         value = _imm(imm)
         if value == _native.NO_IMM:
@@ -659,7 +662,7 @@ class Engine:
         n = _u64(count, "count")
         op_id = self._n.expect_imm(value, n)
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._ops[op_id] = _Op(fut, f"expect_imm({value}, {n})", 0, (), "expect")
+        self._ops[op_id] = _Op(fut, f"expect_imm({value}, {n})", 0, (value, n), "expect")
         try:
             if timeout is None:
                 await fut
@@ -671,7 +674,10 @@ class Engine:
                 f"expect_imm({value}, {n}): not complete after {timeout} s"
             ) from None
         except asyncio.CancelledError:
-            self._withdraw(op_id)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._n.imm_return(value, n)  # it completed as the task was cancelled
+            else:
+                self._withdraw(op_id)
             raise
 
     def _withdraw(self, op_id: int) -> None:
@@ -705,6 +711,8 @@ class Engine:
         if self._first_posts is not None and ev.a:
             self._first_posts.append((ev.id, ev.a))
         if op.future.done():
+            if op.kind == "expect" and ev.status == 0 and op.future.cancelled():
+                self._n.imm_return(*op.refs)  # withdrawn, yet it consumed: give them back
             return
         if ev.status == 0:
             op.future.set_result(None)

@@ -75,6 +75,11 @@ typedef struct afp_nic_info {
 #define AFP_CAP_VIRT_ADDR 0x8u       /* remote addresses are virtual addresses */
 #define AFP_CAP_PROV_KEY 0x10u       /* the provider chooses keys */
 #define AFP_CAP_DELIVERY_COMPLETE 0x20u /* write completion means data is at the target */
+/* Remote writes are copied into the target's memory by the target's own progress calls (poll)
+ * after their key was checked, possibly over many calls (libfabric tcp, shm): one accepted
+ * before dereg_mr can keep landing in later polls. The shim then keeps polling after
+ * dereg_mr until remote writes have stopped completing (worker.c, settle_deregs). */
+#define AFP_CAP_TARGET_COPIES 0x40u
 
 typedef struct afp_caps {
     char provider[AFP_NAME_LEN]; /* e.g. "tcp;ofi_rxm" */

@@ -231,6 +231,9 @@ AFS_API int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, 
                          uint64_t *xfer_id);
 AFS_API int32_t afs_expect_imm(afs_engine *eng, uint32_t imm, uint64_t count, uint64_t *xfer_id);
 AFS_API int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id);
+/* Gives `count` arrivals of `imm` back to its counter: what an expectation consumed when it
+ * completed after its caller had already withdrawn it (the completion raced the cancel). */
+AFS_API int32_t afs_imm_return(afs_engine *eng, uint32_t imm, uint64_t count);
 
 AFS_API int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count);
 /* Timing records of completed operations (oldest first); *dropped gets how many were

@@ -420,6 +420,22 @@ int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id)
     return 0;
 }
 
+int32_t afs_imm_return(afs_engine *eng, uint32_t imm, uint64_t count)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (count == 0)
+        return 0;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_IMM_RETURN);
+    if (!x)
+        return afs_fail(AFS_ENOMEM, "imm_return: out of memory");
+    x->imm = imm;
+    x->count = count;
+    afs_submit(eng, x);
+    return 0;
+}
+
 int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count)
 {
     if (!eng || !out || !count)

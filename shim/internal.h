@@ -214,7 +214,8 @@ enum afs_req_kind {
     AFS_REQ_CANCEL,
     AFS_REQ_RECV_RELEASE,
     AFS_REQ_SCATTER, /* one write per target (a barrier is a scatter of zero-length writes) */
-    AFS_REQ_WATCH    /* the watcher thread saw a word change: (watcher, old, new) */
+    AFS_REQ_WATCH,   /* the watcher thread saw a word change: (watcher, old, new) */
+    AFS_REQ_IMM_RETURN /* arrivals (imm, count) an expectation consumed after its withdrawal */
 };
 
 /* One target of a scatter or barrier, resolved at submit time. */
@@ -325,6 +326,7 @@ typedef struct afs_xfer {
     uint32_t ctrl_addr_len[AFS_MAX_NICS];
     uint64_t ctrl_fi_addr[AFS_MAX_NICS];
     afs_allow *ctrl_allow; /* AFS_CTRL_ALLOW: the worker's new list (NULL: every peer) */
+    uint64_t settle_seen, settle_since; /* AFS_CTRL_DEREG: remote writes seen, and since when */
 } afs_xfer;
 
 typedef struct afs_xfer_list {
@@ -372,6 +374,7 @@ struct afs_engine {
     afs_xfer_list zombies; /* reported failed, waiting for the provider to let go */
     afs_xfer_list expects; /* expect_imm requests waiting for arrivals */
     afs_xfer_list armed;   /* triggered operations waiting for their condition */
+    afs_xfer_list settling; /* deregistrations waiting for accepted remote writes to land */
     uint32_t rr;           /* round-robin NIC for small writes */
     afs_slots watchers;
     pthread_t watch_thread;

@@ -543,12 +543,12 @@ static void satisfy(afs_engine *eng, afs_xfer *x, uint64_t now)
         fire(eng, x, now);
 }
 
-static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
+static void imm_arrived_n(afs_engine *eng, uint32_t imm, uint64_t n, uint64_t now)
 {
     afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
     if (!e)
         return; /* out of memory: the counter cannot grow; nothing else to do */
-    e->arrived++;
+    e->arrived += n;
     if (e->expected && e->arrived >= e->expected) {
         afs_xfer *x = e->waiter;
         e->arrived -= e->expected;
@@ -557,6 +557,11 @@ static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
         afs_immtab_maybe_remove(&eng->imm, e);
         satisfy(eng, x, now);
     }
+}
+
+static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
+{
+    imm_arrived_n(eng, imm, 1, now);
 }
 
 /* Registers x (an expectation, or an operation triggered on a count) as the waiter of
@@ -710,6 +715,65 @@ out_undo:
     }
 }
 
+/* Remote writes and immediates this engine has seen land, over all NICs. */
+static uint64_t landed_total(afs_engine *eng)
+{
+    uint64_t sum = 0;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        sum += atomic_load_explicit(&eng->nics[k].st_landed, memory_order_relaxed) +
+               atomic_load_explicit(&eng->nics[k].st_imms, memory_order_relaxed);
+    return sum;
+}
+
+/*
+ * Deregistering a remote region on a provider whose target copies the bytes itself
+ * (AFP_CAP_TARGET_COPIES: libfabric 1.17's tcp;ofi_rxm reads an accepted write's payload from
+ * the socket straight into the region over many progress calls, shm's SAR protocol copies in
+ * steps): closing the key stops new writes, not one already accepted, and its bytes kept
+ * landing up to ~6 ms after deregister returned (issue 16). So the caller is answered only
+ * once the worker, polling as usual, has seen no remote write complete for DEREG_QUIET_NS
+ * (an accepted write completes as its last byte lands), or after DEREG_MAX_NS at most.
+ * The counter is per engine, not per region: writes streaming into other regions keep it
+ * moving, and the deregistration then takes DEREG_MAX_NS.
+ */
+#define DEREG_QUIET_NS 50000000ull  /* 50 ms */
+#define DEREG_MAX_NS 2000000000ull  /* 2 s */
+
+static bool settle_dereg(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    if (!(x->ctrl_mr->flags & AFP_MR_REMOTE) || x->ctrl_rc)
+        return false;
+    bool copies = false;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        copies |= (eng->nics[k].caps.flags & AFP_CAP_TARGET_COPIES) != 0;
+    if (!copies)
+        return false;
+    x->settle_seen = landed_total(eng);
+    x->settle_since = now;
+    x->deadline_ns = now + DEREG_MAX_NS;
+    list_append(&eng->settling, x);
+    return true;
+}
+
+/* Answers the deregistrations whose remote writes have stopped landing (after a poll). */
+static void settle_deregs(afs_engine *eng, uint64_t now)
+{
+    uint64_t seen = landed_total(eng);
+    afs_xfer *x = eng->settling.head;
+    while (x) {
+        afs_xfer *next = x->next;
+        if (seen != x->settle_seen) {
+            x->settle_seen = seen;
+            x->settle_since = now;
+        }
+        if (now - x->settle_since >= DEREG_QUIET_NS || now >= x->deadline_ns) {
+            list_remove(&eng->settling, x);
+            sem_post(&x->ctrl_done); /* the caller owns x */
+        }
+        x = next;
+    }
+}
+
 static void ctrl_dereg(afs_engine *eng, afs_xfer *x)
 {
     afs_mr_entry *m = x->ctrl_mr;
@@ -740,7 +804,7 @@ static void ctrl_resolve(afs_engine *eng, afs_xfer *x)
     }
 }
 
-static void run_ctrl(afs_engine *eng, afs_xfer *x)
+static void run_ctrl(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     switch (x->ctrl_op) {
     case AFS_CTRL_REG:
@@ -748,6 +812,8 @@ static void run_ctrl(afs_engine *eng, afs_xfer *x)
         break;
     case AFS_CTRL_DEREG:
         ctrl_dereg(eng, x);
+        if (settle_dereg(eng, x, now))
+            return; /* answered by settle_deregs */
         break;
     case AFS_CTRL_RESOLVE:
         ctrl_resolve(eng, x);
@@ -815,7 +881,7 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             x->t_pickup = afs_now_ns();
         switch (x->kind) {
         case AFS_REQ_CTRL:
-            run_ctrl(eng, x);
+            run_ctrl(eng, x, now);
             break;
         case AFS_REQ_WRITE:
         case AFS_REQ_PAGED:
@@ -850,6 +916,10 @@ static bool take_requests(afs_engine *eng, uint64_t now)
         case AFS_REQ_RECV_RELEASE:
             release_rx(eng, x);
             break;
+        case AFS_REQ_IMM_RETURN: /* counted again, as if they had just arrived */
+            imm_arrived_n(eng, x->imm, x->count, now);
+            afs_xfer_free(x);
+            break;
         default:
             afs_xfer_free(x);
         }
@@ -859,11 +929,27 @@ static bool take_requests(afs_engine *eng, uint64_t now)
 
 /* ---- completions ---- */
 
-static void on_op_done(afs_engine *eng, const afp_event *ev)
+/* A work request of x completed: x made progress, so its deadline starts again from now
+ * (op_timeout bounds the time without progress, not the whole transfer: a 10 M-page write
+ * that keeps completing pages is not dead). The active list stays in deadline order. */
+static void made_progress(afs_engine *eng, afs_xfer *x, uint64_t now)
+{
+    if (x->reported || !eng->cfg.op_timeout_ns)
+        return;
+    x->deadline_ns = now + eng->cfg.op_timeout_ns;
+    if (eng->active.tail != x) {
+        list_remove(&eng->active, x);
+        list_append(&eng->active, x);
+    }
+}
+
+static void on_op_done(afs_engine *eng, const afp_event *ev, uint64_t now)
 {
     afs_xfer *x = (afs_xfer *)(uintptr_t)ev->ctx;
     if (!x)
         return;
+    if (ev->status == 0)
+        made_progress(eng, x, now);
     if (x->kind == AFS_REQ_SEND && x->posted_wr) {
         afs_nic *n = &eng->nics[0];
         n->tx_free[n->tx_free_len++] = x->tx_slot;
@@ -929,13 +1015,13 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
             break;
         case AFP_EV_WRITE_DONE:
         case AFP_EV_SEND_DONE:
-            on_op_done(eng, e);
+            on_op_done(eng, e, now);
             break;
         case AFP_EV_ERROR:
             if (is_rx)
                 on_recv(eng, nic, e);
             else
-                on_op_done(eng, e);
+                on_op_done(eng, e, now);
             break;
         case AFP_EV_ACTIVITY: /* counted in n: keeps an adaptive worker spinning */
             afs_count(&nn->st_landed, e->len);
@@ -955,10 +1041,12 @@ static void check_deadlines(afs_engine *eng, uint64_t now)
         if (x->deadline_ns > now)
             break; /* submitted later than everything before it: not due either */
         if (!x->reported) {
-            char msg[128];
+            char msg[192];
             snprintf(msg, sizeof(msg),
-                     "no completion after %.1f s (peer dead, unreachable or not progressing)",
-                     (double)eng->cfg.op_timeout_ns / 1e9);
+                     "no progress for %.1f s: %llu of %llu work requests completed, %llu "
+                     "posted (peer dead, unreachable or not progressing)",
+                     (double)eng->cfg.op_timeout_ns / 1e9, (unsigned long long)x->done_wr,
+                     (unsigned long long)x->total_wr, (unsigned long long)x->posted_wr);
             set_error(x, AFS_ETIMEDOUT, "%s", msg);
             x->total_wr = x->posted_wr;
             x->imm_pending = false;
@@ -1047,6 +1135,10 @@ static void fail_queued(afs_engine *eng)
         sched_yield();
     }
     afs_xfer *x;
+    while ((x = eng->settling.head) != NULL) { /* closing: nothing lands any more */
+        list_remove(&eng->settling, x);
+        sem_post(&x->ctrl_done);
+    }
     while ((x = eng->active.head) != NULL) {
         list_remove(&eng->active, x);
         if (x->bench)
@@ -1084,6 +1176,10 @@ void *afs_worker_main(void *arg)
         for (uint32_t k = 0; k < eng->nnics; k++)
             did |= poll_nic(eng, k, now);
         now = afs_now_ns();
+        if (eng->settling.head) {
+            settle_deregs(eng, now);
+            did = true; /* keep polling: that is what lands (or refuses) the last bytes */
+        }
         if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
             eng->last_deadline_check = now;
             if (eng->cfg.op_timeout_ns)

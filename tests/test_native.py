@@ -45,6 +45,8 @@ SANITIZER_SUITE = [
     "tests/test_watcher.py",
     "tests/test_multinic.py",
     "tests/test_efa_modes.py",
+    "tests/test_shim_safety.py::test_writing_to_a_closed_engine_of_this_process_fails_at_once",
+    "tests/test_shim_safety.py::test_a_refused_barrier_is_an_error",
     "-k",
     "not uvloop and not killed",
 ]

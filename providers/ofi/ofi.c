@@ -8,7 +8,8 @@
  *
  * A domain here is one libfabric fabric + domain + address vector + completion queue +
  * RDM endpoint. All state lives in the domain object; the only process-wide state is the
- * dlopen'ed libfabric function table (ofi_lib.c).
+ * dlopen'ed libfabric function table (ofi_lib.c) and the list of this process's own
+ * domains (see "Domains of this process" below: why closing one must not crash another).
  *
  * The test switch AFP_OPEN_FORCE_EFA_MODES makes a software provider behave like EFA
  * where it matters to the code above us, so that those paths run on any machine:
@@ -22,12 +23,16 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -69,8 +74,28 @@ struct ofi_op {
     struct ofi_op *prev;     /* posted-receive list (emulation) */
 };
 
+struct inproc;
+
+struct shm_peer {
+    char *path;          /* "/dev/shm/NAME", NULL when the peer's address names no file */
+    uint64_t checked_ns; /* when it was last seen there */
+};
+
+/* A peer that is a domain of this same process (see inproc_*). */
+struct inproc_ref {
+    uint64_t fa;
+    struct inproc *e;
+};
+
 struct afp_domain {
     const struct ofi_lib *lib;
+    struct inproc *self;       /* this domain in the process-wide list */
+    struct inproc_ref *inproc; /* resolved peers that are domains of this process */
+    size_t n_inproc, cap_inproc;
+    /* Peers whose address names a file in /dev/shm (FI_ADDR_STR "fi_shm://NAME"), by AV
+     * index: checked before posting to them (see shm_file_gone) */
+    struct shm_peer *shm_peers;
+    size_t n_shm_peers;
     struct fi_info *info_list; /* what fi_getinfo returned; freed at close */
     struct fi_info *info;      /* the entry in use (points into info_list) */
     struct fid_fabric *fabric;
@@ -92,6 +117,7 @@ struct afp_domain {
     bool mr_endpoint;
     bool hmem;
     bool delivery_complete;
+    bool zero_len_dc; /* zero-length writes are sent delivery-complete too (ofi_open) */
     bool rma_event;
     bool source; /* FI_SOURCE: completions of receives say who sent them (poll_from) */
     bool src_msg, src_imm; /* which events' sources are passed on (see trust_sources) */
@@ -292,6 +318,213 @@ static void emu_rx_done(afp_domain *d, struct ofi_op *op)
     if (!imm_push(d, op->stolen_imm))
         afp_errf(d->errbuf, sizeof d->errbuf, "out of memory: emulated immediate %u dropped",
              op->stolen_imm);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Domains of this process                                                               */
+
+/*
+ * Two engines of one process on libfabric 1.17's shm: a peer in the same process is not
+ * mapped from /dev/shm, its AV entry points straight at that endpoint's own shared region.
+ * Once that endpoint is closed (its region unmapped), a write to it dereferences unmapped
+ * memory: SIGSEGV in pthread_spin_lock on the worker thread, 3 of 3 runs (issue 16). So
+ * this process's domains are listed here by address, every domain that resolves one of
+ * them holds a reference, and:
+ *  - a closed domain is marked closed at once (writes and sends to it fail with AFS_EPEER
+ *    before anything is posted; resolving it fails the same way), but its libfabric objects,
+ *    and so its shared region, stay open until no other domain of the process refers to it;
+ *  - a closing domain first removes its own AV entries of such peers (while their regions
+ *    are still mapped), then lets go of them; the last one to let go closes the objects.
+ * Software providers only do this in-process shortcut, but it costs nothing elsewhere (a
+ * peer of another process is never in the list), so it is not tied to a provider name.
+ */
+struct inproc {
+    struct inproc *next;
+    afp_domain *owner;
+    uint8_t name[AFP_MAX_ADDR_LEN];
+    size_t name_len;
+    uint32_t refs;       /* the owner until it closes, plus each domain that resolved it */
+    _Atomic bool closed; /* the owner was closed: it will never progress again */
+};
+
+static pthread_mutex_t g_inproc_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct inproc *g_inproc;
+
+static void close_objects(afp_domain *d);
+
+static void inproc_add(afp_domain *d, const void *name, size_t len)
+{
+    struct inproc *e = calloc(1, sizeof *e);
+    if (!e || len > sizeof e->name) {
+        free(e); /* unlisted: only the in-process shortcut loses its guard */
+        return;
+    }
+    e->owner = d;
+    memcpy(e->name, name, len);
+    e->name_len = len;
+    e->refs = 1;
+    pthread_mutex_lock(&g_inproc_lock);
+    e->next = g_inproc;
+    g_inproc = e;
+    pthread_mutex_unlock(&g_inproc_lock);
+    d->self = e;
+}
+
+/* Drops one reference; the last one closes the owner's objects (never the caller's own). */
+static void inproc_release(struct inproc *e)
+{
+    afp_domain *finish = NULL;
+    pthread_mutex_lock(&g_inproc_lock);
+    if (--e->refs == 0) {
+        for (struct inproc **p = &g_inproc; *p; p = &(*p)->next) {
+            if (*p == e) {
+                *p = e->next;
+                break;
+            }
+        }
+        finish = e->owner;
+    }
+    pthread_mutex_unlock(&g_inproc_lock);
+    if (finish) {
+        free(e);
+        close_objects(finish);
+    }
+}
+
+/* If `addr` is an open domain of this process (other than d), takes a reference to it.
+ * Returns AFS_EPEER (nothing taken) if it is one that was closed. */
+static int inproc_resolve(afp_domain *d, const void *addr, size_t len, struct inproc **out)
+{
+    int rc = 0;
+    *out = NULL;
+    pthread_mutex_lock(&g_inproc_lock);
+    for (struct inproc *e = g_inproc; e; e = e->next) {
+        if (e == d->self || e->name_len != len || memcmp(e->name, addr, len) != 0)
+            continue;
+        if (atomic_load(&e->closed)) {
+            rc = AFS_EPEER;
+        } else {
+            e->refs++;
+            *out = e;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&g_inproc_lock);
+    if (rc)
+        afp_errf(d->errbuf, sizeof d->errbuf,
+                 "peer is an engine of this process that was closed (%s)", d->prov_name);
+    return rc;
+}
+
+/* Whether `peer` is a domain of this process that was closed since it was resolved. */
+static bool inproc_gone(afp_domain *d, uint64_t peer)
+{
+    for (size_t i = 0; i < d->n_inproc; i++) {
+        if (d->inproc[i].fa != peer)
+            continue;
+        if (!atomic_load(&d->inproc[i].e->closed))
+            return false;
+        afp_errf(d->errbuf, sizeof d->errbuf,
+                 "peer is an engine of this process that was closed (%s)", d->prov_name);
+        return true;
+    }
+    return false;
+}
+
+/*
+ * A peer of another process whose endpoint was closed: libfabric 1.17's shm cannot map it
+ * any more (its /dev/shm file is gone), and a write posted to it anyway never completes and
+ * stalls every later completion of the endpoint (README, known limitations). Its FI_ADDR_STR
+ * address ("fi_shm://NAME") names that file, so resolve refuses a peer whose file is gone,
+ * and posting checks again, at most every SHM_RECHECK_NS per peer (a stat is ~1 us; a peer
+ * closed within that window of the last check is still posted to).
+ */
+#define SHM_PREFIX "fi_shm://"
+#define SHM_RECHECK_NS 10000000ull /* 10 ms */
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* "/dev/shm/NAME" for an address "fi_shm://NAME" (NUL-terminated within len), else NULL. */
+static char *shm_path(const void *addr, size_t len)
+{
+    const char *a = addr;
+    size_t plen = sizeof SHM_PREFIX - 1;
+    const char *end = memchr(a, '\0', len);
+    if (!end || (size_t)(end - a) <= plen || strncmp(a, SHM_PREFIX, plen) != 0 ||
+        strchr(a + plen, '/'))
+        return NULL;
+    size_t n = strlen("/dev/shm/") + (size_t)(end - a - (ptrdiff_t)plen) + 1;
+    char *p = malloc(n);
+    if (p)
+        snprintf(p, n, "/dev/shm/%s", a + plen);
+    return p;
+}
+
+static bool shm_file_gone(afp_domain *d, uint64_t peer, uint64_t now)
+{
+    if (peer >= d->n_shm_peers || !d->shm_peers[peer].path)
+        return false;
+    struct shm_peer *sp = &d->shm_peers[peer];
+    if (now - sp->checked_ns < SHM_RECHECK_NS)
+        return false;
+    if (access(sp->path, F_OK) == 0) {
+        sp->checked_ns = now;
+        return false;
+    }
+    afp_errf(d->errbuf, sizeof d->errbuf, "peer endpoint is closed (%s is gone) (%s)", sp->path,
+             d->prov_name);
+    return true;
+}
+
+/* Remembers (or refuses) a peer whose address names a /dev/shm file; 0 or AFS_E*. */
+static int shm_peer_add(afp_domain *d, const void *addr, size_t len, char **path)
+{
+    *path = shm_path(addr, len);
+    if (!*path)
+        return 0;
+    if (access(*path, F_OK) != 0) {
+        afp_errf(d->errbuf, sizeof d->errbuf, "peer endpoint is closed (%s is gone) (%s)",
+                 *path, d->prov_name);
+        free(*path);
+        *path = NULL;
+        return AFS_EPEER;
+    }
+    return 0;
+}
+
+static int shm_peer_keep(afp_domain *d, uint64_t fa, char *path)
+{
+    if (!path)
+        return 0;
+    if (fa >= d->n_shm_peers) {
+        size_t n = fa + 1 > 2 * d->n_shm_peers ? fa + 1 : 2 * d->n_shm_peers;
+        struct shm_peer *t = realloc(d->shm_peers, n * sizeof *t);
+        if (!t) {
+            free(path);
+            return 0; /* unchecked: only the early refusal is lost */
+        }
+        memset(t + d->n_shm_peers, 0, (n - d->n_shm_peers) * sizeof *t);
+        d->shm_peers = t;
+        d->n_shm_peers = n;
+    }
+    free(d->shm_peers[fa].path);
+    d->shm_peers[fa].path = path;
+    d->shm_peers[fa].checked_ns = mono_ns();
+    return 0;
+}
+
+static void shm_peers_free(afp_domain *d)
+{
+    for (size_t i = 0; i < d->n_shm_peers; i++)
+        free(d->shm_peers[i].path);
+    free(d->shm_peers);
+    d->shm_peers = NULL;
+    d->n_shm_peers = 0;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -558,6 +791,29 @@ static void ofi_close(afp_domain *d)
 {
     if (!d)
         return;
+    /* Peers of this process first: our AV entries of them go while their regions are still
+     * mapped, then our references (the last one closes a peer closed before us). */
+    for (size_t i = 0; i < d->n_inproc; i++) {
+        fi_addr_t fa = d->inproc[i].fa;
+        if (d->av) {
+            int ret = fi_av_remove(d->av, &fa, 1, 0);
+            (void)ret; /* going away regardless */
+        }
+        inproc_release(d->inproc[i].e);
+    }
+    free(d->inproc);
+    d->inproc = NULL;
+    d->n_inproc = 0;
+    if (!d->self) {
+        close_objects(d);
+        return;
+    }
+    atomic_store(&d->self->closed, true); /* writes to us fail at once from now on */
+    inproc_release(d->self); /* closes our objects now, or when the last referrer lets go */
+}
+
+static void close_objects(afp_domain *d)
+{
     /* Reverse order of creation. A failing fi_close cannot be acted upon by anyone (the
      * domain is going away), so teardown continues regardless. */
     struct fid *fids[] = {d->ep ? &d->ep->fid : NULL, d->rw_cntr ? &d->rw_cntr->fid : NULL,
@@ -572,6 +828,7 @@ static void ofi_close(afp_domain *d)
     }
     if (d->info_list)
         d->lib->freeinfo(d->info_list);
+    shm_peers_free(d);
     free(d->imm_q);
     free(d->pool);
     free(d);
@@ -667,6 +924,12 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     d->hmem = info->caps & FI_HMEM;
     /* fi_writemsg ignores tx_attr->op_flags: the completion level goes in every call. */
     d->write_flags = FI_COMPLETION | (d->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
+    /* A zero-length write with an immediate (what barrier sends) to a revoked key: sent with
+     * FI_COMPLETION alone, tcp;ofi_rxm (1.17) and tcp (2.5.1) report success and the target
+     * drops it (issue 16); delivery-complete, they report the refusal. shm is the exception,
+     * measured: 1.17 never completes a zero-length FI_DELIVERY_COMPLETE write and stalls its
+     * queue behind it, 2.5.1 reports success either way (README, known limitations). */
+    d->zero_len_dc = d->delivery_complete && strcmp(d->prov_name, "shm") != 0;
     d->next_key = 1;
     d->max_msg_size = info->ep_attr->max_msg_size;
     d->inject_size = info->tx_attr->inject_size;
@@ -749,6 +1012,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     d->addr_len = name_len;
     if (d->source)
         trust_sources(d, name);
+    inproc_add(d, name, name_len);
     *out = d;
     return 0;
 
@@ -771,7 +1035,10 @@ static int ofi_caps(afp_domain *d, afp_caps *out)
                  (d->hmem ? AFP_CAP_DEVICE_MEM : 0) | (d->mr_local ? AFP_CAP_MR_LOCAL : 0) |
                  (d->virt_addr ? AFP_CAP_VIRT_ADDR : 0) |
                  (d->prov_key || d->emu_prov_key ? AFP_CAP_PROV_KEY : 0) |
-                 (d->delivery_complete ? AFP_CAP_DELIVERY_COMPLETE : 0);
+                 (d->delivery_complete ? AFP_CAP_DELIVERY_COMPLETE : 0) |
+                 /* fi_info cannot say who copies a remote write; tcp and shm copy in our
+                  * progress calls (and efa's protocol layer may): assume it, everywhere */
+                 AFP_CAP_TARGET_COPIES;
     out->imm_size = OFI_IMM_SIZE;
     out->max_msg_size = d->max_msg_size;
     out->inject_size = d->inject_size;
@@ -811,10 +1078,35 @@ static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
         return AFS_EBADDESC;
     }
     memcpy(padded, addr, len);
+    if (d->n_inproc == d->cap_inproc) { /* room first: nothing to undo after the insert */
+        size_t cap = d->cap_inproc ? 2 * d->cap_inproc : 4;
+        struct inproc_ref *r = realloc(d->inproc, cap * sizeof *r);
+        if (!r) {
+            afp_errf(d->errbuf, sizeof d->errbuf, "resolve: out of memory");
+            return AFS_ENOMEM;
+        }
+        d->inproc = r;
+        d->cap_inproc = cap;
+    }
+    struct inproc *e = NULL;
+    int rc = inproc_resolve(d, addr, len, &e);
+    if (rc)
+        return rc;
+    char *path = NULL;
+    if (!e && (rc = shm_peer_add(d, padded, len + 1, &path)))
+        return rc;
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
     int ret = fi_av_insert(d->av, padded, 1, &fa, 0, NULL);
-    if (ret != 1)
-        return fail(d, "fi_av_insert", ret < 0 ? ret : -FI_EINVAL);
+    if (ret != 1) {
+        rc = fail(d, "fi_av_insert", ret < 0 ? ret : -FI_EINVAL);
+        if (e)
+            inproc_release(e);
+        free(path);
+        return rc;
+    }
+    if (e)
+        d->inproc[d->n_inproc++] = (struct inproc_ref){fa, e};
+    shm_peer_keep(d, fa, path);
     *peer = fa;
     return 0;
 }
@@ -823,6 +1115,17 @@ static int ofi_forget(afp_domain *d, uint64_t peer)
 {
     fi_addr_t fa = peer;
     int ret = fi_av_remove(d->av, &fa, 1, 0);
+    if (peer < d->n_shm_peers) {
+        free(d->shm_peers[peer].path);
+        d->shm_peers[peer].path = NULL;
+    }
+    for (size_t i = 0; i < d->n_inproc; i++) {
+        if (d->inproc[i].fa != peer)
+            continue;
+        inproc_release(d->inproc[i].e); /* after the AV entry went: see ofi_close */
+        d->inproc[i] = d->inproc[--d->n_inproc];
+        break;
+    }
     return ret ? fail(d, "fi_av_remove", ret) : 0;
 }
 
@@ -926,14 +1229,23 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
     };
     uint32_t i;
     int rc = 0;
+    uint64_t now = d->n_shm_peers ? mono_ns() : 0;
 
     for (i = 0; i < n; i++) {
         const afp_write *w = &wr[i];
+        if (d->n_shm_peers && shm_file_gone(d, w->peer, now)) {
+            rc = AFS_EPEER;
+            break;
+        }
         if (w->length > d->max_msg_size) {
             afp_errf(d->errbuf, sizeof d->errbuf, "write of %llu bytes > %s max %llu",
                  (unsigned long long)w->length, d->prov_name,
                  (unsigned long long)d->max_msg_size);
             rc = AFS_ETOOBIG;
+            break;
+        }
+        if (d->n_inproc && inproc_gone(d, w->peer)) {
+            rc = AFS_EPEER;
             break;
         }
         struct ofi_op *op = op_get(d, AFP_EV_WRITE_DONE, w->ctx);
@@ -954,9 +1266,9 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
         msg.addr = w->peer;
         msg.context = op;
         msg.data = w->imm;
-        /* Delivery-complete only when there is data to deliver: shm (1.17) never
-         * completes a zero-length FI_DELIVERY_COMPLETE write and then stalls its queue. */
-        uint64_t flags = w->length ? d->write_flags : FI_COMPLETION;
+        /* Delivery-complete for zero-length writes too where the provider completes them
+         * (zero_len_dc): only then is an immediate-only write the target refused an error. */
+        uint64_t flags = w->length || d->zero_len_dc ? d->write_flags : FI_COMPLETION;
         if (w->has_imm)
             flags |= FI_REMOTE_CQ_DATA;
         ssize_t ret = fi_writemsg(d->ep, &msg, flags);
@@ -980,6 +1292,9 @@ static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
              (unsigned long long)len, d->prov_name, (unsigned long long)d->max_msg_size);
         return AFS_ETOOBIG;
     }
+    if ((d->n_inproc && inproc_gone(d, peer)) ||
+        (d->n_shm_peers && shm_file_gone(d, peer, mono_ns())))
+        return AFS_EPEER;
     struct ofi_op *op = op_get(d, AFP_EV_SEND_DONE, ctx);
     if (!op)
         return AFS_EAGAIN;
