@@ -665,7 +665,7 @@ class NativeEngine:
 
     def import_descriptor(self, blob: bytes) -> int:
         out = ctypes.c_uint64()
-        rc = self._s.f.afs_remote_import(self._handle(), blob, len(blob), ctypes.byref(out))
+        rc = self._s.f.afs_remote_import(self._handle(), blob, len(blob), out)
         self._s.check(rc, "importing remote descriptor", self.provider)
         return out.value
 
@@ -683,7 +683,7 @@ class NativeEngine:
 
     def resolve_peer(self, address: bytes) -> int:
         out = ctypes.c_uint64()
-        rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), ctypes.byref(out))
+        rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), out)
         self._s.check(rc, "resolving peer", self.provider)
         return out.value
 
@@ -700,9 +700,7 @@ class NativeEngine:
     ) -> int:
         out = ctypes.c_uint64()
         kind, a, b = trig
-        rc = self._write(
-            self._handle(), mr_id, remote_id, length, src, dst, imm, kind, a, b, ctypes.byref(out)
-        )
+        rc = self._write(self._handle(), mr_id, remote_id, length, src, dst, imm, kind, a, b, out)
         if rc:
             self._s.check(rc, what, self.provider)
         return out.value
@@ -726,7 +724,7 @@ class NativeEngine:
         len_mr, len_off, base, scale = length_word
         rc = self._s.f.afs_write_dynlen(
             self._handle(), mr_id, remote_id, max_length, src, dst, imm, len_mr, len_off, base, scale,
-            kind, a, b, ctypes.byref(out),
+            kind, a, b, out,
         )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
@@ -753,7 +751,7 @@ class NativeEngine:
         rc = self._paged(
             self._handle(), mr_id, remote_id, page_len, count,
             src_idx.ctypes.data, src_stride, src_offset,
-            dst_idx.ctypes.data, dst_stride, dst_offset, imm, kind, a, b, ctypes.byref(out),
+            dst_idx.ctypes.data, dst_stride, dst_offset, imm, kind, a, b, out,
         )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
@@ -778,7 +776,7 @@ class NativeEngine:
             None if lengths is None else lengths.ctypes.data,
             None if src_offsets is None else src_offsets.ctypes.data,
             None if dst_offsets is None else dst_offsets.ctypes.data,
-            imm, kind, a, b, ctypes.byref(out),
+            imm, kind, a, b, out,
         )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
@@ -807,14 +805,14 @@ class NativeEngine:
 
     def send(self, what: str, peer_id: int, data: bytes) -> int:
         out = ctypes.c_uint64()
-        rc = self._s.f.afs_send(self._handle(), peer_id, data, len(data), ctypes.byref(out))
+        rc = self._s.f.afs_send(self._handle(), peer_id, data, len(data), out)
         if rc:
             self._s.check(rc, what, self.provider)
         return out.value
 
     def expect_imm(self, imm: int, count: int) -> int:
         out = ctypes.c_uint64()
-        rc = self._s.f.afs_expect_imm(self._handle(), imm, count, ctypes.byref(out))
+        rc = self._s.f.afs_expect_imm(self._handle(), imm, count, out)
         if rc:
             self._s.check(rc, f"expect_imm({imm}, {count})", self.provider)
         return out.value

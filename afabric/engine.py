@@ -120,6 +120,7 @@ def _on_ready(ref: weakref.ref[Engine]) -> None:
 # engine's eventfd and the loop's epoll set with the parent. The child marks each inherited
 # engine inert, so that nothing there calls into the native engine or touches that epoll set.
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+_get_ident = threading.get_ident
 _fork_hook = False
 # Buffers of engines whose worker could not be stopped (close raised): it may still write.
 _ABANDONED: list[object] = []
@@ -387,12 +388,14 @@ class Engine:
 
     def _check_open(self) -> None:
         """For calls that do not await: the engine is open and this is its loop's thread."""
-        if self._closed or threading.get_ident() != self._thread:
+        if self._closed or _get_ident() != self._thread:
             self._refuse()
 
     def _check_loop(self) -> None:
-        """For coroutines: the engine is open and this runs on its own loop."""
-        if self._closed or asyncio._get_running_loop() is not self._loop:
+        """For coroutines: the engine is open and this runs on its own loop (its thread,
+        and that loop is running: one loop runs per thread). Not asyncio's
+        _get_running_loop(): it makes a getpid() system call each time."""
+        if self._closed or _get_ident() != self._thread or not self._loop.is_running():
             self._refuse()
 
     def _refuse(self) -> NoReturn:
@@ -408,7 +411,7 @@ class Engine:
                 f"engine {self.name} belongs to its event loop's thread, not this thread; from another "
                 "thread hand the call to that loop (asyncio.run_coroutine_threadsafe, call_soon_threadsafe)"
             )
-        raise errors.UsageError(f"engine {self.name} belongs to another event loop than the running one")
+        raise errors.UsageError(f"engine {self.name} belongs to another event loop (its own is not running)")
 
     def stats(self) -> dict[str, Any]:
         """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
