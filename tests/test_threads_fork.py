@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 
 import afabric
 from afabric import errors
@@ -85,6 +86,7 @@ def in_thread(fn: Any) -> BaseException | None:
     return seen[0]
 
 
+@pytest.mark.both_loops
 async def test_other_threads_and_loops_refused_before_posting(provider: str, peers: list[Peer]) -> None:
     """Every call from a thread (or loop) other than the engine's raises UsageError and posts
     nothing; the engine keeps working on its own loop afterwards."""
@@ -199,6 +201,7 @@ def forked(fn: Any, *args: Any, timeout: float = 30.0) -> Any:
         rx.close()
 
 
+@pytest.mark.both_loops
 async def test_fork_leaves_parent_working_and_child_inert(provider: str, peers: list[Peer]) -> None:
     """After fork the child's copy of an engine refuses every call with UsageError at once
     (its worker thread does not exist there) and its close() only drops the child's copies;
