@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
     import numpy as np
     import numpy.typing as npt
-    from typing_extensions import Buffer
 
     # typings/afabric_shim.pyi: the shim's functions as typed callables (no run-time module).
     from afabric_shim import ShimLib
@@ -560,25 +559,6 @@ def check_address(blob: bytes) -> tuple[int, int]:
     return inc.value, nics.value
 
 
-def buffer_address(obj: Buffer) -> tuple[int, int]:
-    """(address, length in bytes) of a writable, C-contiguous buffer-protocol object."""
-    mv = memoryview(obj)
-    if mv.readonly:
-        raise errors.RegistrationError("read-only buffers cannot be registered (a peer may write them)")
-    if not mv.c_contiguous:
-        raise errors.RegistrationError("buffer is not C-contiguous")
-    nbytes = mv.nbytes
-    if nbytes == 0:
-        raise errors.RegistrationError("cannot register an empty buffer")
-    flat = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
-    view = (ctypes.c_char * nbytes).from_buffer(flat)
-    addr = ctypes.addressof(view)
-    del view
-    flat.release()
-    mv.release()
-    return int(addr), int(nbytes)
-
-
 def read_u64(address: int) -> int:
     """The 64-bit word at `address` (a watcher's word; aligned, so the load is atomic)."""
     return int(ctypes.c_uint64.from_address(address).value)
@@ -610,10 +590,10 @@ class NativeEngine:
         rc = self._s.f.afs_engine_create(ctypes.byref(cfg), ctypes.byref(h))
         self._s.check(rc, "creating engine", provider)
         self._h: EngineHandle | None = h
-        self._out = ctypes.c_uint64()
-        self._out_ref = ctypes.byref(self._out)
+        # Every call has its own result word (ctypes releases the GIL during the call: a
+        # shared one handed one thread's operation id to another). The ring is the loop
+        # thread's: Engine lets no other thread reach drain().
         self._ring = (Completion * self.DRAIN_BATCH)()
-        self._count = ctypes.c_uint32()
         f = self._s.f
         self._write = f.afs_write
         self._paged = f.afs_write_paged
@@ -685,9 +665,10 @@ class NativeEngine:
         self._s.check(self._s.f.afs_mr_deregister(self._handle(), mr_id), "deregistering", self.provider)
 
     def import_descriptor(self, blob: bytes) -> int:
-        rc = self._s.f.afs_remote_import(self._handle(), blob, len(blob), self._out_ref)
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_remote_import(self._handle(), blob, len(blob), out)
         self._s.check(rc, "importing remote descriptor", self.provider)
-        return self._out.value
+        return out.value
 
     def release_remote(self, remote_id: int) -> None:
         rc = self._s.f.afs_remote_release(self._handle(), remote_id)
@@ -702,9 +683,10 @@ class NativeEngine:
         self._s.check(rc, "setting the allow-list", self.provider)
 
     def resolve_peer(self, address: bytes) -> int:
-        rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), self._out_ref)
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), out)
         self._s.check(rc, "resolving peer", self.provider)
-        return self._out.value
+        return out.value
 
     def write(
         self,
@@ -717,11 +699,12 @@ class NativeEngine:
         imm: int,
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
+        out = ctypes.c_uint64()
         kind, a, b = trig
-        rc = self._write(self._handle(), mr_id, remote_id, length, src, dst, imm, kind, a, b, self._out_ref)
+        rc = self._write(self._handle(), mr_id, remote_id, length, src, dst, imm, kind, a, b, out)
         if rc:
             self._s.check(rc, what, self.provider)
-        return self._out.value
+        return out.value
 
     def write_dynlen(
         self,
@@ -737,15 +720,16 @@ class NativeEngine:
     ) -> int:
         """A write whose length the shim reads when it starts: ``length_word`` is (region id,
         byte offset, base, scale) of a u32 ``n``; length = clamp(base + scale*n, 0, max)."""
+        out = ctypes.c_uint64()
         kind, a, b = trig
         len_mr, len_off, base, scale = length_word
         rc = self._s.f.afs_write_dynlen(
             self._handle(), mr_id, remote_id, max_length, src, dst, imm, len_mr, len_off, base, scale,
-            kind, a, b, self._out_ref,
+            kind, a, b, out,
         )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
-        return self._out.value
+        return out.value
 
     def write_paged(
         self,
@@ -763,15 +747,16 @@ class NativeEngine:
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
         count = int(src_idx.shape[0])
+        out = ctypes.c_uint64()
         kind, a, b = trig
         rc = self._paged(
             self._handle(), mr_id, remote_id, page_len, count,
             src_idx.ctypes.data, src_stride, src_offset,
-            dst_idx.ctypes.data, dst_stride, dst_offset, imm, kind, a, b, self._out_ref,
+            dst_idx.ctypes.data, dst_stride, dst_offset, imm, kind, a, b, out,
         )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
-        return self._out.value
+        return out.value
 
     def scatter(
         self,
@@ -785,17 +770,18 @@ class NativeEngine:
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
         """One write per target (lengths None: zero-length writes, a barrier)."""
+        out = ctypes.c_uint64()
         kind, a, b = trig
         rc = self._s.f.afs_scatter(
             self._handle(), mr_id, int(remote_ids.shape[0]), remote_ids.ctypes.data,
             None if lengths is None else lengths.ctypes.data,
             None if src_offsets is None else src_offsets.ctypes.data,
             None if dst_offsets is None else dst_offsets.ctypes.data,
-            imm, kind, a, b, self._out_ref,
+            imm, kind, a, b, out,
         )  # fmt: skip
         if rc:
             self._s.check(rc, what, self.provider)
-        return self._out.value
+        return out.value
 
     def watcher_create(self, device: int) -> tuple[int, int, int]:
         """(watcher id, host address of the word, device address or 0)."""
@@ -812,23 +798,25 @@ class NativeEngine:
         )
 
     def watcher_add(self, watcher_id: int, delta: int) -> int:
-        # its own result word: unlike every other call here, any thread may bump a watcher
+        # any thread may bump a watcher
         value = ctypes.c_uint64()
         rc = self._s.f.afs_watcher_add(self._handle(), watcher_id, delta, ctypes.byref(value))
         self._s.check(rc, "bumping watcher", self.provider)
         return value.value
 
     def send(self, what: str, peer_id: int, data: bytes) -> int:
-        rc = self._s.f.afs_send(self._handle(), peer_id, data, len(data), self._out_ref)
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_send(self._handle(), peer_id, data, len(data), out)
         if rc:
             self._s.check(rc, what, self.provider)
-        return self._out.value
+        return out.value
 
     def expect_imm(self, imm: int, count: int) -> int:
-        rc = self._s.f.afs_expect_imm(self._handle(), imm, count, self._out_ref)
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_expect_imm(self._handle(), imm, count, out)
         if rc:
             self._s.check(rc, f"expect_imm({imm}, {count})", self.provider)
-        return self._out.value
+        return out.value
 
     def cancel(self, op_id: int) -> None:
         if self._h is not None:
@@ -844,9 +832,10 @@ class NativeEngine:
         out: list[Event] = []
         ring = self._ring
         release: list[int] = []
+        count = ctypes.c_uint32()
         while True:
-            self._drain(h, ring, self.DRAIN_BATCH, ctypes.byref(self._count))
-            n = self._count.value
+            self._drain(h, ring, self.DRAIN_BATCH, ctypes.byref(count))
+            n = count.value
             for i in range(n):
                 c = ring[i]
                 kind = c.kind

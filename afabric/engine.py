@@ -12,11 +12,13 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import threading
 import traceback
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -113,6 +115,31 @@ def _on_ready(ref: weakref.ref[Engine]) -> None:
         eng._process()
 
 
+# ---- fork ----
+# A child inherits every engine's Python object, but not its worker thread; it shares the
+# engine's eventfd and the loop's epoll set with the parent. The child marks each inherited
+# engine inert, so that nothing there calls into the native engine or touches that epoll set.
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+_get_ident = threading.get_ident
+_fork_hook = False
+# Buffers of engines whose worker could not be stopped (close raised): it may still write.
+_ABANDONED: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    for eng in list(_LIVE):
+        eng._forked = True
+        eng._closed = True
+
+
+def _track(eng: Engine) -> None:
+    global _fork_hook
+    if not _fork_hook and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_hook = True
+    _LIVE.add(eng)
+
+
 class Engine:
     """One endpoint: a provider, its NIC domain(s), a worker thread and a completion ring.
 
@@ -144,10 +171,13 @@ class Engine:
         allow_peers: Sequence[Address | bytes] | None = None,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
+        self._forked = False
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             raise errors.UsageError("create an Engine inside a running event loop (async def ...)") from None
+        self._thread = threading.get_ident()  # the loop's thread: the only one that may call
+        self._pid = os.getpid()
         if polling not in ("adaptive", "spin"):
             raise errors.InvalidArgument(f"polling must be 'adaptive' or 'spin', got {polling!r}")
         if not isinstance(provider, str):
@@ -218,6 +248,7 @@ class Engine:
         self.log = logging.getLogger(f"afabric.engine.{self.name}")
         self._ops: dict[int, _Op] = {}
         self._held: dict[int, tuple[Any, ...]] = {}
+        self._regions: dict[int, MemoryRegion] = {}  # registered: held until deregister/close
         self._inbox: collections.deque[bytes] = collections.deque()
         self._recv_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._remotes: dict[bytes, int] = {}
@@ -231,6 +262,7 @@ class Engine:
         self._created_at = traceback.format_stack() if self._loop.get_debug() else None
         self._loop.add_reader(self._fd, _on_ready, weakref.ref(self))
         self._closed = False
+        _track(self)
         self.log.info("engine open: provider %s (%s); %s", self.provider, self.fabric_provider, why)
 
     @staticmethod
@@ -252,6 +284,7 @@ class Engine:
     # ---- lifetime ----
 
     async def __aenter__(self) -> Engine:
+        self._check_loop()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -265,7 +298,9 @@ class Engine:
         """Close gracefully: wait (bounded) for writes and sends in flight, then release
         everything. Idempotent; aborts on error or cancellation."""
         if self._closed:
+            self.close()  # after fork: releases the child's copies
             return
+        self._check_loop()
         wait = [
             op.future for op in self._ops.values() if op.kind in ("write", "send") and not op.future.done()
         ]
@@ -278,16 +313,48 @@ class Engine:
 
     def close(self) -> None:
         """Abort: fail everything pending with EngineClosed and release native resources.
-        Safe to call from finalizers; never awaits."""
+        Safe to call from finalizers; never awaits. In a child process that inherited the
+        engine through fork it only drops the child's copies (Python state, the eventfd)."""
+        if self._forked:
+            self._release_inherited()
+            return
         if self._closed:
             return
+        if threading.get_ident() != self._thread and not self._loop.is_closed():
+            self._refuse()
         self._closed = True
         with contextlib.suppress(RuntimeError, ValueError, OSError):  # loop already closed
             self._loop.remove_reader(self._fd)
         try:
             self._n.destroy()
+        except BaseException:
+            # the worker was detached, not stopped: its NIC may still write into these
+            _ABANDONED.append((self._regions, dict(self._held), [op.refs for op in self._ops.values()]))
+            self._regions = {}
+            raise
         finally:
             self._fail_all(errors.EngineClosed("engine closed while the operation was in flight"))
+        regions, self._regions = self._regions, {}
+        for mr in regions.values():
+            mr._unpin()
+
+    def _release_inherited(self) -> None:
+        """Close in a forked child: never the native engine (its worker thread does not
+        exist here) and never the loop's epoll set (shared with the parent: removing the
+        eventfd there would remove it for the parent too). Closing the child's copy of the
+        eventfd leaves the parent's registration alone (epoll keys on the open file)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        watchers, self._watchers = self._watchers, {}
+        for watcher in watchers.values():
+            watcher._engine_closed()
+        self._ops = {}
+        self._held = {}
+        self._regions = {}
+        self._recv_waiters.clear()
+        self._inbox.clear()
 
     def _fail_all(self, exc: errors.AfabricError) -> None:
         watchers, self._watchers = self._watchers, {}
@@ -308,6 +375,10 @@ class Engine:
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
             return
+        if threading.get_ident() != self._thread:  # collected on another thread
+            with contextlib.suppress(Exception):
+                self._loop.call_soon_threadsafe(self.__del__)
+                return
         msg = f"unclosed afabric.Engine {getattr(self, 'name', '?')}"
         if self._created_at:
             msg += "\ncreated at:\n" + "".join(self._created_at)
@@ -316,8 +387,31 @@ class Engine:
             self.close()
 
     def _check_open(self) -> None:
+        """For calls that do not await: the engine is open and this is its loop's thread."""
+        if self._closed or _get_ident() != self._thread:
+            self._refuse()
+
+    def _check_loop(self) -> None:
+        """For coroutines: the engine is open and this runs on its own loop (its thread,
+        and that loop is running: one loop runs per thread). Not asyncio's
+        _get_running_loop(): it makes a getpid() system call each time."""
+        if self._closed or _get_ident() != self._thread or not self._loop.is_running():
+            self._refuse()
+
+    def _refuse(self) -> NoReturn:
+        if self._forked:
+            raise errors.UsageError(
+                f"engine {self.name} belongs to process {self._pid}; this process inherited it "
+                "through fork and cannot use it (create an engine here)"
+            )
         if self._closed:
             raise errors.EngineClosed(f"engine {self.name} is closed")
+        if threading.get_ident() != self._thread:
+            raise errors.UsageError(
+                f"engine {self.name} belongs to its event loop's thread, not this thread; from another "
+                "thread hand the call to that loop (asyncio.run_coroutine_threadsafe, call_soon_threadsafe)"
+            )
+        raise errors.UsageError(f"engine {self.name} belongs to another event loop (its own is not running)")
 
     def stats(self) -> dict[str, Any]:
         """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
@@ -357,7 +451,9 @@ class Engine:
         ``remote=False`` registers for local use only (send buffers, write sources): peers
         cannot write there and the region has no descriptor."""
         self._check_open()
-        return self._register_span(span_of(buf), remote)
+        if not isinstance(remote, bool):
+            raise errors.InvalidArgument(f"remote must be True or False, got {remote!r}")
+        return self._register_span(span_of(buf, remote), remote)
 
     def register_ptr(
         self, ptr: int, length: int, device: int = -1, *, remote: bool = True, owner: Any = None
@@ -376,18 +472,22 @@ class Engine:
             where = "host memory" if span.device < 0 else f"CUDA memory (device {span.device})"
             raise errors.RegistrationError(f"provider {self.provider} cannot register {where}: {e}") from e
         desc = MrDesc(blob) if remote else None
-        return MemoryRegion(self, mr_id, span, remote, desc)
+        mr = MemoryRegion(self, mr_id, span, remote, desc)
+        self._regions[mr_id] = mr
+        return mr
 
     def deregister(self, mr: MemoryRegion) -> None:
-        """Revoke remote access at once. Writes already in flight from this region keep its
-        buffer referenced until they complete. On libfabric providers it returns only once
-        remote writes accepted before the revocation stopped landing (50 ms without one, 2 s
-        at most; README, Security), so no byte lands in the buffer after it returns."""
+        """Revoke remote access at once and stop holding the buffer. Writes already in
+        flight from this region keep its buffer referenced until they complete. On libfabric
+        providers it returns only once remote writes accepted before the revocation stopped
+        landing (50 ms without one, 2 s at most; README, Security)."""
+        self._check_open()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"deregister takes a MemoryRegion, got {type(mr).__name__}")
         mr_id = mr.check(self)
         mr.id = None
-        self._n.deregister(mr_id)
+        self._n.deregister(mr_id)  # if this raises, the engine keeps the buffer until close
+        self._regions.pop(mr_id, None)
 
     # ---- descriptors and peers ----
 
@@ -494,7 +594,7 @@ class Engine:
         ``when`` the shim posts it itself once the trigger holds (see afabric.triggers).
         With ``length_from`` (afabric.lengths) ``length`` is the maximum and the shim reads
         the actual length from memory when the write starts."""
-        self._check_open()
+        self._check_loop()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
         mr_id = mr.check(self)
@@ -528,7 +628,7 @@ class Engine:
         """Write page ``src_pages[i]`` to ``dst_pages[i]`` for every i, in one call into the
         shim, spread over the group's NICs. With ``imm`` the target counts one arrival per
         page; with ``when`` the shim posts it once the trigger holds."""
-        self._check_open()
+        self._check_loop()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
         if not isinstance(src_pages, Pages) or not isinstance(dst_pages, Pages):
@@ -557,7 +657,7 @@ class Engine:
     ) -> None:
         """One write per target, all in one call into the shim (targets spread over the
         group's NICs). With ``imm`` each target counts one arrival."""
-        self._check_open()
+        self._check_loop()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"scatter source must be a MemoryRegion, got {type(mr).__name__}")
         targets = list(targets)
@@ -583,7 +683,7 @@ class Engine:
     ) -> None:
         """An immediate-only write to each region in ``descs``: every target counts one
         arrival of ``imm`` (pair it with ``expect_imm(imm, n_peers)`` on each side)."""
-        self._check_open()
+        self._check_loop()
         value = _imm(imm)
         if value == _native.NO_IMM:
             raise errors.ImmediateOutOfRange("barrier needs an immediate value")
@@ -629,7 +729,12 @@ class Engine:
 
     async def send(self, peer: Address, data: bytes | bytearray | memoryview) -> None:
         """Two-sided send of at most :attr:`max_message_size` bytes (else MessageTooLarge)."""
-        self._check_open()
+        self._check_loop()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise errors.InvalidType(
+                f"send takes bytes, bytearray or memoryview, got {type(data).__name__}"
+                + (" (encode text first, e.g. data.encode())" if isinstance(data, str) else "")
+            )
         payload = bytes(data)
         pid, inc = self._peer(peer)
         op = self._n.send("send", pid, payload)
@@ -637,7 +742,7 @@ class Engine:
 
     async def recv(self) -> bytes:
         """The next message from any peer."""
-        self._check_open()
+        self._check_loop()
         if self._inbox:
             return self._inbox.popleft()
         fut: asyncio.Future[bytes] = self._loop.create_future()
@@ -655,7 +760,7 @@ class Engine:
         Arrivals before this call are kept and count. Cancelling (or the timeout) withdraws
         the expectation: arrivals it consumed in a completion that raced the cancel are
         given back to the counter, so none is lost."""
-        self._check_open()
+        self._check_loop()
         value = _imm(imm)
         if value == _native.NO_IMM:
             raise errors.ImmediateOutOfRange("expect_imm needs an immediate value, not None")

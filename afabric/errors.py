@@ -30,6 +30,10 @@ class InvalidArgument(UsageError, ValueError):
     """A bad argument (type or value)."""
 
 
+class InvalidType(InvalidArgument, TypeError):
+    """An argument of the wrong type (e.g. ``str`` where bytes are needed)."""
+
+
 class OutOfRange(InvalidArgument):
     """Offset or length outside a memory region; nothing was posted."""
 

@@ -6,7 +6,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _native
+import numpy as np
+
 from .descriptor import MrDesc
 from .errors import EngineClosed, RegistrationError, StaleRegion, UsageError
 
@@ -22,10 +23,13 @@ class BufferSpan:
     length: int
     device: int
     owner: Any  # keeps the memory alive while registered
+    pin: Any = None  # holds the memory in place while registered (a buffer export, ...)
 
 
-def span_of(buf: Any) -> BufferSpan:
-    """Resolve numpy arrays, bytearray/memoryview, torch tensors and CuPy arrays."""
+def span_of(buf: Any, remote: bool = True) -> BufferSpan:
+    """Resolve numpy arrays, bytearray/memoryview (any buffer), torch tensors and CuPy
+    arrays, and pin them: while the span's ``pin`` lives, the memory cannot move or be
+    freed through the object (a resize raises). Read-only memory only with ``remote=False``."""
     mod = type(buf).__module__.split(".")[0]
     if mod == "torch":
         return _torch_span(buf)
@@ -34,25 +38,63 @@ def span_of(buf: Any) -> BufferSpan:
         return _cuda_array_span(buf, cai)
     ai = getattr(buf, "__array_interface__", None)
     if ai is not None and mod == "numpy":
-        return _numpy_span(buf)
+        return _numpy_span(buf, remote)
+    return _buffer_span(buf, remote)
+
+
+def _read_only(what: str) -> RegistrationError:
+    return RegistrationError(
+        f"{what} is read-only: a remote region is writable by peers; register it with "
+        "remote=False to use it only as a source"
+    )
+
+
+def _buffer_span(buf: Any, remote: bool) -> BufferSpan:
+    """Any buffer-protocol object, through one numpy view of its bytes. That view holds a
+    buffer export for the registration's lifetime, so a bytearray, array.array or mmap
+    registered here cannot be resized or closed under the peer's writes (BufferError)."""
     try:
-        address, length = _native.buffer_address(buf)
+        mv = memoryview(buf)
     except TypeError as e:
         raise RegistrationError(
             f"cannot register {type(buf).__name__}: not a numpy array, torch tensor, CuPy array "
-            "or writable buffer (use register_ptr for raw memory)"
+            "or buffer (use register_ptr for raw memory)"
         ) from e
-    return BufferSpan(address, length, -1, buf)
+    if "O" in mv.format:
+        raise RegistrationError(
+            "a buffer of Python objects cannot be registered (peers would write pointers)"
+        )
+    if mv.readonly and remote:
+        raise _read_only(type(buf).__name__)
+    if not mv.c_contiguous:
+        raise RegistrationError("buffer is not C-contiguous")
+    if mv.nbytes == 0:
+        raise RegistrationError("cannot register an empty buffer")
+    flat = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+    view = np.frombuffer(flat, dtype=np.uint8)
+    return BufferSpan(int(view.__array_interface__["data"][0]), int(view.nbytes), -1, buf, view)
 
 
-def _numpy_span(arr: Any) -> BufferSpan:
+def _numpy_span(arr: Any, remote: bool) -> BufferSpan:
+    if arr.dtype.hasobject:
+        raise RegistrationError(
+            f"numpy array of dtype {arr.dtype} holds Python objects: it cannot be registered "
+            "(peers would write object pointers)"
+        )
     if not arr.flags.c_contiguous:
         raise RegistrationError("numpy array is not C-contiguous")
-    if not arr.flags.writeable:
-        raise RegistrationError("numpy array is read-only (a peer may write it)")
+    if not arr.flags.writeable and remote:
+        raise _read_only("numpy array")
     if arr.nbytes == 0:
         raise RegistrationError("cannot register an empty array")
-    return BufferSpan(int(arr.__array_interface__["data"][0]), int(arr.nbytes), -1, arr)
+    # ndarray.resize (also with refcheck=False) refuses an array that has weak references:
+    # hold one on the array and on every array it views, whichever owns the memory
+    pins: list[Any] = []
+    a: Any = arr
+    while isinstance(a, np.ndarray):
+        pins.append(weakref.ref(a))
+        a = a.base
+    return BufferSpan(int(arr.__array_interface__["data"][0]), int(arr.nbytes), -1, arr, tuple(pins))
 
 
 def _torch_span(t: Any) -> BufferSpan:
@@ -61,11 +103,47 @@ def _torch_span(t: Any) -> BufferSpan:
     nbytes = int(t.numel() * t.element_size())
     if nbytes == 0:
         raise RegistrationError("cannot register an empty tensor")
-    if t.device.type == "cpu":
-        return BufferSpan(int(t.data_ptr()), nbytes, -1, t)
-    if t.device.type == "cuda":
-        return BufferSpan(int(t.data_ptr()), nbytes, int(t.device.index or 0), t)
-    raise RegistrationError(f"torch tensors on {t.device.type} cannot be registered")
+    if t.device.type not in ("cpu", "cuda"):
+        raise RegistrationError(f"torch tensors on {t.device.type} cannot be registered")
+    pin = _fixed_storage(t)
+    device = -1 if t.device.type == "cpu" else int(t.device.index or 0)
+    return BufferSpan(int(t.data_ptr()), nbytes, device, t, pin)
+
+
+def _fixed_storage(t: Any) -> Any:
+    """Make ``t``'s storage unable to move, and return it (held while registered: it keeps
+    the memory alive if ``t.set_()`` points the tensor elsewhere).
+
+    A tensor's own storage is resizable: ``t.resize_()`` to a larger size reallocates it and
+    frees the old memory. torch has no switch to make a storage fixed, but a storage made
+    from DLPack is fixed (resizing it raises). So ``t`` is moved onto such a storage over the
+    *same* memory (no copy; the DLPack owner keeps the original storage alive): afterwards
+    ``t.resize_()`` beyond its size raises RuntimeError. Another tensor sharing the original
+    storage could still resize it, so a shared resizable storage is refused."""
+    import torch
+    from torch.utils.dlpack import from_dlpack
+
+    storage = t.untyped_storage()
+    if not storage.resizable():
+        return storage
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    # references: t's own, and `storage` here
+    if use_count is not None and int(use_count(storage._cdata)) > 2:
+        raise RegistrationError(
+            "torch tensor shares a resizable storage with other tensors (a view, or viewed): "
+            "any of them could resize it and move the memory; register the tensor before taking "
+            "views of it, or memory that cannot move (torch.from_numpy)"
+        )
+    whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    fixed = from_dlpack(whole).untyped_storage()
+    if fixed.data_ptr() != storage.data_ptr() or fixed.nbytes() != storage.nbytes():
+        raise RegistrationError("torch tensor: could not pin its storage in place")
+    try:
+        with torch.no_grad():
+            t.set_(fixed, t.storage_offset(), t.size(), t.stride())
+    except RuntimeError as e:
+        raise RegistrationError(f"torch tensor: could not pin its storage in place: {e}") from e
+    return fixed
 
 
 def _cuda_array_span(arr: Any, cai: dict[str, Any]) -> BufferSpan:
@@ -84,9 +162,15 @@ def _cuda_array_span(arr: Any, cai: dict[str, Any]) -> BufferSpan:
 
 class MemoryRegion:
     """Memory registered with one engine. Remote regions have a :attr:`descriptor` to hand
-    to peers; local-only ones (``register(buf, remote=False)``) can only be sources."""
+    to peers; local-only ones (``register(buf, remote=False)``) can only be sources.
 
-    __slots__ = ("__weakref__", "_desc", "_engine", "_owner", "address", "device", "id", "length", "remote")
+    The engine holds the region (and so its buffer) until ``deregister`` or ``close``:
+    dropping the region does not deregister it, and the memory stays alive and in place
+    while peers may still write there."""
+
+    __slots__ = (
+        "__weakref__", "_desc", "_engine", "_owner", "_pin", "address", "device", "id", "length", "remote",
+    )  # fmt: skip
 
     def __init__(
         self, engine: Engine, mr_id: int, span: BufferSpan, remote: bool, desc: MrDesc | None
@@ -99,12 +183,21 @@ class MemoryRegion:
         self.remote = remote
         self._desc = desc
         self._owner = span.owner
+        self._pin = span.pin
+
+    def _unpin(self) -> None:
+        """The engine is closed (nothing can reach the memory any more): let it move."""
+        self._pin = None
 
     @property
     def descriptor(self) -> MrDesc:
-        """What a peer needs to write here. Raises for local-only or deregistered regions."""
+        """What a peer needs to write here. Raises for local-only or deregistered regions
+        and once the engine is closed."""
         if self.id is None:
             raise StaleRegion("memory region was deregistered")
+        engine = self._engine()
+        if engine is None or engine.closed:
+            raise EngineClosed("memory region's engine is closed")
         if self._desc is None:
             raise UsageError("memory region was registered with remote=False: it has no descriptor")
         return self._desc

@@ -9,7 +9,8 @@ the Python values ctypes accepts for each C parameter and what it returns:
 - ``const uint8_t *`` / ``const char *`` in-buffers (argtype ``c_char_p``) -> ``bytes``;
 - ``char *`` out-buffers -> a ``ctypes.Array[c_char]`` (``create_string_buffer``): never
   ``bytes``, which C must not write into;
-- ``T *`` (argtype ``POINTER(T)``) -> ``ctypes.byref(t)``, a pointer or an array of ``T``;
+- ``T *`` (argtype ``POINTER(T)``) -> ``ctypes.byref(t)``, ``t`` itself, a pointer or an
+  array of ``T``;
 - ``afs_engine *`` -> :class:`afabric._native.EngineHandle` only (its own type, so no other
   pointer can be passed for it: ctypes rejects it at run time, mypy before);
 - ``void *`` (argtype ``c_void_p``) -> an address as ``int``, an array or a ``byref``;
@@ -39,8 +40,9 @@ from afabric._native import Completion, Config, DescInfo, EngineFacts, EngineHan
 
 _T = TypeVar("_T")
 
-# What ctypes accepts for a `POINTER(T)` argtype.
-_Ref: TypeAlias = _Pointer[_T] | Array[_T] | _CArgObject
+# What ctypes accepts for a `POINTER(T)` argtype (a `T` itself: ctypes passes its address,
+# cheaper than a byref object per call).
+_Ref: TypeAlias = _T | _Pointer[_T] | Array[_T] | _CArgObject
 
 class ShimLib:
     """``ctypes.CDLL("libafabric_shim.so")`` after ``afabric._native.FUNCTIONS`` is applied.
