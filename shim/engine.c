@@ -18,7 +18,7 @@
 
 static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 
-int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
+static int load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
 {
     if (!cfg->provider_lib || !cfg->provider_lib[0])
         return afs_fail(AFS_EPROVIDER, "no provider library path given");
@@ -55,6 +55,37 @@ int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **
     return 0;
 }
 
+/* Loading a provider (and whatever it links) keeps the process's signal dispositions
+ * (process.c), as do the two calls that initialise the fabric library under it. */
+int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
+{
+    afs_sigkeep k;
+    afs_sigkeep_begin(&k);
+    int rc = load_provider(cfg, lib, ops);
+    afs_sigkeep_end(&k);
+    return rc;
+}
+
+static int list_nics_kept(const struct afp_ops *ops, const afp_open_args *a, afp_nic_info *out,
+                          uint32_t max, uint32_t *n, char *err, size_t errlen)
+{
+    afs_sigkeep k;
+    afs_sigkeep_begin(&k);
+    int rc = ops->list_nics(a, out, max, n, err, errlen);
+    afs_sigkeep_end(&k);
+    return rc;
+}
+
+static int open_kept(const struct afp_ops *ops, const afp_open_args *a, afp_domain **dom,
+                     char *err, size_t errlen)
+{
+    afs_sigkeep k;
+    afs_sigkeep_begin(&k);
+    int rc = ops->open(a, dom, err, errlen);
+    afs_sigkeep_end(&k);
+    return rc;
+}
+
 static void open_args(const afs_config *cfg, afp_open_args *a)
 {
     memset(a, 0, sizeof(*a));
@@ -80,7 +111,7 @@ int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32_t max, 
     afp_open_args a;
     open_args(cfg, &a);
     uint32_t n = 0;
-    rc = ops->list_nics(&a, (afp_nic_info *)nics_out, max, &n, err, sizeof(err));
+    rc = list_nics_kept(ops, &a, (afp_nic_info *)nics_out, max, &n, err, sizeof(err));
     if (rc) {
         rc = afs_fail(rc, "%s", err[0] ? err : "provider found no NIC");
         goto out_close;
@@ -167,7 +198,7 @@ static int open_one_nic(afs_engine *eng, uint32_t index, const char *name)
     a.nic = name;
     char err[AFP_ERRTEXT_LEN] = "";
     afs_nic *n = &eng->nics[index];
-    int rc = eng->ops->open(&a, &n->dom, err, sizeof(err));
+    int rc = open_kept(eng->ops, &a, &n->dom, err, sizeof(err));
     if (rc) {
         n->dom = NULL;
         return afs_fail(rc, "opening %s%s%s: %s", eng->provider_name, name ? " NIC " : "",
@@ -218,7 +249,7 @@ static int open_nics(afs_engine *eng)
         char err[AFP_ERRTEXT_LEN] = "";
         afp_open_args a;
         open_args(&eng->cfg, &a);
-        rc = eng->ops->list_nics(&a, found, AFS_MAX_NICS, &n, err, sizeof(err));
+        rc = list_nics_kept(eng->ops, &a, found, AFS_MAX_NICS, &n, err, sizeof(err));
         if (rc)
             return afs_fail(rc, "listing NICs: %s", err);
         if (n < eng->cfg.nics)
@@ -303,6 +334,7 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     eng->cfg.fabric_provider = eng->fabric_provider;
     eng->cfg.nic = eng->nic_name;
     eng->cfg.bind_addr = eng->bind_addr;
+    afs_raise_fd_limit();
     eng->incarnation = afs_new_incarnation();
     eng->key_secret[0] = afs_random_u64();
     eng->key_secret[1] = afs_random_u64();

@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <semaphore.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -419,6 +420,19 @@ void afs_allow_destroy(afs_engine *eng);
 /* watcher.c */
 void *afs_watch_main(void *arg);
 void afs_watchers_destroy(afs_engine *eng);
+
+/* process.c: the soft fd limit raised to the hard one (at engine creation) */
+void afs_raise_fd_limit(void);
+/* process.c: calls that may load or initialise a provider library run between these two;
+ * _end puts back every signal disposition that changed since _begin (see there why) */
+typedef struct afs_sigkeep {
+    struct sigaction act[NSIG];
+    bool saved[NSIG];
+    bool locked;
+    uint32_t restored; /* dispositions put back by _end */
+} afs_sigkeep;
+void afs_sigkeep_begin(afs_sigkeep *k);
+void afs_sigkeep_end(afs_sigkeep *k);
 
 /* engine.c */
 int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);
