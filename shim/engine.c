@@ -280,6 +280,8 @@ static int check_config(const afs_config *cfg)
     if (cfg->rx_depth < 1 || cfg->rx_depth > 65535 || cfg->tx_depth < 1 ||
         cfg->tx_depth > 65535)
         return afs_fail(AFS_EINVAL, "rx_depth/tx_depth must be 1..65535");
+    if (cfg->max_imm_values > (1u << 24))
+        return afs_fail(AFS_EINVAL, "max_imm_values %u above 16,777,216", cfg->max_imm_values);
     if (cfg->poll_mode != AFS_POLL_ADAPTIVE && cfg->poll_mode != AFS_POLL_SPIN)
         return afs_fail(AFS_EINVAL, "unknown poll mode %u", cfg->poll_mode);
     return 0;
@@ -324,6 +326,8 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     eng->wake_fd = -1;
     eng->ring.event_fd = -1;
     eng->cfg = *cfg;
+    if (!eng->cfg.max_imm_values)
+        eng->cfg.max_imm_values = AFS_MAX_IMM_VALUES_DEFAULT;
     eng->provider_lib = dup_or_null(cfg->provider_lib);
     eng->provider_name = dup_or_null(cfg->provider_name);
     eng->fabric_provider = dup_or_null(cfg->fabric_provider);
@@ -504,6 +508,7 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     out->completions = atomic_load_explicit(&n->st_completions, memory_order_relaxed);
     out->rejected = atomic_load_explicit(&n->st_rejected, memory_order_relaxed);
     out->rejected_unknown = atomic_load_explicit(&n->st_rejected_unknown, memory_order_relaxed);
+    out->imms_dropped = atomic_load_explicit(&n->st_imms_dropped, memory_order_relaxed);
     return 0;
 }
 

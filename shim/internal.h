@@ -21,6 +21,8 @@
  * at most 32 per round because EFA's small-message rate collapses otherwise. */
 #define AFS_POST_ROUND 32u
 #define AFS_POLL_BATCH 64u
+/* Distinct immediate values the counter table keeps unless configured (about 2-4 MiB). */
+#define AFS_MAX_IMM_VALUES_DEFAULT 65536u
 
 /* ---- errors.c ---- */
 int afs_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -165,7 +167,7 @@ typedef struct afs_nic {
     void *rx_desc, *tx_desc;
     /* counters (afs_nic_stats): written by the worker alone, read by anyone */
     _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
-        st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown;
+        st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown, st_imms_dropped;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     /* receive slots the provider would not take back yet ("try again": its queue or context

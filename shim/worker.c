@@ -543,11 +543,40 @@ static void satisfy(afs_engine *eng, afs_xfer *x, uint64_t now)
         fire(eng, x, now);
 }
 
-static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
+/* An arrival nobody can count: dropped, counted, and reported on the first drop and at
+ * every power of two after it (the engine logs it; the table stays bounded). */
+static void imm_dropped(afs_engine *eng, uint32_t nic)
 {
-    afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
+    afs_nic *n = &eng->nics[nic];
+    afs_count(&n->st_imms_dropped, 1);
+    uint64_t total = 0;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        total += atomic_load_explicit(&eng->nics[k].st_imms_dropped, memory_order_relaxed);
+    if (total & (total - 1))
+        return;
+    afs_completion c = {0};
+    c.kind = AFS_C_NOTICE;
+    c.id = AFS_NOTICE_IMMS_DROPPED;
+    c.data = total;
+    afs_ring_push(&eng->ring, &c);
+}
+
+static void imm_arrived(afs_engine *eng, uint32_t nic, uint32_t imm, uint64_t now)
+{
+    /* A value already in the table (expected, or arrived before) is always counted; a new
+     * one only while the table holds fewer than max_imm_values: 100,000 distinct values
+     * that nobody expects must not all be kept. */
+    afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, false);
+    if (!e && eng->imm.len >= eng->cfg.max_imm_values) {
+        imm_dropped(eng, nic);
+        return;
+    }
     if (!e)
-        return; /* out of memory: the counter cannot grow; nothing else to do */
+        e = afs_immtab_get(&eng->imm, imm, true);
+    if (!e) { /* out of memory: the counter cannot grow */
+        imm_dropped(eng, nic);
+        return;
+    }
     e->arrived++;
     if (e->expected && e->arrived >= e->expected) {
         afs_xfer *x = e->waiter;
@@ -921,7 +950,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
             afs_count(&nn->st_imms, 1);
             if (is_rx)
                 repost_rx(eng, nic, (uint32_t)(e->ctx >> 16));
-            imm_arrived(eng, e->imm, now);
+            imm_arrived(eng, nic, e->imm, now);
             break;
         case AFP_EV_RECV:
             afs_count(&nn->st_recvs, 1);

@@ -2,19 +2,34 @@
 
 - Loading a provider library keeps the application's signal dispositions (Debian's
   libfabric 1.17 pulls in libinfinipath, whose constructor installs its own SIGABRT, BUS,
-  ILL, SEGV and TERM handlers; README, Known limitations).
+  ILL, SEGV and TERM handlers).
+- Messages nobody takes with recv() are bounded (max_queued_messages): beyond the bound
+  the senders are held back (or, where the provider cannot do that safely, the overflow is
+  dropped and counted); immediates of values nobody expects are bounded (max_imm_values):
+  beyond it new values are dropped, counted and logged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import afabric
+from afabric import errors
+
+from .faults import held
+from .procs import Ctl, Peer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,3 +113,123 @@ def test_default_dispositions_kept(provider: str, tmp_path: Path) -> None:
     assert "ready" in r.stdout, r.stderr
     assert r.returncode == -signal.SIGABRT, f"exit {r.returncode}\n{r.stderr}"
     assert not list(tmp_path.glob("*.btr")), [p.name for p in tmp_path.iterdir()]
+
+
+# ---- bounded queues ----
+
+
+async def message_flood(ctl: Ctl, provider: str, count: int, size: int) -> tuple[int, dict[str, int]]:
+    """Sends `count` messages of `size` bytes at once to the address it is given; returns
+    how many sends succeeded and the failures by error type. Its engine closes (and the
+    process exits) before the target takes anything with recv()."""
+    target = afabric.Address.from_bytes(await ctl.get())
+    async with afabric.Engine(provider, op_timeout=3.0) as eng:
+        payload = bytes(size)
+        results = await asyncio.gather(
+            *(eng.send(target, payload) for _ in range(count)), return_exceptions=True
+        )
+    failed: dict[str, int] = {}
+    for r in results:
+        if r is not None:
+            failed[type(r).__name__] = failed.get(type(r).__name__, 0) + 1
+    return sum(r is None for r in results), failed
+
+
+async def test_unreceived_messages_bounded(provider: str, peers: list[Peer]) -> None:
+    """2,000 x 64 KiB messages to an engine that does not recv(): it queues at most
+    max_queued_messages (+ the receive buffers it withholds), its memory stays far below
+    the 125 MiB they carry, and every message is accounted for: with back-pressure each
+    send either failed with a typed error or its message is received later (after its
+    sender has gone: on libfabric 1.17 tcp that crashed the process inside libfabric, so
+    there the overflow is dropped and counted instead)."""
+    n, size, bound, rx_depth = 2000, 65536, 64, 16
+    async with afabric.Engine(provider, max_queued_messages=bound, rx_depth=rx_depth) as eng:
+        before = held()
+        sender = Peer(message_flood, provider, n, size)
+        peers.append(sender)
+        sender.put(bytes(eng.address))
+        result = asyncio.ensure_future(sender.result(timeout=120))
+        most = 0
+        while not result.done():
+            await asyncio.sleep(0.05)
+            most = max(most, eng.stats()["messages_queued"])
+        ok, failed = result.result()
+        stats = eng.stats()
+        after = held()
+        received = 0
+        with contextlib.suppress(asyncio.TimeoutError):
+            while True:
+                assert len(await asyncio.wait_for(eng.recv(), 5.0)) == size
+                received += 1
+        stats_end = eng.stats()
+    grown = after.heap_mib - before.heap_mib
+    print(
+        f"\n{provider} ({eng.fabric_provider}, overflow {eng.queue_overflow}): "
+        f"sends ok {ok}, failed {failed}; most queued {most}; received later {received}; "
+        f"dropped {stats_end['messages_dropped']}; "
+        f"malloc'd +{grown:.1f} MiB (the messages carry {n * size / 2**20:.0f} MiB)"
+    )
+    assert most <= bound + rx_depth and stats["messages_queued"] <= bound + rx_depth
+    assert stats["messages_held_back"] > 0
+    assert grown < n * size / 2**20 / 2, "received messages were all kept"
+    if eng.queue_overflow == "backpressure":
+        assert stats["backpressure"] and stats_end["messages_dropped"] == 0
+        assert failed and set(failed) <= {"OperationTimeout"}, failed
+        assert ok <= received <= n, "a send reported as delivered was lost"
+    else:
+        assert ok == n and not failed
+        assert received + stats_end["messages_dropped"] == n, "a message was lost without being counted"
+        assert stats_end["messages_dropped"] > 0
+
+
+async def distinct_imms(ctl: Ctl, provider: str, first: int, count: int) -> int:
+    """One 8-byte write per immediate value first .. first+count-1 to the region it is given."""
+    blob = await ctl.get()
+    desc = afabric.MrDesc.from_bytes(blob)
+    async with afabric.Engine(provider) as eng:
+        src = eng.register(np.ones(8, dtype=np.uint8), remote=False)
+        for start in range(first, first + count, 1000):
+            batch = range(start, min(start + 1000, first + count))
+            await asyncio.gather(*(eng.write(src, desc, 8, imm=v) for v in batch))
+    return count
+
+
+async def test_unexpected_immediates_bounded(
+    provider: str, peers: list[Peer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """5,000 distinct immediates nobody expects, to an engine keeping at most 1,000 values:
+    1,000 are kept (expect_imm for them returns at once), 4,000 dropped, counted in
+    stats() and logged; expect_imm for a dropped one times out (typed error)."""
+    n, bound, first = 5000, 1000, 1 << 20
+    caplog.set_level(logging.WARNING, logger="afabric")
+    async with afabric.Engine(provider, max_imm_values=bound) as eng:
+        mr = eng.register(np.zeros(8, dtype=np.uint8))
+        sender = Peer(distinct_imms, provider, first, n)
+        peers.append(sender)
+        sender.put(bytes(mr.descriptor))
+        assert await sender.result(timeout=120) == n
+        deadline = time.monotonic() + 30
+        while True:
+            nic = eng.stats()["nics"][0]
+            if nic["imms"] >= n or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert nic["imms"] == n and nic["imms_dropped"] == n - bound, nic
+        outcomes = await asyncio.gather(
+            *(eng.expect_imm(first + i, 1, timeout=5.0) for i in range(n)), return_exceptions=True
+        )
+        kept = sum(o is None for o in outcomes)
+        timed_out = sum(isinstance(o, errors.OperationTimeout) for o in outcomes)
+        assert (kept, timed_out) == (bound, n - bound)
+        assert eng.stats()["max_imm_values"] == bound
+    assert any("immediate(s) of new values dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_limits_validated() -> None:
+    async def make(**kw: int) -> None:
+        async with afabric.Engine("tcp", **kw):  # type: ignore[arg-type]
+            pass
+
+    for bad in ({"max_queued_messages": -1}, {"max_imm_values": 0}, {"max_imm_values": 1 << 30}):
+        with pytest.raises(errors.InvalidArgument):
+            asyncio.run(make(**bad))
