@@ -30,6 +30,13 @@
 #define SLEEP_MIN_NS 20000ull
 #define SLEEP_MAX_NS 1000000ull /* without a wait object the target still progresses each ms */
 #define SLEEP_WAITFD_MS 20
+/* Wake-ups by a provider's wait object in a row after which nothing was there to do: past
+ * this many the worker naps on timers instead (as without a wait object: <= 1 ms) until
+ * work comes. libfabric 1.17 tcp with every descriptor in use keeps its listening socket
+ * readable (accept() fails with EMFILE, the pending connection stays): the fd never
+ * drains, and an idle worker woke ~5,600 times a second, 41% of a core (strace: ppoll,
+ * epoll_wait and a failing accept per round). */
+#define FRUITLESS_WAKES 64u
 
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
 {
@@ -999,21 +1006,22 @@ static void check_deadlines(afs_engine *eng, uint64_t now)
 
 /* ---- sleeping ---- */
 
-static void worker_sleep(afs_engine *eng, uint64_t *sleep_ns)
+/* Returns whether a provider's wait object (not the wake eventfd, not the timer) woke it. */
+static bool worker_sleep(afs_engine *eng, uint64_t *sleep_ns, bool timers_only)
 {
     atomic_store(&eng->worker_sleeping, 1);
     atomic_thread_fence(memory_order_seq_cst);
     if (!afs_mpsc_empty(&eng->submitq) || atomic_load(&eng->stop)) {
         atomic_store(&eng->worker_sleeping, 0);
-        return;
+        return false;
     }
     struct pollfd fds[1 + AFS_MAX_NICS];
     nfds_t nfds = 0;
     fds[nfds].fd = eng->wake_fd;
     fds[nfds].events = POLLIN;
     nfds++;
-    bool all_fds = true;
-    for (uint32_t k = 0; k < eng->nnics; k++) {
+    bool all_fds = !timers_only;
+    for (uint32_t k = 0; all_fds && k < eng->nnics; k++) {
         afs_nic *n = &eng->nics[k];
         if (n->caps.wait_fd < 0 || !AFP_HAS_OP(eng->ops, trywait) ||
             eng->ops->trywait(n->dom) != 0) {
@@ -1035,12 +1043,16 @@ static void worker_sleep(afs_engine *eng, uint64_t *sleep_ns)
         *sleep_ns = *sleep_ns * 2 > SLEEP_MAX_NS ? SLEEP_MAX_NS : *sleep_ns * 2;
     }
     int rc = ppoll(fds, nfds, &ts, NULL);
+    bool by_provider = false;
     if (rc > 0 && (fds[0].revents & POLLIN)) {
         uint64_t junk;
         ssize_t r = read(eng->wake_fd, &junk, sizeof(junk));
         (void)r;
     }
+    for (nfds_t i = 1; rc > 0 && i < nfds; i++)
+        by_provider |= fds[i].revents != 0;
     atomic_store(&eng->worker_sleeping, 0);
+    return by_provider;
 }
 
 static void pin_self(int cpu)
@@ -1105,6 +1117,7 @@ void *afs_worker_main(void *arg)
     uint64_t sleep_ns = SLEEP_MIN_NS;
     const uint64_t spin_ns = (uint64_t)eng->cfg.spin_us * 1000ull;
     uint64_t now = idle_since;
+    uint32_t fruitless = 0; /* provider wake-ups in a row with nothing to do (FRUITLESS_WAKES) */
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
         bool did = take_requests(eng, now);
         if (eng->postq_head)
@@ -1122,10 +1135,12 @@ void *afs_worker_main(void *arg)
         if (did) {
             idle_since = now;
             sleep_ns = SLEEP_MIN_NS;
+            fruitless = 0;
         } else if (eng->cfg.poll_mode == AFS_POLL_ADAPTIVE && now - idle_since > spin_ns &&
                    !eng->postq_head && !atomic_load(&eng->armed_on_watchers)) {
             /* (stays awake while operations are armed on watchers: they fire from here) */
-            worker_sleep(eng, &sleep_ns);
+            if (worker_sleep(eng, &sleep_ns, fruitless >= FRUITLESS_WAKES))
+                fruitless++;
             now = afs_now_ns(); /* requests taken next are stamped with the time they came */
         }
     }

@@ -3,6 +3,8 @@
 - Loading a provider library keeps the application's signal dispositions (Debian's
   libfabric 1.17 pulls in libinfinipath, whose constructor installs its own SIGABRT, BUS,
   ILL, SEGV and TERM handlers).
+- Descriptors: an engine raises the soft descriptor limit to the hard one; with every
+  descriptor used up by idle connections it neither burns a core nor stops working.
 - Messages nobody takes with recv() are bounded (max_queued_messages): beyond the bound
   the senders are held back (or, where the provider cannot do that safely, the overflow is
   dropped and counted); immediates of values nobody expects are bounded (max_imm_values):
@@ -15,7 +17,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -233,3 +238,120 @@ def test_limits_validated() -> None:
     for bad in ({"max_queued_messages": -1}, {"max_imm_values": 0}, {"max_imm_values": 1 << 30}):
         with pytest.raises(errors.InvalidArgument):
             asyncio.run(make(**bad))
+
+
+# ---- descriptors ----
+
+IDLE = 300  # idle connections opened to the target
+FD_SOFT = 256  # the target's soft descriptor limit (Debian's default is 1,024)
+
+
+def tcp_port(address: bytes) -> int:
+    """The listening port in a tcp engine's address (libfabric's sockaddr_in, loopback)."""
+    m = re.search(rb"\x02\x00(..)\x7f\x00\x00\x01", address, re.S)
+    assert m, "no IPv4 loopback sockaddr in the address"
+    return int.from_bytes(m.group(1), "big")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def fd_limited_target(ctl: Ctl, soft: int, hard: int) -> None:
+    """A tcp engine in a process with descriptor limits (soft, hard). Publishes (address,
+    descriptor, pid, limits once the engine is open), then answers (imm, count) requests with
+    the outcome of expect_imm(imm, count) until it gets None."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    async with afabric.Engine("tcp") as eng:
+        mr = eng.register(np.zeros(64, dtype=np.uint8))
+        ctl.put(
+            (
+                bytes(eng.address),
+                bytes(mr.descriptor),
+                os.getpid(),
+                resource.getrlimit(resource.RLIMIT_NOFILE),
+            )
+        )
+        while (req := await ctl.get(timeout=120)) is not None:
+            try:
+                await eng.expect_imm(req[0], req[1], timeout=30)
+                ctl.put("ok")
+            except errors.OperationTimeout:
+                ctl.put("timeout")
+
+
+async def new_peer(ctl: Ctl, blob: bytes, imm: int, writes: int) -> list[str]:
+    """A new legitimate peer: `writes` 8-byte writes with `imm`, at once; their outcomes."""
+    desc = afabric.MrDesc.from_bytes(blob)
+    async with afabric.Engine("tcp", op_timeout=3.0) as eng:
+        src = eng.register(np.ones(8, dtype=np.uint8), remote=False)
+        res = await asyncio.gather(
+            *(eng.write(src, desc, 8, imm=imm) for _ in range(writes)), return_exceptions=True
+        )
+    return ["ok" if r is None else type(r).__name__ for r in res]
+
+
+async def idle_connections(port: int) -> list[socket.socket]:
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(IDLE)]
+    await asyncio.sleep(1.0)  # accepted (or not) by the target's provider
+    return socks
+
+
+async def test_idle_connections_leave_room_for_new_peers(peers: list[Peer]) -> None:
+    """300 idle tcp connections to an engine whose process starts with a soft descriptor
+    limit of 256: the engine raised it to the hard limit, so a new peer's writes all land
+    (before: all 8 of 8 failed, the idle connections held every descriptor)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < FD_SOFT + 2 * IDLE:
+        pytest.skip(f"hard descriptor limit {hard} too low for this test")
+    target = Peer(fd_limited_target, FD_SOFT, hard)
+    peers.append(target)
+    addr, blob, _pid, limits = await target.get()
+    assert limits == (hard, hard), "the soft limit was not raised to the hard limit"
+    socks = await idle_connections(tcp_port(addr))
+    try:
+        target.put((1, 8))
+        writer = Peer(new_peer, blob, 1, 8)
+        peers.append(writer)
+        assert await writer.result(timeout=60) == ["ok"] * 8
+        assert await target.get() == "ok"
+    finally:
+        for s in socks:
+            s.close()
+    target.put(None)
+    await target.result()
+
+
+async def test_descriptor_exhaustion_survived(peers: list[Peer]) -> None:
+    """With the hard limit itself at 256, 300 idle connections use up every descriptor.
+    libfabric 1.17's tcp cannot accept a new peer then (its accept fails with EMFILE): the
+    new peer's writes fail with typed errors within op_timeout. The target does not burn a
+    core meanwhile (its listening socket stays readable: before, the worker woke on it
+    ~5,600 times a second, 19-41% of a core here), and once the idle connections close, a
+    new peer's writes land."""
+    target = Peer(fd_limited_target, FD_SOFT, FD_SOFT)
+    peers.append(target)
+    addr, blob, pid, limits = await target.get()
+    assert limits == (FD_SOFT, FD_SOFT)
+    socks = await idle_connections(tcp_port(addr))
+    try:
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        await asyncio.sleep(3.0)
+        share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        writer = Peer(new_peer, blob, 1, 4)
+        peers.append(writer)
+        outcomes = await writer.result(timeout=60)
+        print(f"\nexhausted: target CPU {share:.0%} while idle; new peer's writes: {outcomes}")
+        assert share < 0.10, f"the target burns {share:.0%} of a core while its descriptors are used up"
+        assert outcomes and set(outcomes) <= {"OperationTimeout", "PeerUnreachable"}, outcomes
+    finally:
+        for s in socks:
+            s.close()
+    target.put((2, 8))
+    writer = Peer(new_peer, blob, 2, 8)
+    peers.append(writer)
+    assert await writer.result(timeout=60) == ["ok"] * 8
+    assert await target.get() == "ok"
+    target.put(None)
+    await target.result()
