@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     # typings/afabric_shim.pyi: the shim's functions as typed callables (no run-time module).
     from afabric_shim import ShimLib
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # afabric_shim.h AFS_ABI_VERSION
 SHIM_NAME = "libafabric_shim.so"
 
 _u8p = ctypes.POINTER(ctypes.c_uint8)

@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 1u
+#define AFS_ABI_VERSION 2u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
