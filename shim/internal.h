@@ -431,7 +431,6 @@ typedef struct afs_sigkeep {
     struct sigaction act[NSIG];
     bool saved[NSIG];
     bool locked;
-    uint32_t restored; /* dispositions put back by _end */
 } afs_sigkeep;
 void afs_sigkeep_begin(afs_sigkeep *k);
 void afs_sigkeep_end(afs_sigkeep *k);

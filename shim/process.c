@@ -56,7 +56,6 @@ void afs_sigkeep_begin(afs_sigkeep *k)
     k->locked = rc == 0; /* cannot fail for a default mutex; if it did, still save */
     for (int sig = 1; sig < NSIG; sig++)
         k->saved[sig] = sigaction(sig, NULL, &k->act[sig]) == 0; /* glibc's own: EINVAL */
-    k->restored = 0;
 }
 
 void afs_sigkeep_end(afs_sigkeep *k)
@@ -65,8 +64,8 @@ void afs_sigkeep_end(afs_sigkeep *k)
         struct sigaction now;
         if (!k->saved[sig] || sigaction(sig, NULL, &now) != 0 || same_action(&now, &k->act[sig]))
             continue;
-        if (sigaction(sig, &k->act[sig], NULL) == 0)
-            k->restored++;
+        if (sigaction(sig, &k->act[sig], NULL) != 0)
+            continue; /* cannot happen for a disposition just read back; nothing else to do */
     }
     if (k->locked)
         (void)pthread_mutex_unlock(&g_sig_lock);
