@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     # typings/afabric_shim.pyi: the shim's functions as typed callables (no run-time module).
     from afabric_shim import ShimLib
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # afabric_shim.h AFS_ABI_VERSION
 SHIM_NAME = "libafabric_shim.so"
 
 _u8p = ctypes.POINTER(ctypes.c_uint8)
@@ -62,7 +62,7 @@ class Config(ctypes.Structure):
     tx_depth: int
     op_timeout_ns: int
     nics: int
-    reserved: int
+    max_imm_values: int
     _fields_ = [
         ("size", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
@@ -79,7 +79,7 @@ class Config(ctypes.Structure):
         ("tx_depth", ctypes.c_uint32),
         ("op_timeout_ns", ctypes.c_uint64),
         ("nics", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
+        ("max_imm_values", ctypes.c_uint32),
     ]
 
 
@@ -95,6 +95,7 @@ class NicStats(ctypes.Structure):
     completions: int
     rejected: int
     rejected_unknown: int
+    imms_dropped: int
     _fields_ = [
         ("writes", ctypes.c_uint64),
         ("write_bytes", ctypes.c_uint64),
@@ -107,6 +108,7 @@ class NicStats(ctypes.Structure):
         ("completions", ctypes.c_uint64),
         ("rejected", ctypes.c_uint64),
         ("rejected_unknown", ctypes.c_uint64),
+        ("imms_dropped", ctypes.c_uint64),
     ]
 
 
@@ -208,7 +210,8 @@ class NicInfoStruct(ctypes.Structure):
 
 
 # Completion kinds, config flags and capability bits (afabric_shim.h / afabric_provider.h).
-C_DONE, C_RELEASE, C_RECV, C_WATCH = 1, 2, 3, 4
+C_DONE, C_RELEASE, C_RECV, C_WATCH, C_NOTICE = 1, 2, 3, 4, 5
+NOTICE_IMMS_DROPPED = 1
 TRIG_NONE, TRIG_WATCHER, TRIG_IMM = 0, 1, 2
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
@@ -495,6 +498,7 @@ def make_config(
     op_timeout: float = 20.0,
     force_efa_modes: bool = False,
     timing: bool = False,
+    max_imm_values: int = 65536,
 ) -> Config:
     cfg = Config()
     cfg.size = ctypes.sizeof(Config)
@@ -517,6 +521,7 @@ def make_config(
     cfg.rx_depth = rx_depth
     cfg.tx_depth = tx_depth
     cfg.op_timeout_ns = int(op_timeout * 1e9) if op_timeout > 0 else 0
+    cfg.max_imm_values = max_imm_values
     return cfg
 
 
@@ -576,6 +581,7 @@ class Event:
     release_later: bool  # DONE of a failed op whose buffers the provider still holds
     a: int = 0  # WATCH: the old value; DONE: when its first work request was posted (ns)
     b: int = 0  # WATCH: the new value
+    slot: int = -1  # RECV whose receive buffer the caller keeps (release_recv it later); -1: released
 
 
 class NativeEngine:
@@ -826,8 +832,16 @@ class NativeEngine:
         if self._h is not None:
             self._s.check(self._s.f.afs_imm_return(self._h, imm, count), "imm_return", self.provider)
 
-    def drain(self) -> list[Event]:
-        """Every completion ready now (one ctypes call per 256 records)."""
+    def release_recv(self, slots: list[int]) -> None:
+        """Gives kept receive buffers (Event.slot) back to the provider."""
+        arr = (ctypes.c_uint32 * len(slots))(*slots)
+        rc = self._s.f.afs_recv_release(self._handle(), arr, len(slots))
+        self._s.check(rc, "releasing receive buffers", self.provider)
+
+    def drain(self, room: int | None = None) -> list[Event]:
+        """Every completion ready now (one ctypes call per 256 records). Receive buffers
+        go back to the provider at once, except those of messages beyond the first
+        ``room`` (None: no limit): their events carry the slot, for release_recv."""
         h = self._handle()
         out: list[Event] = []
         ring = self._ring
@@ -840,15 +854,20 @@ class NativeEngine:
                 c = ring[i]
                 kind = c.kind
                 if kind == C_RECV:
-                    out.append(Event(kind, 0, 0, ctypes.string_at(c.data, c.len), None, False))
-                    release.append(c.slot)
+                    keep = room is not None and room <= 0
+                    payload = ctypes.string_at(c.data, c.len)
+                    out.append(Event(kind, 0, 0, payload, None, False, slot=c.slot if keep else -1))
+                    if not keep:
+                        release.append(c.slot)
+                    if room is not None:
+                        room -= 1
                 elif kind == C_DONE:
                     text = None
                     if c.data:
                         text = ctypes.string_at(c.data).decode(errors="replace")
                         self._s.f.afs_text_free(c.data)
                     out.append(Event(kind, c.id, c.status, None, text, bool(c.slot), c.len))
-                elif kind == C_WATCH:
+                elif kind in (C_WATCH, C_NOTICE):
                     out.append(Event(kind, c.id, 0, None, None, False, c.data, c.len))
                 else:
                     out.append(Event(kind, c.id, c.status, None, None, False))

@@ -48,6 +48,13 @@ def _u64(value: Any, name: str) -> int:
     return v
 
 
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
 def _bounded(value: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise errors.InvalidArgument(f"{name} must be an int in {lo}..{hi}, got {value!r}")
@@ -169,6 +176,8 @@ class Engine:
         force_efa_modes: bool = False,
         timing: bool = False,
         allow_peers: Sequence[Address | bytes] | None = None,
+        max_queued_messages: int = 1024,
+        max_imm_values: int = 65536,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         self._forked = False
@@ -193,6 +202,10 @@ class Engine:
         _bounded(max_message_size, "max_message_size", 64, 64 << 20)
         _bounded(rx_depth, "rx_depth", 1, 65535)
         _bounded(tx_depth, "tx_depth", 1, 65535)
+        # received messages nobody took with recv() yet (beyond: back-pressure), and distinct
+        # immediate values counted (beyond: new values dropped); README, API
+        _bounded(max_queued_messages, "max_queued_messages", 0, 1 << 24)
+        _bounded(max_imm_values, "max_imm_values", 1, 1 << 24)
         if cpu is not None:
             _bounded(cpu, "cpu", 0, 1 << 20)
         spec, why = registry.resolve(provider)
@@ -216,7 +229,10 @@ class Engine:
             op_timeout=op_timeout,
             force_efa_modes=force_efa_modes,
             timing=timing,
+            max_imm_values=max_imm_values,
         )
+        self._max_queued = max_queued_messages
+        self._max_imm_values = max_imm_values
         self._n = _native.NativeEngine(cfg, spec.name)
         try:
             self._adopt(spec.name, why, name, op_timeout)
@@ -250,6 +266,20 @@ class Engine:
         self._held: dict[int, tuple[Any, ...]] = {}
         self._regions: dict[int, MemoryRegion] = {}  # registered: held until deregister/close
         self._inbox: collections.deque[bytes] = collections.deque()
+        # messages beyond max_queued_messages: their receive buffers stay out of the
+        # provider's hands until recv() catches up, which holds the senders back
+        self._held_rx: collections.deque[tuple[bytes, int]] = collections.deque()
+        self._held_back = 0  # messages that found the queue full (stats)
+        self._dropped = 0
+        # libfabric 1.17's tcp;ofi_rxm crashes (NULL msg_ep in its rendezvous read) when a
+        # withheld receive is finally posted and matches a rendezvous message (> its 16 KiB
+        # eager size) whose sender has gone meanwhile (every run: 600 x 64 KiB, sender exits,
+        # then recv(); 1,500 x 16,384 B never). Where senders may use rendezvous, the queue's
+        # overflow is dropped instead: counted, logged, the buffer reposted at once.
+        eager = _int_env("FI_OFI_RXM_BUFFER_SIZE", 16384)
+        rndv = "ofi_rxm" in self.fabric_provider and self.max_message_size > eager
+        self.queue_overflow: str = "drop" if rndv else "backpressure"
+        """What a message that finds max_queued_messages queued meets (README, API)."""
         self._recv_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._remotes: dict[bytes, int] = {}
         self._peers: dict[bytes, int] = {}
@@ -362,6 +392,7 @@ class Engine:
             watcher._engine_closed()
         ops, self._ops = self._ops, {}
         self._held.clear()
+        self._held_rx.clear()
         for op in ops.values():
             if not op.future.done() and not op.future.get_loop().is_closed():
                 op.future.set_exception(exc)
@@ -418,15 +449,23 @@ class Engine:
         immediates in, completions, errors, "try again" retries, remote writes seen landing,
         and ``outstanding``: work requests still with the provider, the NIC's queue depth;
         ``rejected`` / ``rejected_unknown``: messages and immediates the allow-list dropped,
-        from a peer not on it / from a sender the provider could not name) plus the
-        operations this engine is waiting on. Cheap: read it as often as you like."""
+        from a peer not on it / from a sender the provider could not name; ``imms_dropped``:
+        immediates of a new value that found ``max_imm_values`` values in the table) plus the
+        operations this engine is waiting on and the received-message queue
+        (``messages_queued``, ``messages_held_back``, ``backpressure``). Cheap: read it as
+        often as you like."""
         self._check_open()
         return {
             "provider": self.provider,
             "fabric_provider": self.fabric_provider,
             "ops_in_flight": len(self._ops),
             "buffers_held": len(self._held),
-            "messages_queued": len(self._inbox),
+            "messages_queued": len(self._inbox) + len(self._held_rx),
+            "messages_held_back": self._held_back,  # found the queue at max_queued_messages
+            "messages_dropped": self._dropped,  # ... and were dropped (queue_overflow "drop")
+            "backpressure": bool(self._held_rx),  # receive buffers withheld from the provider now
+            "max_queued_messages": self._max_queued,
+            "max_imm_values": self._max_imm_values,
             "nics": [self._n.stats(k) for k in range(self.nics)],
         }
 
@@ -744,7 +783,14 @@ class Engine:
         """The next message from any peer."""
         self._check_loop()
         if self._inbox:
-            return self._inbox.popleft()
+            msg = self._inbox.popleft()
+            if self._held_rx:
+                self._refill()
+            return msg
+        if self._held_rx:  # max_queued_messages=0: straight from a withheld buffer
+            msg, slot = self._held_rx.popleft()
+            self._n.release_recv([slot])
+            return msg
         fut: asyncio.Future[bytes] = self._loop.create_future()
         self._recv_waiters.append(fut)
         return await fut
@@ -795,7 +841,8 @@ class Engine:
         """Reader callback: drain the ring and resolve futures (on the loop's thread)."""
         if self._closed:
             return
-        for ev in self._n.drain():
+        room = self._max_queued + len(self._recv_waiters) - len(self._inbox) - len(self._held_rx)
+        for ev in self._n.drain(room):
             if ev.kind == _native.C_DONE:
                 self._done(ev)
             elif ev.kind == _native.C_WATCH:
@@ -805,7 +852,13 @@ class Engine:
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_RECV:
-                self._deliver(ev.payload or b"")
+                self._deliver(ev.payload or b"", ev.slot)
+            elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:
+                self.log.warning(
+                    "%d immediate(s) of new values dropped so far: the counter table holds "
+                    "max_imm_values=%d distinct values (expect them before they arrive, or "
+                    "raise the limit)", ev.a, self._max_imm_values,
+                )  # fmt: skip
 
     def _done(self, ev: _native.Event) -> None:
         op = self._ops.pop(ev.id, None)
@@ -824,13 +877,47 @@ class Engine:
         else:
             op.future.set_exception(self._n.error(ev.status, op.label(), ev.text))
 
-    def _deliver(self, payload: bytes) -> None:
+    def _deliver(self, payload: bytes, slot: int = -1) -> None:
         while self._recv_waiters:
             w = self._recv_waiters.popleft()
             if not w.done():
                 w.set_result(payload)
+                if slot >= 0:
+                    self._n.release_recv([slot])
                 return
-        self._inbox.append(payload)
+        if slot < 0:
+            self._inbox.append(payload)
+            return
+        self._held_back += 1
+        if self.queue_overflow == "drop":
+            self._n.release_recv([slot])
+            self._dropped += 1
+            if self._dropped & (self._dropped - 1) == 0:  # the first, then at powers of two
+                self.log.warning(
+                    "%d received message(s) dropped so far: %d queued, not taken with recv() "
+                    "(max_queued_messages; %s cannot hold its senders back safely)",
+                    self._dropped, len(self._inbox), self.fabric_provider,
+                )  # fmt: skip
+            return
+        # the queue is full: keep the receive buffer from the provider (back-pressure)
+        if not self._held_rx:
+            self.log.warning(
+                "%d received messages not taken with recv(): receive buffers are withheld, "
+                "senders are held back until recv() catches up", len(self._inbox),
+            )  # fmt: skip
+        self._held_rx.append((payload, slot))
+
+    def _refill(self) -> None:
+        """recv() made room: withheld messages join the queue, their buffers go back."""
+        slots: list[int] = []
+        while self._held_rx and len(self._inbox) < self._max_queued:
+            msg, slot = self._held_rx.popleft()
+            self._inbox.append(msg)
+            slots.append(slot)
+        if slots:
+            self._n.release_recv(slots)
+        if not self._held_rx:
+            self.log.info("received-message queue below max_queued_messages again")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 1u
+#define AFS_ABI_VERSION 2u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -68,7 +68,9 @@ typedef struct afs_config {
     uint32_t tx_depth;          /* writes/sends in flight per domain */
     uint64_t op_timeout_ns;     /* a write or send not completed by then fails (0: never) */
     uint32_t nics;              /* without names: how many NICs (the first usable ones); 0 = 1 */
-    uint32_t reserved;
+    uint32_t max_imm_values;    /* distinct immediate values the counter table keeps (0: 65,536);
+                                   an arrival of a new value beyond that is dropped, counted
+                                   (imms_dropped) and reported (AFS_C_NOTICE) */
 } afs_config;
 
 #define AFS_CFG_FORCE_EFA_MODES 0x1u
@@ -99,6 +101,7 @@ typedef struct afs_nic_stats {
                              writes + sends - completions are still with the provider */
     uint64_t rejected;         /* messages/immediates dropped: sender not on the allow-list */
     uint64_t rejected_unknown; /* dropped while a list is set: the provider cannot name the sender */
+    uint64_t imms_dropped;     /* immediates dropped: a new value while the table held max_imm_values */
 } afs_nic_stats;
 
 /* Where one operation's time went (AFS_CFG_TIMING), CLOCK_MONOTONIC ns; 0 = stage not
@@ -130,8 +133,11 @@ enum afs_completion_kind {
     AFS_C_DONE = 1,    /* id completed with status; text = error text (free with afs_text_free) */
     AFS_C_RELEASE = 2, /* id's buffers are no longer touched (after a failed DONE) */
     AFS_C_RECV = 3,    /* message: data/len valid until released with afs_recv_release(slot) */
-    AFS_C_WATCH = 4    /* watcher `id` changed from `data` to `len` */
+    AFS_C_WATCH = 4,   /* watcher `id` changed from `data` to `len` */
+    AFS_C_NOTICE = 5   /* something was dropped: id AFS_NOTICE_*, data = how many so far */
 };
+
+#define AFS_NOTICE_IMMS_DROPPED 1u /* immediates of new values dropped: the table was full */
 
 /* Triggers of triggered operations (`trig_kind` arguments). */
 #define AFS_TRIG_NONE 0u

@@ -18,7 +18,7 @@
 
 static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 
-int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
+static int load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
 {
     if (!cfg->provider_lib || !cfg->provider_lib[0])
         return afs_fail(AFS_EPROVIDER, "no provider library path given");
@@ -55,6 +55,37 @@ int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **
     return 0;
 }
 
+/* Loading a provider (and whatever it links) keeps the process's signal dispositions
+ * (process.c), as do the two calls that initialise the fabric library under it. */
+int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
+{
+    afs_sigkeep k;
+    afs_sigkeep_begin(&k);
+    int rc = load_provider(cfg, lib, ops);
+    afs_sigkeep_end(&k);
+    return rc;
+}
+
+static int list_nics_kept(const struct afp_ops *ops, const afp_open_args *a, afp_nic_info *out,
+                          uint32_t max, uint32_t *n, char *err, size_t errlen)
+{
+    afs_sigkeep k;
+    afs_sigkeep_begin(&k);
+    int rc = ops->list_nics(a, out, max, n, err, errlen);
+    afs_sigkeep_end(&k);
+    return rc;
+}
+
+static int open_kept(const struct afp_ops *ops, const afp_open_args *a, afp_domain **dom,
+                     char *err, size_t errlen)
+{
+    afs_sigkeep k;
+    afs_sigkeep_begin(&k);
+    int rc = ops->open(a, dom, err, errlen);
+    afs_sigkeep_end(&k);
+    return rc;
+}
+
 static void open_args(const afs_config *cfg, afp_open_args *a)
 {
     memset(a, 0, sizeof(*a));
@@ -80,7 +111,7 @@ int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32_t max, 
     afp_open_args a;
     open_args(cfg, &a);
     uint32_t n = 0;
-    rc = ops->list_nics(&a, (afp_nic_info *)nics_out, max, &n, err, sizeof(err));
+    rc = list_nics_kept(ops, &a, (afp_nic_info *)nics_out, max, &n, err, sizeof(err));
     if (rc) {
         rc = afs_fail(rc, "%s", err[0] ? err : "provider found no NIC");
         goto out_close;
@@ -167,7 +198,7 @@ static int open_one_nic(afs_engine *eng, uint32_t index, const char *name)
     a.nic = name;
     char err[AFP_ERRTEXT_LEN] = "";
     afs_nic *n = &eng->nics[index];
-    int rc = eng->ops->open(&a, &n->dom, err, sizeof(err));
+    int rc = open_kept(eng->ops, &a, &n->dom, err, sizeof(err));
     if (rc) {
         n->dom = NULL;
         return afs_fail(rc, "opening %s%s%s: %s", eng->provider_name, name ? " NIC " : "",
@@ -218,7 +249,7 @@ static int open_nics(afs_engine *eng)
         char err[AFP_ERRTEXT_LEN] = "";
         afp_open_args a;
         open_args(&eng->cfg, &a);
-        rc = eng->ops->list_nics(&a, found, AFS_MAX_NICS, &n, err, sizeof(err));
+        rc = list_nics_kept(eng->ops, &a, found, AFS_MAX_NICS, &n, err, sizeof(err));
         if (rc)
             return afs_fail(rc, "listing NICs: %s", err);
         if (n < eng->cfg.nics)
@@ -249,6 +280,8 @@ static int check_config(const afs_config *cfg)
     if (cfg->rx_depth < 1 || cfg->rx_depth > 65535 || cfg->tx_depth < 1 ||
         cfg->tx_depth > 65535)
         return afs_fail(AFS_EINVAL, "rx_depth/tx_depth must be 1..65535");
+    if (cfg->max_imm_values > (1u << 24))
+        return afs_fail(AFS_EINVAL, "max_imm_values %u above 16,777,216", cfg->max_imm_values);
     if (cfg->poll_mode != AFS_POLL_ADAPTIVE && cfg->poll_mode != AFS_POLL_SPIN)
         return afs_fail(AFS_EINVAL, "unknown poll mode %u", cfg->poll_mode);
     return 0;
@@ -293,6 +326,8 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     eng->wake_fd = -1;
     eng->ring.event_fd = -1;
     eng->cfg = *cfg;
+    if (!eng->cfg.max_imm_values)
+        eng->cfg.max_imm_values = AFS_MAX_IMM_VALUES_DEFAULT;
     eng->provider_lib = dup_or_null(cfg->provider_lib);
     eng->provider_name = dup_or_null(cfg->provider_name);
     eng->fabric_provider = dup_or_null(cfg->fabric_provider);
@@ -303,6 +338,7 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     eng->cfg.fabric_provider = eng->fabric_provider;
     eng->cfg.nic = eng->nic_name;
     eng->cfg.bind_addr = eng->bind_addr;
+    afs_raise_fd_limit();
     eng->incarnation = afs_new_incarnation();
     eng->key_secret[0] = afs_random_u64();
     eng->key_secret[1] = afs_random_u64();
@@ -472,6 +508,7 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     out->completions = atomic_load_explicit(&n->st_completions, memory_order_relaxed);
     out->rejected = atomic_load_explicit(&n->st_rejected, memory_order_relaxed);
     out->rejected_unknown = atomic_load_explicit(&n->st_rejected_unknown, memory_order_relaxed);
+    out->imms_dropped = atomic_load_explicit(&n->st_imms_dropped, memory_order_relaxed);
     return 0;
 }
 

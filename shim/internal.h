@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <semaphore.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -20,6 +21,8 @@
  * at most 32 per round because EFA's small-message rate collapses otherwise. */
 #define AFS_POST_ROUND 32u
 #define AFS_POLL_BATCH 64u
+/* Distinct immediate values the counter table keeps unless configured (about 2-4 MiB). */
+#define AFS_MAX_IMM_VALUES_DEFAULT 65536u
 
 /* ---- errors.c ---- */
 int afs_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -164,7 +167,7 @@ typedef struct afs_nic {
     void *rx_desc, *tx_desc;
     /* counters (afs_nic_stats): written by the worker alone, read by anyone */
     _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
-        st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown;
+        st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown, st_imms_dropped;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     /* receive slots the provider would not take back yet ("try again": its queue or context
@@ -422,6 +425,18 @@ void afs_allow_destroy(afs_engine *eng);
 /* watcher.c */
 void *afs_watch_main(void *arg);
 void afs_watchers_destroy(afs_engine *eng);
+
+/* process.c: the soft fd limit raised to the hard one (at engine creation) */
+void afs_raise_fd_limit(void);
+/* process.c: calls that may load or initialise a provider library run between these two;
+ * _end puts back every signal disposition that changed since _begin (see there why) */
+typedef struct afs_sigkeep {
+    struct sigaction act[NSIG];
+    bool saved[NSIG];
+    bool locked;
+} afs_sigkeep;
+void afs_sigkeep_begin(afs_sigkeep *k);
+void afs_sigkeep_end(afs_sigkeep *k);
 
 /* engine.c */
 int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);

@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/prctl.h>
@@ -30,6 +31,25 @@
 #define SLEEP_MIN_NS 20000ull
 #define SLEEP_MAX_NS 1000000ull /* without a wait object the target still progresses each ms */
 #define SLEEP_WAITFD_MS 20
+/* Wake-ups by a provider's wait object in a row after which nothing was there to do: past
+ * this many, and while the process has no descriptor left, the worker naps on timers
+ * instead (as without a wait object: <= 1 ms) until work comes. libfabric 1.17 tcp with
+ * every descriptor in use keeps its listening socket readable (accept() fails with
+ * EMFILE, the pending connection stays): the fd never drains, and an idle worker burnt up
+ * to a whole core (36-100% measured; under strace 5,600 wake-ups a second, each a ppoll,
+ * epoll_waits and a failing accept). Only then: 1,000 connections arriving at once also wake it with nothing to
+ * report, and napping through those delayed a new peer's first write by 8 s. */
+#define FRUITLESS_WAKES 64u
+
+/* Whether this process is out of descriptors (so a provider's accept cannot succeed). */
+static bool fds_exhausted(afs_engine *eng)
+{
+    int fd = fcntl(eng->wake_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0)
+        return errno == EMFILE || errno == ENFILE;
+    (void)close(fd); /* a fresh duplicate nobody else holds: nothing can go wrong worth acting on */
+    return false;
+}
 
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
 {
@@ -543,11 +563,43 @@ static void satisfy(afs_engine *eng, afs_xfer *x, uint64_t now)
         fire(eng, x, now);
 }
 
-static void imm_arrived_n(afs_engine *eng, uint32_t imm, uint64_t n, uint64_t now)
+/* An arrival nobody can count: dropped, counted, and reported on the first drop and at
+ * every power of two after it (the engine logs it; the table stays bounded). */
+static void imm_dropped(afs_engine *eng, uint32_t nic)
 {
-    afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
+    afs_nic *n = &eng->nics[nic];
+    afs_count(&n->st_imms_dropped, 1);
+    uint64_t total = 0;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        total += atomic_load_explicit(&eng->nics[k].st_imms_dropped, memory_order_relaxed);
+    if (total & (total - 1))
+        return;
+    afs_completion c = {0};
+    c.kind = AFS_C_NOTICE;
+    c.id = AFS_NOTICE_IMMS_DROPPED;
+    c.data = total;
+    afs_ring_push(&eng->ring, &c);
+}
+
+/* `n` arrivals of `imm` (on `nic`). A value already in the table (expected, or arrived
+ * before) is always counted; a new one only while the table holds fewer than
+ * max_imm_values (100,000 distinct values that nobody expects must not all be kept) —
+ * except arrivals given back by a withdrawn expectation (`returned`): they were counted
+ * once already and are never dropped. */
+static void imm_arrived_n(afs_engine *eng, uint32_t nic, uint32_t imm, uint64_t n, bool returned,
+                          uint64_t now)
+{
+    afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, false);
+    if (!e && !returned && eng->imm.len >= eng->cfg.max_imm_values) {
+        imm_dropped(eng, nic);
+        return;
+    }
     if (!e)
-        return; /* out of memory: the counter cannot grow; nothing else to do */
+        e = afs_immtab_get(&eng->imm, imm, true);
+    if (!e) { /* out of memory: the counter cannot grow */
+        imm_dropped(eng, nic);
+        return;
+    }
     e->arrived += n;
     if (e->expected && e->arrived >= e->expected) {
         afs_xfer *x = e->waiter;
@@ -559,9 +611,9 @@ static void imm_arrived_n(afs_engine *eng, uint32_t imm, uint64_t n, uint64_t no
     }
 }
 
-static void imm_arrived(afs_engine *eng, uint32_t imm, uint64_t now)
+static void imm_arrived(afs_engine *eng, uint32_t nic, uint32_t imm, uint64_t now)
 {
-    imm_arrived_n(eng, imm, 1, now);
+    imm_arrived_n(eng, nic, imm, 1, false, now);
 }
 
 /* Registers x (an expectation, or an operation triggered on a count) as the waiter of
@@ -917,7 +969,7 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             release_rx(eng, x);
             break;
         case AFS_REQ_IMM_RETURN: /* counted again, as if they had just arrived */
-            imm_arrived_n(eng, x->imm, x->count, now);
+            imm_arrived_n(eng, 0, x->imm, x->count, true, now);
             afs_xfer_free(x);
             break;
         default:
@@ -1007,7 +1059,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
             afs_count(&nn->st_imms, 1);
             if (is_rx)
                 repost_rx(eng, nic, (uint32_t)(e->ctx >> 16));
-            imm_arrived(eng, e->imm, now);
+            imm_arrived(eng, nic, e->imm, now);
             break;
         case AFP_EV_RECV:
             afs_count(&nn->st_recvs, 1);
@@ -1058,21 +1110,22 @@ static void check_deadlines(afs_engine *eng, uint64_t now)
 
 /* ---- sleeping ---- */
 
-static void worker_sleep(afs_engine *eng, uint64_t *sleep_ns)
+/* Returns whether a provider's wait object (not the wake eventfd, not the timer) woke it. */
+static bool worker_sleep(afs_engine *eng, uint64_t *sleep_ns, bool timers_only)
 {
     atomic_store(&eng->worker_sleeping, 1);
     atomic_thread_fence(memory_order_seq_cst);
     if (!afs_mpsc_empty(&eng->submitq) || atomic_load(&eng->stop)) {
         atomic_store(&eng->worker_sleeping, 0);
-        return;
+        return false;
     }
     struct pollfd fds[1 + AFS_MAX_NICS];
     nfds_t nfds = 0;
     fds[nfds].fd = eng->wake_fd;
     fds[nfds].events = POLLIN;
     nfds++;
-    bool all_fds = true;
-    for (uint32_t k = 0; k < eng->nnics; k++) {
+    bool all_fds = !timers_only;
+    for (uint32_t k = 0; all_fds && k < eng->nnics; k++) {
         afs_nic *n = &eng->nics[k];
         if (n->caps.wait_fd < 0 || !AFP_HAS_OP(eng->ops, trywait) ||
             eng->ops->trywait(n->dom) != 0) {
@@ -1094,12 +1147,16 @@ static void worker_sleep(afs_engine *eng, uint64_t *sleep_ns)
         *sleep_ns = *sleep_ns * 2 > SLEEP_MAX_NS ? SLEEP_MAX_NS : *sleep_ns * 2;
     }
     int rc = ppoll(fds, nfds, &ts, NULL);
+    bool by_provider = false;
     if (rc > 0 && (fds[0].revents & POLLIN)) {
         uint64_t junk;
         ssize_t r = read(eng->wake_fd, &junk, sizeof(junk));
         (void)r;
     }
+    for (nfds_t i = 1; rc > 0 && i < nfds; i++)
+        by_provider |= fds[i].revents != 0;
     atomic_store(&eng->worker_sleeping, 0);
+    return by_provider;
 }
 
 static void pin_self(int cpu)
@@ -1168,6 +1225,7 @@ void *afs_worker_main(void *arg)
     uint64_t sleep_ns = SLEEP_MIN_NS;
     const uint64_t spin_ns = (uint64_t)eng->cfg.spin_us * 1000ull;
     uint64_t now = idle_since;
+    uint32_t fruitless = 0; /* provider wake-ups in a row with nothing to do (FRUITLESS_WAKES) */
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
         bool did = take_requests(eng, now);
         if (eng->postq_head)
@@ -1189,10 +1247,12 @@ void *afs_worker_main(void *arg)
         if (did) {
             idle_since = now;
             sleep_ns = SLEEP_MIN_NS;
+            fruitless = 0;
         } else if (eng->cfg.poll_mode == AFS_POLL_ADAPTIVE && now - idle_since > spin_ns &&
                    !eng->postq_head && !atomic_load(&eng->armed_on_watchers)) {
             /* (stays awake while operations are armed on watchers: they fire from here) */
-            worker_sleep(eng, &sleep_ns);
+            if (worker_sleep(eng, &sleep_ns, fruitless >= FRUITLESS_WAKES && fds_exhausted(eng)))
+                fruitless++;
             now = afs_now_ns(); /* requests taken next are stamped with the time they came */
         }
     }
