@@ -18,11 +18,16 @@ from pathlib import Path
 
 RMA_BW = "fi_rma_bw"
 PINGPONG = "fi_rdm_pingpong"
-_TIMEOUT = 120.0
+_TIMEOUT = 60.0  # one pair; a hung pair is retried (see _pair)
+_ATTEMPTS = 3
 
 
 class FabtestsError(RuntimeError):
     """A fabtests pair failed or printed no result line."""
+
+
+class _Hung(FabtestsError):
+    pass
 
 
 def check_dir(path: str) -> str | None:
@@ -53,7 +58,7 @@ def _endpoints(fabric: str, tag: str) -> tuple[list[str], list[str]]:
 
 def _shm_files(tag: str) -> list[Path]:
     shm = Path("/dev/shm")
-    return [p for p in shm.glob(f"*{tag}*")] if shm.is_dir() else []
+    return [p for p in shm.iterdir() if tag in p.name] if shm.is_dir() else []
 
 
 def _wait_server(fabric: str, tag: str, server: subprocess.Popen[bytes]) -> None:
@@ -67,7 +72,20 @@ def _wait_server(fabric: str, tag: str, server: subprocess.Popen[bytes]) -> None
 
 
 def _pair(directory: str, binary: str, fabric: str, opts: list[str]) -> list[str]:
-    """Runs server then client; returns the client's last result line, split."""
+    """Runs server then client; returns the client's last result line, split.
+
+    On the 2-core development machine about one shm pair in ten of fabtests 1.17 never
+    finishes (both processes spin; pair.sh's too): such a pair is killed and run again."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            return _pair_once(directory, binary, fabric, opts)
+        except _Hung:
+            if attempt + 1 == _ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _pair_once(directory: str, binary: str, fabric: str, opts: list[str]) -> list[str]:
     exe = str(Path(directory) / binary)
     tag = f"{os.getpid()}x{random.randrange(1 << 30)}"
     srv_ep, cli_ep = _endpoints(fabric, tag)
@@ -75,22 +93,28 @@ def _pair(directory: str, binary: str, fabric: str, opts: list[str]) -> list[str
     server = subprocess.Popen(
         base + srv_ep, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
+    client: subprocess.Popen[str] | None = None
     try:
         _wait_server(fabric, tag, server)
-        client = subprocess.run(base + cli_ep, check=False, capture_output=True, text=True, timeout=_TIMEOUT)
+        client = subprocess.Popen(base + cli_ep, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = client.communicate(timeout=_TIMEOUT)
         server.wait(timeout=_TIMEOUT)
     except subprocess.TimeoutExpired as e:
-        raise FabtestsError(f"{binary} -p {fabric}: timed out") from e
+        raise _Hung(f"{binary} -p {fabric}: no result in {_TIMEOUT:.0f} s, {_ATTEMPTS} times") from e
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        for f in _shm_files(tag):  # a killed shm endpoint leaves its region behind
+        for proc in (server, client):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        # a killed shm endpoint leaves its regions behind: ours are named by tag or by pid
+        pids = tuple(f"{p.pid}:" for p in (server, client) if p is not None)
+        for f in _shm_files(tag) + [f for f in _shm_files("") if f.name.startswith(pids)]:
             f.unlink(missing_ok=True)
-    lines = [ln.split() for ln in client.stdout.splitlines() if ln[:1].isdigit()]
-    if client.returncode != 0 or not lines or len(lines[-1]) < 7:
-        tail = (client.stderr or client.stdout).strip().splitlines()[-3:]
-        raise FabtestsError(f"{binary} -p {fabric} failed (exit {client.returncode}): {' | '.join(tail)}")
+    rc = client.returncode
+    lines = [ln.split() for ln in out.splitlines() if ln[:1].isdigit()]
+    if rc != 0 or not lines or len(lines[-1]) < 7:
+        tail = (err or out).strip().splitlines()[-3:]
+        raise FabtestsError(f"{binary} -p {fabric} failed (exit {rc}): {' | '.join(tail)}")
     return lines[-1]
 
 
