@@ -457,6 +457,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p2p.add_argument("--repeat", type=int, default=None, metavar="N",
                      help="repetitions per measurement (default: the benchmark's own)")
+    p2p.add_argument("--fabtests", metavar="DIR", default=None,
+                     help="also run libfabric's fi_rma_bw/fi_rdm_pingpong from DIR, alternately with "
+                          "afabric's rows, and print their columns and the ratio")
     _add_loop_arguments(p2p, "worker")
     p2p.set_defaults(func=_cmd_bench_p2p)
 

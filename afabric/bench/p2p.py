@@ -14,14 +14,16 @@ import asyncio
 import os
 import platform
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
 import numpy as np
 
 from .. import Engine, MemoryRegion, MrDesc, Pages, _native
-from . import harness, report
+from . import fabtests, harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
 
@@ -44,6 +46,7 @@ class Row:
     raw_gbps: float = 0.0
     py_ops: float = 0.0  # writes (or pages) per second
     raw_ops: float = 0.0
+    fi_gbps: float = 0.0  # fi_rma_bw at the same size and window (--fabtests), else 0
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -58,6 +61,7 @@ class Latency:
     p99_us: float
     raw_p50_us: float
     samples: int
+    fi_pingpong_us: float = 0.0  # fi_rdm_pingpong half round trip (--fabtests), else 0
 
 
 def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
@@ -80,7 +84,8 @@ def _iters_for(nbytes: int, quick: bool) -> int:
 
 
 def _window_for(nbytes: int) -> int:
-    return 64 if nbytes <= 64 * KiB else 16 if nbytes <= 1 * MiB else 4
+    # fi_rma_bw's windows (64, and 16 from 1 MiB on), so that --fabtests compares like with like
+    return 64 if nbytes < 1 * MiB else 16
 
 
 async def _py_writes(
@@ -137,10 +142,13 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             row = Row("write", size, 1, window)
             py: list[float] = []
             raw: list[float] = []
-            for _ in range(args.repeat):
+            fi: list[float] = []
+            for _ in range(args.repeat):  # alternately: the C library, then afabric
+                fi += await _rma_bw(args, size, window)
                 py.append(await _py_writes(eng, mr, desc, size, window, iters))
                 raw.append(_raw(n.bench_write(mr_id, rid, size, window, iters), iters))
             _fill(row, py, raw, size)
+            row.fi_gbps = statistics.median(fi) if fi else 0.0
             rows.append(row)
             bar.advance()
         rng = np.random.default_rng(1)
@@ -163,6 +171,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             bar.advance()
         bar.step("latency 8 B")
         lat = [await _latency(eng, mr, desc, 8, args.quick)]
+        lat[0].fi_pingpong_us = await _pingpong(args)
         bar.close()
         return rows, lat, eng
     except BaseException:
@@ -189,6 +198,25 @@ async def _latency(eng: Engine, mr: MemoryRegion, desc: MrDesc, size: int, quick
     return Latency(size, p50 / 1e3, p99 / 1e3, raw / 1e3, n)
 
 
+async def _off_loop(fn: Callable[..., float], *a: object) -> float:
+    """A fabtests pair, run off the event loop (the engine's completions keep flowing)."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *a)
+
+
+async def _rma_bw(args: argparse.Namespace, size: int, window: int) -> list[float]:
+    """One fi_rma_bw sample at this size and window with --fabtests, else none."""
+    if not args.fabtests:
+        return []
+    iters = fabtests.rma_iters(size, args.quick)
+    return [await _off_loop(fabtests.rma_bw, args.fabtests, args.fabric, size, window, iters)]
+
+
+async def _pingpong(args: argparse.Namespace) -> float:
+    if not args.fabtests:
+        return 0.0
+    return await _off_loop(fabtests.pingpong_us, args.fabtests, args.fabric, 8, 2000 if args.quick else 20000)
+
+
 def _fill(row: Row, py: list[float], raw: list[float], nbytes: int, per_call: int = 1) -> None:
     py_s, raw_s = statistics.median(py), statistics.median(raw)
     row.py_gbps = nbytes / py_s / 1e9
@@ -207,21 +235,27 @@ def _fmt_size(n: int) -> str:
 
 def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     out = [header, ""]
+    fi = any(r.fi_gbps for r in rows)
     out.append(
         f"{'op':<6} {'size':>8} {'win':>4} {'py GB/s':>9} {'raw GB/s':>9} {'py/raw':>7} "
-        f"{'py op/s':>11} {'raw op/s':>11}"
+        f"{'py op/s':>11} {'raw op/s':>11}" + (f" {'fi_rma_bw':>9} {'py/fi':>6}" if fi else "")
     )
     for r in rows:
         size = _fmt_size(r.size) + ("/pg" if r.kind == "paged" else "")
         out.append(
             f"{r.kind:<6} {size:>8} {r.window:>4} {r.py_gbps:>9.2f} {r.raw_gbps:>9.2f} {r.ratio:>7.2f} "
             f"{r.py_ops:>11,.0f} {r.raw_ops:>11,.0f}"
+            + (f" {r.fi_gbps:>9.2f} {r.py_gbps / r.fi_gbps:>6.2f}" if r.fi_gbps else "")
         )
     for x in lat:
         out.append(
             f"\nawaited {x.size} B write, one at a time: p50 {x.p50_us:.1f} µs, p99 {x.p99_us:.1f} µs "
             f"(raw C loop: {x.raw_p50_us:.1f} µs mean; {x.samples} samples)"
+            + (f"; fi_rdm_pingpong {x.fi_pingpong_us:.2f} µs (half round trip)" if x.fi_pingpong_us else "")
         )
+    if fi:
+        out.append("fi_rma_bw: libfabric's own C loop (-o writedata), same provider, size and window, "
+                   "run alternately with afabric's rows; py/fi is the API's share of it")
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
     out += py_raw_note(rows)
     return "\n".join(out)
@@ -263,6 +297,11 @@ def main(args: argparse.Namespace) -> int:
         return p2p_nvlink.main(args)
     args.repeat = max(1, int(getattr(args, "repeat", None) or (3 if args.quick else 5)))
     report.check_outputs(args)  # a --plot that cannot be drawn fails before the run, not after it
+    args.fabtests = getattr(args, "fabtests", None)
+    problem = fabtests.check_dir(args.fabtests) if args.fabtests else None
+    if problem:
+        print(f"afabric: error: {problem}", file=sys.stderr)
+        return 2
     args.polling = getattr(args, "polling", None) or "adaptive"
     loop = getattr(args, "loop", None) or harness.default_loop()
 
@@ -277,7 +316,9 @@ def main(args: argparse.Namespace) -> int:
         try:
             async with harness.watch(target):  # a target that dies fails the run at once
                 desc_blob = await target.arecv(60)
-                args.provider = provider
+                args.provider, args.fabric = provider, fabric
+                if args.fabtests and not fabric:
+                    raise RuntimeError(f"--fabtests: provider {provider} is not a libfabric one")
                 rows, lat, eng = await _measure(args, desc_blob)
                 await eng.aclose()
             return rows, lat, fabric, why

@@ -1,0 +1,55 @@
+"""`afabric bench p2p --fabtests DIR`: libfabric's own fi_rma_bw/fi_rdm_pingpong beside afabric's rows.
+
+The fabtests binaries are not part of afabric; the end-to-end check runs only where the
+development checkout has them beside it (../shared/tools/fabtests) and is skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# ../shared beside the checkout (a worktree under wt/ has it one level further up)
+FABTESTS = next(
+    (p for p in (ROOT.parent / "shared/tools/fabtests", ROOT.parent.parent / "shared/tools/fabtests")
+     if (p / "fi_rma_bw").is_file() and (p / "fi_rdm_pingpong").is_file()),
+    None,
+)  # fmt: skip
+
+
+def _p2p(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "afabric.cli", "bench", "p2p", *args],
+        check=False, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_missing_fabtests_dir_is_refused_before_the_run(tmp_path: Path) -> None:
+    proc = _p2p("--provider", "shm", "--quick", "--fabtests", str(tmp_path / "nowhere"), timeout=60)
+    assert proc.returncode == 2
+    assert "--fabtests" in proc.stderr and "not a directory" in proc.stderr
+    (tmp_path / "fi_rma_bw").write_text("")  # present but not executable, and no pingpong
+    proc = _p2p("--provider", "shm", "--quick", "--fabtests", str(tmp_path), timeout=60)
+    assert proc.returncode == 2
+    assert "missing or not executable" in proc.stderr
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(FABTESTS is None, reason="no fabtests binaries in ../shared/tools/fabtests")
+def test_fabtests_columns_beside_afabric_rows(tmp_path: Path) -> None:
+    out = tmp_path / "p2p.json"
+    proc = _p2p("--provider", "shm", "--quick", "--sizes", "64K", "--repeat", "1",
+                "--fabtests", str(FABTESTS), "--json", str(out), timeout=380)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "fi_rma_bw" in proc.stdout and "py/fi" in proc.stdout
+    assert "fi_rdm_pingpong" in proc.stdout
+    doc = json.loads(out.read_text())
+    (row,) = [r for r in doc["rows"] if r["kind"] == "write"]
+    assert row["window"] == 64 and row["fi_gbps"] > 0  # fi_rma_bw ran at afabric's size and window
+    assert all(r["fi_gbps"] == 0 for r in doc["rows"] if r["kind"] == "paged")
+    assert doc["latency"][0]["fi_pingpong_us"] > 0
