@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -97,24 +99,53 @@ async def page_sink(ctl: Ctl, provider: str) -> int:
 
 
 async def test_a_slow_but_progressing_paged_write_does_not_time_out(provider: str, peers: list[Peer]) -> None:
-    """A paged write of 400,000 pages takes several op_timeouts in all, but completes
-    pages all along: it must succeed, every page delivered (it failed with OperationTimeout
-    after op_timeout while deadlines ran from the start)."""
+    """A paged write that lasts longer than op_timeout in all, but completes pages all
+    along, must succeed with every page delivered (it failed with OperationTimeout after
+    op_timeout while deadlines ran from the start). How long a write of this size takes
+    depends on the machine (0.36 s on shm once the writer stopped napping), so the target is
+    made to stall on purpose: SIGSTOPped for STALL s at a time (less than op_timeout), let
+    run for RUN s in between, as long as the write lasts (at most STOPS times)."""
+    stall, run, max_stops, op_timeout = 0.5, 0.05, 8, 2.0
     target = Peer(page_sink, provider)
     peers.append(target)
     desc = afabric.MrDesc.from_bytes(await target.get())
-    op_timeout = 1.0
+    pid = target.proc.pid
+    assert pid is not None
+    stops = 0
+    writing = True
+
+    async def stall_target() -> None:
+        nonlocal stops
+        try:
+            while writing and stops < max_stops:
+                os.kill(pid, signal.SIGSTOP)
+                await asyncio.sleep(stall)
+                os.kill(pid, signal.SIGCONT)
+                if writing:
+                    stops += 1  # a whole stall while the write was in flight
+                await asyncio.sleep(run)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
     async with afabric.Engine(provider, op_timeout=op_timeout) as eng:
         src = eng.register(np.full(PAGES * PAGE, 7, dtype=np.uint8), remote=False)
         idx = np.arange(PAGES, dtype=np.int64)
         dst = np.random.default_rng(16).permutation(PAGES)
-        t0 = asyncio.get_running_loop().time()
-        await eng.write_paged(
-            src, desc, page_len=PAGE, src_pages=afabric.Pages(idx, PAGE), dst_pages=afabric.Pages(dst, PAGE)
-        )
-        took = asyncio.get_running_loop().time() - t0
-    print(f"\n{provider}: {PAGES} pages in {took:.2f} s with op_timeout={op_timeout} s")
-    assert took > 2 * op_timeout, "the write was too quick to show anything: make it larger"
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        pages = {"src_pages": afabric.Pages(idx, PAGE), "dst_pages": afabric.Pages(dst, PAGE)}
+        write = asyncio.ensure_future(eng.write_paged(src, desc, page_len=PAGE, **pages))
+        await asyncio.sleep(0.02)  # under way: the first pages are out
+        staller = asyncio.ensure_future(stall_target())
+        try:
+            await write
+        finally:
+            writing = False
+            await staller
+        took = loop.time() - t0
+    print(f"\n{provider}: {PAGES} pages in {took:.2f} s, {stops} stalls of {stall} s")
+    assert stops >= 4, "the write ended before the target was stalled often enough: make it larger"
+    assert took > op_timeout
     target.put("count")
     assert await target.result(timeout=100) == PAGES
 
