@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "shim" / "afabric_shim.h"
+PROVIDER_HEADER = ROOT / "shim" / "afabric_provider.h"
 DECL = ROOT / "afabric" / "_shim_decl.py"
 STUB = ROOT / "typings" / "afabric_shim.pyi"
 COMMAND = "python -m afabric._gen_shim"
@@ -42,6 +43,11 @@ _INTS = {
 # Python class names that do not follow CamelCase(name without afs_).
 _CLASS_NAMES = {"afs_op_timing": "OpTimingStruct"}
 _LINE = 110
+# What the shim passes through of the provider ABI (afs_provider_probe fills afp_nic_info,
+# afs_engine_facts.caps holds AFP_CAP_*, afs_mr_register takes AFP_MR_*): taken from
+# afabric_provider.h by name, since that header as a whole is outside the subset.
+_PROVIDER_STRUCTS = {"afp_nic_info": "NicInfoStruct"}
+_PROVIDER_DEFINES = ("AFP_CAP_", "AFP_MR_")
 
 
 class HeaderError(ValueError):
@@ -180,7 +186,29 @@ def _preprocess(text: str, hdr: Header) -> str:
     return "\n".join(out)
 
 
-def parse(text: str) -> Header:  # noqa: PLR0912, PLR0915
+def _fields(c_name: str, text: str, hdr: Header, sizes: dict[str, str]) -> list[tuple[str, CType]]:
+    """The fields of a structure (`sizes`: the constants an array size may name)."""
+    fields: list[tuple[str, CType]] = []
+    for fdecl in filter(None, (f.strip() for f in text.split(";"))):
+        first, *more = (d.strip() for d in fdecl.split(","))
+        ftype, _ = _split_decl(re.sub(r"\[\s*\w+\s*\]$", "", first), c_name)
+        for name_decl in [first, *more]:
+            am = re.fullmatch(r"(?:.*?[\s*])?(\w+)\s*(?:\[\s*(\w+)\s*\])?", name_decl)
+            if not am:
+                raise HeaderError(f"{c_name}: cannot read field {name_decl!r}")
+            fname, size = am.group(1), am.group(2)
+            where = f"{c_name}.{fname}"
+            if size is not None:
+                n = _int_literal(size) or sizes.get(size)
+                if ftype != "char" or n is None:
+                    raise HeaderError(f"{where}: only char arrays of a constant size")
+                fields.append((fname, CType(f"ctypes.c_char * {n}", "", "bytes")))
+            else:
+                fields.append((fname, _type(ftype, hdr, param=False, where=where)))
+    return fields
+
+
+def parse(text: str) -> Header:  # noqa: PLR0912
     """Parse the header. The subset: `#define AFS_X <integer>`, the `AFS_ERROR_TABLE(X)`
     rows, `typedef struct afs_x afs_x;` (opaque handles), `typedef struct afs_x {...} afs_x;`
     with fixed-width integer, `const char *` and `char name[N]` fields, enums of
@@ -200,23 +228,8 @@ def parse(text: str) -> Header:  # noqa: PLR0912, PLR0915
             c_name, fields_text = m.group(1), m.group(2)
             if c_name != m.group(3):
                 raise HeaderError(f"{c_name}: the typedef must repeat the struct's name")
-            fields: list[tuple[str, CType]] = []
-            for fdecl in filter(None, (f.strip() for f in fields_text.split(";"))):
-                first, *more = (d.strip() for d in fdecl.split(","))
-                ftype, fname = _split_decl(re.sub(r"\[\s*\w+\s*\]$", "", first), c_name)
-                for name_decl in [first, *more]:
-                    am = re.fullmatch(r"(?:.*?[\s*])?(\w+)\s*(?:\[\s*(\w+)\s*\])?", name_decl)
-                    if not am:
-                        raise HeaderError(f"{c_name}: cannot read field {name_decl!r}")
-                    fname, size = am.group(1), am.group(2)
-                    where = f"{c_name}.{fname}"
-                    if size is not None:
-                        n = _int_literal(size) or hdr.constants.get(size.removeprefix("AFS_"))
-                        if ftype != "char" or n is None:
-                            raise HeaderError(f"{where}: only char arrays of a constant size")
-                        fields.append((fname, CType(f"ctypes.c_char * {n}", "", "bytes")))
-                    else:
-                        fields.append((fname, _type(ftype, hdr, param=False, where=where)))
+            sizes = {f"AFS_{k}": v for k, v in hdr.constants.items()}
+            fields = _fields(c_name, fields_text, hdr, sizes)
             hdr.structs[c_name] = Struct(c_name, _class_name(c_name), fields)
         elif m := re.fullmatch(r"enum (\w+) \{(.*)\}", decl):
             items = [i.strip() for i in m.group(2).split(",") if i.strip()]
@@ -250,11 +263,39 @@ def parse(text: str) -> Header:  # noqa: PLR0912, PLR0915
     return hdr
 
 
+def parse_provider(text: str, hdr: Header) -> None:
+    """Add the provider ABI's part that the shim exposes (_PROVIDER_*) to `hdr`."""
+    body = _strip_comments(text).replace("\\\n", " ")
+    sizes: dict[str, str] = {}
+    for name, value in re.findall(r"^[ \t]*#[ \t]*define[ \t]+(AFP_\w+)[ \t]+([^\n]+)$", body, re.MULTILINE):
+        lit = _int_literal(value)
+        if lit is not None:
+            sizes[name] = lit
+        if name.startswith(_PROVIDER_DEFINES):
+            if lit is None:
+                raise HeaderError(f"#define {name}: only integer constants are allowed, not {value!r}")
+            hdr.constants[name.removeprefix("AFP_")] = lit
+    flat = " ".join(body.split())
+    for c_name, py_name in _PROVIDER_STRUCTS.items():
+        m = re.search(rf"typedef struct {c_name} \{{([^}}]*)\}} {c_name};", flat)
+        if not m:
+            raise HeaderError(f"typedef struct {c_name} {{...}} {c_name}; not found")
+        hdr.structs[c_name] = Struct(c_name, py_name, _fields(c_name, m.group(1), hdr, sizes))
+
+
+def load(header_text: str, provider_text: str | None = None) -> Header:
+    """Both parts: the shim's header and what it passes through of the provider's."""
+    hdr = parse(header_text)
+    parse_provider(PROVIDER_HEADER.read_text() if provider_text is None else provider_text, hdr)
+    return hdr
+
+
 def _decl_module(hdr: Header) -> str:
     out = [
         '"""The shim\'s ABI for ctypes.',
         "",
-        f"Generated by `{COMMAND}` from shim/afabric_shim.h: do not edit.",
+        f"Generated by `{COMMAND}` from shim/afabric_shim.h (and afp_nic_info, AFP_CAP_*,",
+        "AFP_MR_* of shim/afabric_provider.h): do not edit.",
         '"""',
         "",
         "from __future__ import annotations",
@@ -363,8 +404,8 @@ def _stub(hdr: Header) -> str:
 
 
 def generate(header_text: str) -> dict[Path, str]:
-    """What the header gives: path -> content."""
-    hdr = parse(header_text)
+    """What the header (and the provider header's part) gives: path -> content."""
+    hdr = load(header_text)
     return {DECL: _decl_module(hdr), STUB: _stub(hdr)}
 
 

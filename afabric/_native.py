@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, cast
 
 from . import errors
 
-# Everything afabric_shim.h declares (constants, EngineHandle, the structures, FUNCTIONS) is
-# generated from the header into _shim_decl.py by `python -m afabric._gen_shim` and
+# Everything afabric_shim.h declares (constants, EngineHandle, the structures, FUNCTIONS),
+# with afp_nic_info and the AFP_CAP_*/AFP_MR_* flags it passes through from
+# afabric_provider.h, is generated into _shim_decl.py by `python -m afabric._gen_shim` and
 # re-exported from here; do not declare it again.
 from ._shim_decl import *  # noqa: F403
 from ._shim_decl import (
@@ -41,6 +42,7 @@ from ._shim_decl import (
     DescInfo,
     EngineFacts,
     EngineHandle,
+    NicInfoStruct,
     NicStats,
     OpTimingStruct,
 )
@@ -53,38 +55,7 @@ if TYPE_CHECKING:
     from afabric_shim import ShimLib
 
 SHIM_NAME = "libafabric_shim.so"
-
-
-# afp_nic_info of afabric_provider.h (what afs_provider_probe fills): the provider header is
-# not in the generator's subset, so this one is kept by hand; tests/test_stubs.py checks it.
-class NicInfoStruct(ctypes.Structure):
-    name: bytes
-    fabric: bytes
-    provider: bytes
-    pci: bytes
-    link_speed_bps: int
-    numa_node: int
-    reserved: int
-    _fields_ = [
-        ("name", ctypes.c_char * 64),
-        ("fabric", ctypes.c_char * 64),
-        ("provider", ctypes.c_char * 64),
-        ("pci", ctypes.c_char * 32),
-        ("link_speed_bps", ctypes.c_uint64),
-        ("numa_node", ctypes.c_int32),
-        ("reserved", ctypes.c_uint32),
-    ]
-
-
-# Provider flags and capability bits (afabric_provider.h AFP_MR_*, AFP_CAP_*), by hand as above.
-MR_REMOTE, MR_DEVICE = 0x1, 0x2
 NO_TRIGGER = (0, 0, 0)
-CAP_IMM_NEEDS_RECV = 0x1
-CAP_DEVICE_MEM = 0x2
-CAP_MR_LOCAL = 0x4
-CAP_VIRT_ADDR = 0x8
-CAP_PROV_KEY = 0x10
-CAP_DELIVERY_COMPLETE = 0x20
 
 
 @dataclass(frozen=True)

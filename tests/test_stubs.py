@@ -1,10 +1,10 @@
 """The C ABI has one source, the header (shim/afabric_shim.h): afabric/_shim_decl.py (the
 ctypes constants, structures and FUNCTIONS table) and the stub typings/afabric_shim.pyi that
 mypy checks every call against are generated from it by afabric._gen_shim. These tests
-fail when the committed files are stale, check what the generator produces against the C
-compiler's layout and the loaded library, and keep the hand-written afp_nic_info mirror in
-step. Error names cross the boundary through the header's AFS_ERROR_TABLE (read by C and,
-at run time, by Python) and must all map to Python classes."""
+fail when the committed files are stale and check what the generator produces against the
+C compiler's layout and the loaded library. Error names cross the boundary through the
+header's AFS_ERROR_TABLE (read by C and, at run time, by Python) and must all map to Python
+classes."""
 
 from __future__ import annotations
 
@@ -208,18 +208,31 @@ def _c_layout(tmp: Path, include: str, structs: dict[str, list[str]]) -> dict[st
 
 
 def test_structures_have_the_c_layout(tmp_path: Path) -> None:
-    """Every generated structure (and the hand-kept NicInfoStruct) has C's size and offsets."""
-    hdr = _gen_shim.parse(HEADER.read_text())
+    """Every generated structure (afp_nic_info included) has C's size and field offsets."""
+    hdr = _gen_shim.load(HEADER.read_text())
     classes: dict[str, type[ctypes.Structure]] = {
         s.c_name: getattr(_shim_decl, s.py_name) for s in hdr.structs.values()
     }
-    classes["afp_nic_info"] = _native.NicInfoStruct
+    assert "afp_nic_info" in classes and len(classes) == 7
     fields = {c: [f[0] for f in cls._fields_] for c, cls in classes.items()}
     (tmp_path / "both.h").write_text('#include "afabric_shim.h"\n#include "afabric_provider.h"\n')
     layout = _c_layout(tmp_path, str(tmp_path / "both.h"), fields)
     for c_name, cls in classes.items():
         py = [ctypes.sizeof(cls), *(getattr(cls, f).offset for f in fields[c_name])]
         assert layout[c_name] == py, f"{c_name}: C (size, offsets) {layout[c_name]} != ctypes {py}"
+
+
+def test_provider_part_is_found_or_refused() -> None:
+    """afp_nic_info and the AFP_CAP_*/AFP_MR_* flags come from afabric_provider.h by name:
+    a rename there fails the generator instead of leaving a stale mirror."""
+    hdr = _gen_shim.load(HEADER.read_text())
+    assert (hdr.constants["CAP_DELIVERY_COMPLETE"], hdr.constants["MR_DEVICE"]) == ("0x20", "0x2")
+    assert _native.MR_REMOTE == 1 and _native.CAP_TARGET_COPIES == 0x40
+    provider = (ROOT / "shim" / "afabric_provider.h").read_text()
+    with pytest.raises(_gen_shim.HeaderError, match="afp_nic_info"):
+        _gen_shim.load(HEADER.read_text(), provider.replace("} afp_nic_info;", "} afp_nic_info2;"))
+    with pytest.raises(_gen_shim.HeaderError, match="AFP_MR_REMOTE"):
+        _gen_shim.load(HEADER.read_text(), provider.replace("AFP_MR_REMOTE 0x1u", "AFP_MR_REMOTE (1u << 0)"))
 
 
 def test_loaded_shim_exports_every_function() -> None:
