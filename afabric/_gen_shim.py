@@ -154,6 +154,12 @@ def _split_decl(decl: str, where: str) -> tuple[str, str]:
     return m.group(1).strip(), m.group(2)
 
 
+def _constant(hdr: Header, name: str, literal: str) -> None:
+    if name in hdr.constants:
+        raise HeaderError(f"constant {name} defined twice")
+    hdr.constants[name] = literal
+
+
 def _preprocess(text: str, hdr: Header) -> str:
     """Handle the directives; return the C declarations that are left."""
     text = text.replace("\\\n", " ")
@@ -180,7 +186,7 @@ def _preprocess(text: str, hdr: Header) -> str:
             lit = _int_literal(value)
             if lit is None:
                 raise HeaderError(f"#define {name}: only integer constants are allowed, not {value!r}")
-            hdr.constants[name.removeprefix("AFS_")] = lit
+            _constant(hdr, name.removeprefix("AFS_"), lit)
         else:
             raise HeaderError(f"#define {name}: names start with AFS_")
     return "\n".join(out)
@@ -240,16 +246,14 @@ def parse(text: str) -> Header:  # noqa: PLR0912
                 lit = _int_literal(im.group(2)) if im else None
                 if im is None or lit is None:
                     raise HeaderError(f"enum {m.group(1)}: {item!r} is not AFS_X = <integer>")
-                hdr.constants[im.group(1)] = lit
-        elif m := re.fullmatch(r"AFS_API (.+?)\b(afs_\w+) \((.*)\)", decl) or re.fullmatch(
-            r"AFS_API (.+?)\b(afs_\w+)\((.*)\)", decl
-        ):
+                _constant(hdr, im.group(1), lit)
+        elif m := re.fullmatch(r"AFS_API (.+?)\b(afs_\w+) ?\((.*)\)", decl):
             ret, name, params_text = m.group(1).strip(), m.group(2), m.group(3).strip()
             result = None if ret == "void" else _type(ret, hdr, param=True, where=f"{name} result")
-            if result is not None and result.ctypes not in ("ctypes.c_char_p",) and result.stub != "int":
-                raise HeaderError(f"{name}: returns {ret!r}, outside the subset")
             if result is not None and result.ctypes == "ctypes.c_char_p":
-                result = CType(result.ctypes, "bytes | None", "")
+                result = CType(result.ctypes, "bytes | None", "")  # a static string, or NULL
+            elif result is not None and result.stub != "int":
+                raise HeaderError(f"{name}: returns {ret!r}, outside the subset")
             params: list[tuple[str, CType]] = []
             if params_text != "void":
                 for p in params_text.split(","):
@@ -274,7 +278,7 @@ def parse_provider(text: str, hdr: Header) -> None:
         if name.startswith(_PROVIDER_DEFINES):
             if lit is None:
                 raise HeaderError(f"#define {name}: only integer constants are allowed, not {value!r}")
-            hdr.constants[name.removeprefix("AFP_")] = lit
+            _constant(hdr, name.removeprefix("AFP_"), lit)
     flat = " ".join(body.split())
     for c_name, py_name in _PROVIDER_STRUCTS.items():
         m = re.search(rf"typedef struct {c_name} \{{([^}}]*)\}} {c_name};", flat)
