@@ -8,7 +8,8 @@
   the ``FUNCTIONS`` table (restype, argtypes) that :mod:`afabric._native` applies;
 - ``typings/afabric_shim.pyi``: the same functions as typed callables for ``mypy --strict``.
 
-Both are committed with a "generated, do not edit" line; ``--check`` (and
+A development tool: it reads the headers of a source checkout (the wheel ships the
+generated files, not the headers). Both are committed with a "generated, do not edit" line; ``--check`` (and
 tests/test_stubs.py) fails when either differs from what the header gives. A construct
 outside the subset is an error here, never silently skipped.
 
