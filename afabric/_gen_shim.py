@@ -8,10 +8,11 @@
   the ``FUNCTIONS`` table (restype, argtypes) that :mod:`afabric._native` applies;
 - ``typings/afabric_shim.pyi``: the same functions as typed callables for ``mypy --strict``.
 
-A development tool: it reads the headers of a source checkout (the wheel ships the
-generated files, not the headers). Both are committed with a "generated, do not edit" line; ``--check`` (and
-tests/test_stubs.py) fails when either differs from what the header gives. A construct
-outside the subset is an error here, never silently skipped.
+Both are committed with a "generated, do not edit" line; ``--check`` (and
+tests/test_stubs.py, and build_native.py) fails when either differs from what the header
+gives. A construct outside the subset is an error here, never silently skipped. A
+development tool: it reads the headers of a source checkout (a wheel ships the generated
+files, not the headers).
 
 The error table is not copied: ``AFS_ERROR_TABLE`` is read by C (the enum and
 ``afs_error_info``) and by Python at run time through ``afs_error_info``.
