@@ -208,6 +208,32 @@ def build_library(
     return dest
 
 
+def check_generated_abi() -> None:
+    """BuildError if afabric/_shim_decl.py or typings/afabric_shim.pyi is not what
+    shim/afabric_shim.h gives (afabric/_gen_shim.py, stdlib only, loaded by path): the
+    Python side of the ABI is never built against a header it was not generated from."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_afabric_gen_shim", ROOT / "afabric" / "_gen_shim.py")
+    if spec is None or spec.loader is None:
+        raise BuildError("afabric/_gen_shim.py not found")
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gen  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(gen)
+        stale = [
+            str(path.relative_to(ROOT))
+            for path, text in gen.generate(gen.HEADER.read_text()).items()
+            if path.is_file() and path.read_text() != text  # (a source tree without typings/: no stub)
+        ]
+    finally:
+        del sys.modules[spec.name]
+    if stale:
+        raise BuildError(
+            f"{', '.join(stale)} out of date with shim/afabric_shim.h: run `python -m afabric._gen_shim`"
+        )
+
+
 def build(
     out_dir_shim: str | os.PathLike[str] | None = None,
     out_dir_ofi: str | os.PathLike[str] | None = None,
@@ -232,6 +258,8 @@ def build(
         out_dir_verbs = out_dir_ofi
     if out_dir_nvlink is None:
         out_dir_nvlink = out_dir_ofi
+    if "shim" in only:
+        check_generated_abi()
     out: dict[str, Path] = {}
     for key, lib, dest in (
         ("shim", SHIM, out_dir_shim),

@@ -19,363 +19,43 @@ from typing import TYPE_CHECKING, cast
 
 from . import errors
 
-if TYPE_CHECKING:
-    from ctypes import _CDataType
+# Everything afabric_shim.h declares (constants, EngineHandle, the structures, FUNCTIONS),
+# with afp_nic_info and the AFP_CAP_*/AFP_MR_* flags it passes through from
+# afabric_provider.h, is generated into _shim_decl.py by `python -m afabric._gen_shim` and
+# re-exported from here; do not declare it again.
+from ._shim_decl import *  # noqa: F403
+from ._shim_decl import (
+    ABI_VERSION,
+    ALLOW_ON,
+    ALLOW_UNKNOWN,
+    C_DONE,
+    C_NOTICE,
+    C_RECV,
+    C_WATCH,
+    CFG_FORCE_EFA_MODES,
+    CFG_TIMING,
+    FUNCTIONS,
+    POLL_ADAPTIVE,
+    POLL_SPIN,
+    Completion,
+    Config,
+    DescInfo,
+    EngineFacts,
+    EngineHandle,
+    NicInfoStruct,
+    NicStats,
+    OpTimingStruct,
+)
 
+if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
     # typings/afabric_shim.pyi: the shim's functions as typed callables (no run-time module).
     from afabric_shim import ShimLib
 
-ABI_VERSION = 2  # afabric_shim.h AFS_ABI_VERSION
 SHIM_NAME = "libafabric_shim.so"
-
-_u8p = ctypes.POINTER(ctypes.c_uint8)
-_u32p = ctypes.POINTER(ctypes.c_uint32)
-_u64p = ctypes.POINTER(ctypes.c_uint64)
-_i64p = ctypes.POINTER(ctypes.c_int64)
-_i32p = ctypes.POINTER(ctypes.c_int32)
-
-
-class EngineHandle(ctypes.c_void_p):
-    """Opaque `afs_engine *` (its own type so no other pointer can be passed for it)."""
-
-
-# The annotations in the structures below give mypy the field types (ctypes itself only
-# reads _fields_); tests/test_stubs.py checks that both list the same fields.
-
-
-class Config(ctypes.Structure):
-    size: int
-    flags: int
-    provider_lib: bytes | None
-    provider_name: bytes | None
-    fabric_provider: bytes | None
-    nic: bytes | None
-    bind_addr: bytes | None
-    cpu: int
-    poll_mode: int
-    spin_us: int
-    max_msg_size: int
-    rx_depth: int
-    tx_depth: int
-    op_timeout_ns: int
-    nics: int
-    max_imm_values: int
-    _fields_ = [
-        ("size", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("provider_lib", ctypes.c_char_p),
-        ("provider_name", ctypes.c_char_p),
-        ("fabric_provider", ctypes.c_char_p),
-        ("nic", ctypes.c_char_p),
-        ("bind_addr", ctypes.c_char_p),
-        ("cpu", ctypes.c_int32),
-        ("poll_mode", ctypes.c_uint32),
-        ("spin_us", ctypes.c_uint32),
-        ("max_msg_size", ctypes.c_uint32),
-        ("rx_depth", ctypes.c_uint32),
-        ("tx_depth", ctypes.c_uint32),
-        ("op_timeout_ns", ctypes.c_uint64),
-        ("nics", ctypes.c_uint32),
-        ("max_imm_values", ctypes.c_uint32),
-    ]
-
-
-class NicStats(ctypes.Structure):
-    writes: int
-    write_bytes: int
-    sends: int
-    recvs: int
-    imms: int
-    errors: int
-    retries: int
-    landed: int
-    completions: int
-    rejected: int
-    rejected_unknown: int
-    imms_dropped: int
-    _fields_ = [
-        ("writes", ctypes.c_uint64),
-        ("write_bytes", ctypes.c_uint64),
-        ("sends", ctypes.c_uint64),
-        ("recvs", ctypes.c_uint64),
-        ("imms", ctypes.c_uint64),
-        ("errors", ctypes.c_uint64),
-        ("retries", ctypes.c_uint64),
-        ("landed", ctypes.c_uint64),
-        ("completions", ctypes.c_uint64),
-        ("rejected", ctypes.c_uint64),
-        ("rejected_unknown", ctypes.c_uint64),
-        ("imms_dropped", ctypes.c_uint64),
-    ]
-
-
-class OpTimingStruct(ctypes.Structure):
-    id: int
-    kind: int
-    status: int
-    work_requests: int
-    t_enqueue: int
-    t_pickup: int
-    t_first_post: int
-    t_last_post: int
-    t_complete: int
-    _fields_ = [
-        ("id", ctypes.c_uint64),
-        ("kind", ctypes.c_uint32),
-        ("status", ctypes.c_int32),
-        ("work_requests", ctypes.c_uint64),
-        ("t_enqueue", ctypes.c_uint64),
-        ("t_pickup", ctypes.c_uint64),
-        ("t_first_post", ctypes.c_uint64),
-        ("t_last_post", ctypes.c_uint64),
-        ("t_complete", ctypes.c_uint64),
-    ]
-
-
-class EngineFacts(ctypes.Structure):
-    event_fd: int
-    caps: int
-    incarnation: int
-    max_write_size: int
-    max_msg_size: int
-    nics: int
-    provider: bytes
-    _fields_ = [
-        ("event_fd", ctypes.c_int32),
-        ("caps", ctypes.c_uint32),
-        ("incarnation", ctypes.c_uint64),
-        ("max_write_size", ctypes.c_uint64),
-        ("max_msg_size", ctypes.c_uint32),
-        ("nics", ctypes.c_uint32),
-        ("provider", ctypes.c_char * 64),
-    ]
-
-
-class DescInfo(ctypes.Structure):
-    incarnation: int
-    base: int
-    length: int
-    device: int
-    nics: int
-    provider: bytes
-    _fields_ = [
-        ("incarnation", ctypes.c_uint64),
-        ("base", ctypes.c_uint64),
-        ("length", ctypes.c_uint64),
-        ("device", ctypes.c_int32),
-        ("nics", ctypes.c_uint32),
-        ("provider", ctypes.c_char * 32),
-    ]
-
-
-class Completion(ctypes.Structure):
-    id: int
-    status: int
-    kind: int
-    data: int
-    len: int
-    slot: int
-    reserved: int
-    _fields_ = [
-        ("id", ctypes.c_uint64),
-        ("status", ctypes.c_int32),
-        ("kind", ctypes.c_uint32),
-        ("data", ctypes.c_uint64),
-        ("len", ctypes.c_uint64),
-        ("slot", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
-    ]
-
-
-class NicInfoStruct(ctypes.Structure):
-    name: bytes
-    fabric: bytes
-    provider: bytes
-    pci: bytes
-    link_speed_bps: int
-    numa_node: int
-    reserved: int
-    _fields_ = [
-        ("name", ctypes.c_char * 64),
-        ("fabric", ctypes.c_char * 64),
-        ("provider", ctypes.c_char * 64),
-        ("pci", ctypes.c_char * 32),
-        ("link_speed_bps", ctypes.c_uint64),
-        ("numa_node", ctypes.c_int32),
-        ("reserved", ctypes.c_uint32),
-    ]
-
-
-# Completion kinds, config flags and capability bits (afabric_shim.h / afabric_provider.h).
-C_DONE, C_RELEASE, C_RECV, C_WATCH, C_NOTICE = 1, 2, 3, 4, 5
-NOTICE_IMMS_DROPPED = 1
-TRIG_NONE, TRIG_WATCHER, TRIG_IMM = 0, 1, 2
-CFG_FORCE_EFA_MODES = 0x1
-CFG_TIMING = 0x2
-POLL_ADAPTIVE, POLL_SPIN = 0, 1
-MR_REMOTE, MR_DEVICE = 0x1, 0x2
-ALLOW_ON, ALLOW_UNKNOWN = 0x1, 0x2
-NO_IMM = -1
 NO_TRIGGER = (0, 0, 0)
-CAP_IMM_NEEDS_RECV = 0x1
-CAP_DEVICE_MEM = 0x2
-CAP_MR_LOCAL = 0x4
-CAP_VIRT_ADDR = 0x8
-CAP_PROV_KEY = 0x10
-CAP_DELIVERY_COMPLETE = 0x20
-
-_E = EngineHandle
-# name -> (restype, argtypes). The stub typings/afabric_shim.pyi lists the same names and
-# a test keeps the two in step.
-FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
-    "afs_abi_version": (ctypes.c_uint32, []),
-    "afs_error_count": (ctypes.c_int32, []),
-    "afs_error_info": (
-        ctypes.c_int32,
-        [ctypes.c_int32, _i32p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)],
-    ),
-    "afs_last_error": (ctypes.c_char_p, []),
-    "afs_text_free": (None, [ctypes.c_uint64]),
-    "afs_provider_probe": (
-        ctypes.c_int32,
-        [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_uint32, _u32p, ctypes.c_char_p, ctypes.c_uint32],
-    ),
-    "afs_engine_create": (ctypes.c_int32, [ctypes.POINTER(Config), ctypes.POINTER(_E)]),
-    "afs_engine_destroy": (ctypes.c_int32, [_E]),
-    "afs_engine_info": (ctypes.c_int32, [_E, ctypes.POINTER(EngineFacts)]),
-    "afs_engine_stats": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.POINTER(NicStats)]),
-    "afs_engine_address": (ctypes.c_int32, [_E, _u8p, ctypes.c_uint32, _u32p]),
-    "afs_mr_register": (
-        ctypes.c_int32,
-        [
-            _E,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_int32,
-            _u64p,
-            _u8p,
-            ctypes.c_uint32,
-            _u32p,
-        ],
-    ),
-    "afs_mr_deregister": (ctypes.c_int32, [_E, ctypes.c_uint64]),
-    "afs_desc_decode": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_uint32, ctypes.POINTER(DescInfo)]),
-    "afs_address_check": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_uint32, _u64p, _u32p]),
-    "afs_remote_import": (ctypes.c_int32, [_E, ctypes.c_char_p, ctypes.c_uint32, _u64p]),
-    "afs_remote_release": (ctypes.c_int32, [_E, ctypes.c_uint64]),
-    "afs_peer_resolve": (ctypes.c_int32, [_E, ctypes.c_char_p, ctypes.c_uint32, _u64p]),
-    "afs_allow_peers": (ctypes.c_int32, [_E, ctypes.c_char_p, _u32p, ctypes.c_uint32, ctypes.c_uint32]),
-    "afs_write": (
-        ctypes.c_int32,
-        [
-            _E,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            _u64p,
-        ],
-    ),
-    "afs_write_dynlen": (
-        ctypes.c_int32,
-        [
-            _E,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            _u64p,
-        ],
-    ),
-    "afs_write_paged": (
-        ctypes.c_int32,
-        [
-            _E,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            _u64p,
-        ],
-    ),
-    "afs_scatter": (
-        ctypes.c_int32,
-        [
-            _E,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            _u64p,
-        ],
-    ),
-    "afs_watcher_create": (ctypes.c_int32, [_E, ctypes.c_int32, _u64p, _u64p, _u64p]),
-    "afs_watcher_destroy": (ctypes.c_int32, [_E, ctypes.c_uint64]),
-    "afs_watcher_add": (ctypes.c_int32, [_E, ctypes.c_uint64, ctypes.c_uint64, _u64p]),
-    "afs_send": (ctypes.c_int32, [_E, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64, _u64p]),
-    "afs_expect_imm": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.c_uint64, _u64p]),
-    "afs_cancel": (ctypes.c_int32, [_E, ctypes.c_uint64]),
-    "afs_imm_return": (ctypes.c_int32, [_E, ctypes.c_uint32, ctypes.c_uint64]),
-    "afs_drain": (ctypes.c_int32, [_E, ctypes.POINTER(Completion), ctypes.c_uint32, _u32p]),
-    "afs_timing_drain": (
-        ctypes.c_int32,
-        [_E, ctypes.POINTER(OpTimingStruct), ctypes.c_uint32, _u32p, _u64p],
-    ),
-    "afs_recv_release": (ctypes.c_int32, [_E, _u32p, ctypes.c_uint32]),
-    "afs_bench_write": (
-        ctypes.c_int32,
-        [_E, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64, _u64p],
-    ),
-    "afs_bench_paged": (
-        ctypes.c_int32,
-        [
-            _E,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            _u64p,
-        ],
-    ),
-}
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ typedef struct afp_open_args {
 #define AFP_OPEN_FORCE_EFA_MODES 0x1u /* test switch: behave as if FI_RX_CQ_DATA, FI_MR_LOCAL
                                          and FI_MR_PROV_KEY were required */
 
+/* afp_nic_info, AFP_CAP_* and AFP_MR_* reach Python through afabric/_gen_shim.py (by name). */
 typedef struct afp_nic_info {
     char name[AFP_NAME_LEN];     /* domain / device name */
     char fabric[AFP_NAME_LEN];   /* fabric name (network) */

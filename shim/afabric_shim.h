@@ -5,6 +5,15 @@
  * exported name starts with `afs_`. Functions return 0 or a negative AFS_E* code;
  * results go through out-parameters placed last; the detail of a failure is in a
  * per-thread buffer read with afs_last_error() right after the failing call.
+ *
+ * This header is the one source of the ABI: afabric/_shim_decl.py (ctypes constants,
+ * structures, the FUNCTIONS table) and typings/afabric_shim.pyi (the typed stub) are
+ * generated from it by `python -m afabric._gen_shim` (tests/test_stubs.py fails when they
+ * are stale). Keep it to the subset that generator reads, which it enforces: `#define AFS_X
+ * <integer>`, the AFS_ERROR_TABLE rows, `typedef struct afs_x afs_x;` handles, `typedef
+ * struct afs_x {...} afs_x;` of fixed-width integers, `const char *` and `char x[N]`,
+ * enums of `AFS_X = <integer>`, and `AFS_API` prototypes of integers, handles and pointers
+ * (`const uint8_t *` is a byte string, `const [u]int64_t *` an array passed by address).
  */
 #ifndef AFABRIC_SHIM_H
 #define AFABRIC_SHIM_H

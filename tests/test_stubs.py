@@ -1,28 +1,30 @@
-"""The C ABI is written down in three places that must agree: the header
-(shim/afabric_shim.h), the ctypes table (afabric._native.FUNCTIONS) and the stub
-(typings/afabric_shim.pyi) that mypy checks every call against. Error names cross the
-boundary through the header's AFS_ERROR_TABLE and must all map to Python classes."""
+"""The C ABI has one source, the header (shim/afabric_shim.h): afabric/_shim_decl.py (the
+ctypes constants, structures and FUNCTIONS table) and the stub typings/afabric_shim.pyi that
+mypy checks every call against are generated from it by afabric._gen_shim. These tests
+fail when the committed files are stale and check what the generator produces against the
+C compiler's layout and the loaded library. Error names cross the boundary through the
+header's AFS_ERROR_TABLE (read by C and, at run time, by Python) and must all map to Python
+classes."""
 
 from __future__ import annotations
 
 import ast
 import ctypes
+import os
 import re
+import shlex
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from afabric import _native, errors
+from afabric import _gen_shim, _native, _shim_decl, errors
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ROOT / "typings" / "afabric_shim.pyi"
 HEADER = ROOT / "shim" / "afabric_shim.h"
-
-# `AFS_API <return type> afs_name(<parameters>);`, possibly over several lines.
-_API_RE = re.compile(r"^\s*AFS_API\s+[^;(]*?\b(afs_\w+)\s*\(([^)]*)\)\s*;", re.MULTILINE)
-# `X(NAME, value, "text")` inside `#define AFS_ERROR_TABLE(X) ...`.
-_ERROR_RE = re.compile(r'\bX\(\s*(\w+)\s*,\s*(-?\d+)\s*,\s*"((?:[^"\\]|\\.)*)"\s*\)')
 
 _INT_TYPES = (ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64)
 
@@ -52,68 +54,26 @@ def _arity(fn: ast.FunctionDef) -> int:
     return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
 
 
-def _header_text() -> str:
-    text = HEADER.read_text()
-    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.DOTALL)  # comments may hold parentheses
-    return re.sub(r"//[^\n]*", " ", text)
-
-
-def _header_functions() -> dict[str, int]:
-    """AFS_API function name -> number of C parameters."""
-    out: dict[str, int] = {}
-    for name, raw in _API_RE.findall(_header_text()):
-        params = " ".join(raw.split())
-        out[name] = 0 if params in ("", "void") else params.count(",") + 1
-    return out
-
-
 def _header_errors() -> dict[str, tuple[int, str]]:
-    """AFS_ERROR_TABLE: name -> (code, text)."""
-    m = re.search(r"#define\s+AFS_ERROR_TABLE\(X\)((?:[^\n]*\\\n)*[^\n]*)", HEADER.read_text())
-    assert m, "AFS_ERROR_TABLE not found in the header"
-    rows = _ERROR_RE.findall(m.group(1))
-    assert rows, "AFS_ERROR_TABLE has no X(...) rows the test can read"
-    return {name: (int(code), text) for name, code, text in rows}
+    """AFS_ERROR_TABLE: name -> (code, text), as the generator reads it."""
+    return _gen_shim.parse(HEADER.read_text()).errors
 
 
 # ---- stub <-> FUNCTIONS ----
 
 
-def test_stub_names_match_the_table() -> None:
-    stub = _stub_functions()
-    assert set(stub) == set(_native.FUNCTIONS), (
-        f"only in the stub: {sorted(set(stub) - set(_native.FUNCTIONS))}; "
-        f"only in FUNCTIONS: {sorted(set(_native.FUNCTIONS) - set(stub))}"
-    )
-
-
-def test_stub_arity_matches_argtypes() -> None:
-    stub = _stub_functions()
-    wrong = {
-        name: (_arity(stub[name]), len(argtypes))
-        for name, (_, argtypes) in _native.FUNCTIONS.items()
-        if name in stub and _arity(stub[name]) != len(argtypes)
-    }
-    assert not wrong, f"stub arity != len(argtypes) (stub, table): {wrong}"
-
-
-def test_stub_functions_are_static() -> None:
-    """CDLL attributes are plain foreign functions: a method taking `self` would be a lie."""
-    for name, fn in _stub_functions().items():
-        decorators = {d.id for d in fn.decorator_list if isinstance(d, ast.Name)}
-        assert "staticmethod" in decorators, f"{name} is not a @staticmethod"
-
-
 def test_stub_types_follow_the_ctypes() -> None:
-    """Integer C types are `int` in the stub, the engine handle is EngineHandle, `char *`
-    in-buffers are bytes, pointers name their target type, and results match restype."""
+    """The generator's two renderings agree: integer C types are `int` in the stub, the
+    engine handle is EngineHandle, `char *` in-buffers are bytes, pointers name their target
+    type, and results match restype."""
     stub = _stub_functions()
+    assert set(stub) == set(_native.FUNCTIONS)
     for name, (restype, argtypes) in _native.FUNCTIONS.items():
-        fn = stub.get(name)
-        if fn is None:
-            continue  # test_stub_names_match_the_table reports it
+        fn = stub[name]
+        assert "staticmethod" in {d.id for d in fn.decorator_list if isinstance(d, ast.Name)}, name
         params = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
-        for param, argtype in zip(params, argtypes, strict=False):  # arity: its own test
+        assert len(params) == _arity(fn) == len(argtypes), name
+        for param, argtype in zip(params, argtypes, strict=True):
             assert param.annotation is not None, f"{name}({param.arg}): no annotation"
             ann = ast.unparse(param.annotation)
             where = f"{name}({param.arg}: {ann}) for {argtype.__name__}"
@@ -143,28 +103,136 @@ def test_stub_types_follow_the_ctypes() -> None:
 def test_struct_annotations_match_fields() -> None:
     """The field annotations mypy reads list the same fields, in order, as _fields_."""
     n = _native
-    for cls in (n.Config, n.EngineFacts, n.DescInfo, n.Completion, n.NicInfoStruct):
+    structs = (n.Config, n.EngineFacts, n.DescInfo, n.Completion, n.NicStats, n.OpTimingStruct)
+    for cls in (*structs, n.NicInfoStruct):
         fields = [f[0] for f in cls._fields_]
         annotated = [k for k in cls.__annotations__ if not k.startswith("_")]
         assert annotated == fields, cls.__name__
 
 
-# ---- header <-> FUNCTIONS ----
+# ---- header -> generated files ----
 
 
-def test_header_functions_match_the_table() -> None:
-    header = _header_functions()
-    assert len(header) > 20, f"the regex found only {sorted(header)} in {HEADER}"
-    assert set(header) == set(_native.FUNCTIONS), (
-        f"only in the header: {sorted(set(header) - set(_native.FUNCTIONS))}; "
-        f"only in FUNCTIONS: {sorted(set(_native.FUNCTIONS) - set(header))}"
+def test_generated_files_are_up_to_date() -> None:
+    """_shim_decl.py and the stub are exactly what the header gives (`python -m
+    afabric._gen_shim` rewrites them): an ABI change is made in the header only."""
+    stale = [
+        str(path.relative_to(ROOT))
+        for path, text in _gen_shim.generate(HEADER.read_text()).items()
+        if not path.is_file() or path.read_text() != text
+    ]
+    assert not stale, f"stale, run `python -m afabric._gen_shim`: {stale}"
+    assert _gen_shim.main(["--check"]) == 0
+
+
+def test_native_reexports_the_declarations() -> None:
+    """_native declares nothing the header does: its names are the generated objects."""
+    for name in dir(_shim_decl):
+        if not name.startswith("_") and name not in ("TYPE_CHECKING", "annotations", "ctypes"):
+            assert getattr(_native, name) is getattr(_shim_decl, name), name
+
+
+def test_header_constants_reach_python() -> None:
+    hdr = _gen_shim.parse(HEADER.read_text())
+    assert _native.ABI_VERSION == int(hdr.constants["ABI_VERSION"].rstrip("u")) == 2
+    assert (_native.C_DONE, _native.C_NOTICE, _native.NO_IMM, _native.TRIG_IMM) == (1, 5, -1, 2)
+    assert _native.CFG_TIMING == 0x2 and _native.ALLOW_UNKNOWN == 0x2
+    assert len(hdr.functions) > 30 and len(hdr.structs) == 6
+
+
+def _header_with(snippet: str) -> str:
+    """The header with `snippet` added at its end (inside the include guard)."""
+    head, tail = HEADER.read_text().rsplit("#endif", 1)
+    return f"{head}{snippet}\n#endif{tail}"
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "typedef struct afs_x { float f; } afs_x;",  # not a fixed-width integer
+        "typedef struct afs_x { uint32_t a; } afs_x;\nAFS_API int32_t afs_f(afs_x x);",  # by value
+        '#define AFS_NAME "tcp"',  # not an integer constant
+        "#define OTHER 1",  # not AFS_
+        "#pragma once",  # directive outside the subset
+        "AFS_API int32_t afs_f(int n);",  # not fixed-width
+        "AFS_API double afs_f(void);",
+        "static inline int32_t afs_f(void) { return 0; }",
+        "AFS_API int32_t afs_f(uint32_t **p);",
+    ],
+)
+def test_generator_rejects_what_it_does_not_understand(snippet: str) -> None:
+    """Outside the subset the generator fails loudly instead of guessing a layout."""
+    with pytest.raises(_gen_shim.HeaderError):
+        _gen_shim.parse(_header_with(snippet))
+
+
+def test_generator_reads_the_subset() -> None:
+    """The control for the test above: the same shapes, written within the subset, parse."""
+    extra = "typedef struct afs_x { uint32_t a; char b[AFS_NO_IMM_LEN]; } afs_x;\n"
+    extra += "AFS_API int32_t afs_f(const afs_x *x, const int64_t *idx, afs_engine **e);"
+    hdr = _gen_shim.parse(_header_with(f"#define AFS_NO_IMM_LEN 8u\n{extra}"))
+    assert hdr.constants["NO_IMM_LEN"] == "8"
+    assert [(n, t.ctypes) for n, t in hdr.structs["afs_x"].fields] == [
+        ("a", "ctypes.c_uint32"),
+        ("b", "ctypes.c_char * 8"),
+    ]
+    f = hdr.functions[-1]
+    assert f.name == "afs_f" and [t.ctypes for _, t in f.params] == [
+        "ctypes.POINTER(X)",
+        "ctypes.c_void_p",
+        "ctypes.POINTER(EngineHandle)",
+    ]
+
+
+def _c_layout(tmp: Path, include: str, structs: dict[str, list[str]]) -> dict[str, list[int]]:
+    """sizeof and each field's offsetof, as the C compiler lays the structures out."""
+    cmd = shlex.split(os.environ.get("CC", "")) or ["cc"]
+    if shutil.which(cmd[0]) is None:
+        pytest.skip(f"no C compiler {cmd[0]!r}")
+    lines = ["#include <stddef.h>", "#include <stdio.h>", f'#include "{include}"', "int main(void) {"]
+    for c_name, fields in structs.items():
+        lines.append(f'printf("{c_name} %zu", sizeof({c_name}));')
+        lines += [f'printf(" %zu", offsetof({c_name}, {f}));' for f in fields]
+        lines.append('printf("\\n");')
+    lines.append("return 0; }")
+    src = tmp / "layout.c"
+    src.write_text("\n".join(lines) + "\n")
+    exe = tmp / "layout"
+    build = subprocess.run(
+        [*cmd, "-std=c11", "-Wall", "-Werror", f"-I{ROOT / 'shim'}", str(src), "-o", str(exe)],
+        capture_output=True, text=True, timeout=120, check=False,
     )
-    wrong = {
-        name: (n, len(_native.FUNCTIONS[name][1]))
-        for name, n in header.items()
-        if n != len(_native.FUNCTIONS[name][1])
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, check=True)
+    return {line.split()[0]: [int(v) for v in line.split()[1:]] for line in run.stdout.splitlines()}
+
+
+def test_structures_have_the_c_layout(tmp_path: Path) -> None:
+    """Every generated structure (afp_nic_info included) has C's size and field offsets."""
+    hdr = _gen_shim.load(HEADER.read_text())
+    classes: dict[str, type[ctypes.Structure]] = {
+        s.c_name: getattr(_shim_decl, s.py_name) for s in hdr.structs.values()
     }
-    assert not wrong, f"header parameter count != len(argtypes) (header, table): {wrong}"
+    assert "afp_nic_info" in classes and len(classes) == 7
+    fields = {c: [f[0] for f in cls._fields_] for c, cls in classes.items()}
+    (tmp_path / "both.h").write_text('#include "afabric_shim.h"\n#include "afabric_provider.h"\n')
+    layout = _c_layout(tmp_path, str(tmp_path / "both.h"), fields)
+    for c_name, cls in classes.items():
+        py = [ctypes.sizeof(cls), *(getattr(cls, f).offset for f in fields[c_name])]
+        assert layout[c_name] == py, f"{c_name}: C (size, offsets) {layout[c_name]} != ctypes {py}"
+
+
+def test_provider_part_is_found_or_refused() -> None:
+    """afp_nic_info and the AFP_CAP_*/AFP_MR_* flags come from afabric_provider.h by name:
+    a rename there fails the generator instead of leaving a stale mirror."""
+    hdr = _gen_shim.load(HEADER.read_text())
+    assert (hdr.constants["CAP_DELIVERY_COMPLETE"], hdr.constants["MR_DEVICE"]) == ("0x20", "0x2")
+    assert _native.MR_REMOTE == 1 and _native.CAP_TARGET_COPIES == 0x40
+    provider = (ROOT / "shim" / "afabric_provider.h").read_text()
+    with pytest.raises(_gen_shim.HeaderError, match="afp_nic_info"):
+        _gen_shim.load(HEADER.read_text(), provider.replace("} afp_nic_info;", "} afp_nic_info2;"))
+    with pytest.raises(_gen_shim.HeaderError, match="AFP_MR_REMOTE"):
+        _gen_shim.load(HEADER.read_text(), provider.replace("AFP_MR_REMOTE 0x1u", "AFP_MR_REMOTE (1u << 0)"))
 
 
 def test_loaded_shim_exports_every_function() -> None:
