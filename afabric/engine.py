@@ -320,6 +320,9 @@ class Engine:
         # A descriptor keeps the remote id it was imported as (MrDesc._rid) with this token;
         # a new token (allow_peers, an eviction) makes every such shortcut stale at once.
         self._rtoken = object()
+        # While _remote_ids prepares a call naming many descriptors, ids evicted from
+        # _remotes wait here until that call went into the shim (it may name them).
+        self._evicted: list[int] | None = None
         self._peers: dict[bytes, int] = {}
         self.allowed_peers: tuple[Address, ...] | None = None
         """The allow-list (:meth:`allow_peers`); None: every peer."""
@@ -622,10 +625,30 @@ class Engine:
             if len(self._remotes) >= _REMOTE_CACHE_MAX:
                 old_blob = next(iter(self._remotes))
                 self._rtoken = object()  # the evicted id may sit in some descriptor's _rid
-                self._n.release_remote(self._remotes.pop(old_blob))
+                old_rid = self._remotes.pop(old_blob)
+                if self._evicted is None:
+                    self._n.release_remote(old_rid)
+                else:
+                    self._evicted.append(old_rid)
             self._remotes[blob] = rid
         desc._rid = (self._rtoken, rid)
         return rid, desc.incarnation
+
+    def _remote_ids(self, descs: list[Any]) -> npt.NDArray[np.uint64]:
+        """Remote ids for one call naming many descriptors, all live until the caller's
+        _release_evicted() after that call (more descriptors than the cache holds, or
+        one the call named earlier evicted by a later one, would else be released)."""
+        self._evicted = []
+        try:
+            return np.fromiter((self._remote(d)[0] for d in descs), dtype=np.uint64, count=len(descs))
+        except BaseException:
+            self._release_evicted()
+            raise
+
+    def _release_evicted(self) -> None:
+        evicted, self._evicted = self._evicted or [], None
+        for rid in evicted:
+            self._n.release_remote(rid)
 
     def _peer(self, address: Any) -> tuple[int, int]:
         if not isinstance(address, Address):
@@ -683,7 +706,9 @@ class Engine:
             self._refuse()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
-        mr_id = mr.check(self)
+        mr_id = mr.id  # live and ours (the engine is open: checked above), else mr.check raises
+        if mr_id is None or mr._engine() is not self:
+            mr_id = mr.check(self)
         if isinstance(remote_desc, MrDesc) and (c := remote_desc._rid) is not None and c[0] is self._rtoken:
             rid, peer = c[1], remote_desc.incarnation
         else:
@@ -767,9 +792,13 @@ class Engine:
             group.check(descs)
         mr_id = mr.check(self)
         n = len(targets)
-        ids = np.fromiter((self._remote(d)[0] for d in descs), dtype=np.uint64, count=n)
         lengths, src, dst = _target_columns(targets)
-        op = self._n.scatter("scatter", mr_id, ids, lengths, src, dst, _imm(imm), self._trigger(when))
+        value, trig = _imm(imm), self._trigger(when)
+        ids = self._remote_ids(descs)
+        try:
+            op = self._n.scatter("scatter", mr_id, ids, lengths, src, dst, value, trig)
+        finally:
+            self._release_evicted()
         await self._wait(op, f"scatter to {n} targets", 0, (mr,), "write", when)
 
     async def write_many(
@@ -816,15 +845,17 @@ class Engine:
             )
         mr_id = mr.check(self)
         cols = [_u64_column(v, name, n) for name, v in args]
+        value, trig = _imm(imm), self._trigger(when)
         if many:
-            descs = list(remote_desc)  # type: ignore[arg-type]
-            ids = np.fromiter((self._remote(d)[0] for d in descs), dtype=np.uint64, count=n)
+            ids = self._remote_ids(list(remote_desc))  # type: ignore[arg-type]
             peer = 0
         else:
             rid, peer = self._remote(remote_desc)
             ids = np.full(n, rid, dtype=np.uint64)
-        value, trig = _imm(imm), self._trigger(when)
-        op = self._n.scatter("write_many", mr_id, ids, cols[0], cols[1], cols[2], value, trig)
+        try:
+            op = self._n.scatter("write_many", mr_id, ids, cols[0], cols[1], cols[2], value, trig)
+        finally:
+            self._release_evicted()
         await self._wait(op, f"write_many ({n} writes)", peer, (mr,), "write", when)
 
     async def barrier(
@@ -844,8 +875,12 @@ class Engine:
         descs = [d if isinstance(d, MrDesc) else MrDesc.from_bytes(d) for d in descs]
         if group is not None:
             group.check(descs)
-        ids = np.array([self._remote(d)[0] for d in descs], dtype=np.uint64)
-        op = self._n.scatter("barrier", 0, ids, None, None, None, value, self._trigger(when))
+        trig = self._trigger(when)
+        ids = self._remote_ids(descs)
+        try:
+            op = self._n.scatter("barrier", 0, ids, None, None, None, value, trig)
+        finally:
+            self._release_evicted()
         await self._wait(op, f"barrier over {len(descs)} peers", 0, (), "write", when)
 
     def peer_group(self, addresses: Sequence[Address | bytes]) -> PeerGroup:

@@ -173,3 +173,25 @@ async def test_remote_id_shortcut_survives_eviction_and_allow_list(
         assert list(bufs[0][16:24]) == list(range(40, 48))
         assert list(bufs[0][24:32]) == list(range(48, 56))
         assert list(bufs[2][32:40]) == [7] * 8 and list(bufs[2][40:48]) == list(range(56, 64))
+
+
+async def test_one_call_to_more_descriptors_than_the_engine_keeps(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call naming more descriptors than the engine's import cache holds (or making it
+    evict one the same call named earlier) still posts with live ids: evicted ids are
+    released only after the call went into the shim."""
+    monkeypatch.setattr(engine_mod, "_REMOTE_CACHE_MAX", 2)
+    async with afabric.Engine(provider) as a, afabric.Engine(provider) as b:
+        bufs = [np.zeros(64, np.uint8) for _ in range(4)]
+        descs = [b.register(x).descriptor for x in bufs]
+        mr = a.register(np.arange(64, dtype=np.uint8))
+        await a.write(mr, descs[0], 8)  # cached, the oldest: the next call evicts it
+        await a.write_many(mr, [descs[0], descs[1], descs[2], descs[3], descs[0]], 8, 8, [8, 8, 8, 8, 16])
+        await a.scatter(mr, [afabric.ScatterTarget(d, 8, 16, 24) for d in descs])
+        await a.barrier(descs, 77)
+        await b.expect_imm(77, 4, timeout=10)
+        for k, x in enumerate(bufs):
+            assert list(x[8:16]) == list(range(8, 16)), k
+            assert list(x[24:32]) == list(range(16, 24)), k
+        assert list(bufs[0][16:24]) == list(range(8, 16))
