@@ -569,9 +569,10 @@ def read_u64(address: int) -> int:
     return int(ctypes.c_uint64.from_address(address).value)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ cost 1 µs per completion
 class Event:
-    """One drained completion record, already converted to Python objects."""
+    """One drained completion record, already converted to Python objects (read-only by
+    convention)."""
 
     kind: int
     id: int
