@@ -4,6 +4,7 @@ remote-id shortcut a descriptor keeps staying correct when the engine drops ids.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -195,3 +196,31 @@ async def test_one_call_to_more_descriptors_than_the_engine_keeps(
             assert list(x[8:16]) == list(range(8, 16)), k
             assert list(x[24:32]) == list(range(16, 24)), k
         assert list(bufs[0][16:24]) == list(range(8, 16))
+
+
+async def test_native_write_ids_are_per_thread(provider: str) -> None:
+    """NativeEngine.write reuses one result word on the engine's own thread only: the loop
+    thread and other threads writing at once (the GIL is released during the call) never
+    see each other's operation ids."""
+    async with afabric.Engine(provider) as a, afabric.Engine(provider) as b:
+        mr = a.register(np.ones(64, np.uint8))
+        dst = np.zeros(64, np.uint8)
+        rid, _ = a._remote(b.register(dst).descriptor)
+        mr_id = mr.check(a)
+        ids: list[list[int]] = [[] for _ in range(4)]
+        start = threading.Barrier(4)
+
+        def run(k: int) -> None:
+            start.wait()
+            for _ in range(1500):
+                ids[k].append(a._n.write("write", mr_id, rid, 8, 0, 0, -1))
+
+        ts = [threading.Thread(target=run, args=(k,)) for k in range(1, 4)]
+        for t in ts:
+            t.start()
+        run(0)  # this thread is the loop's: it uses the engine's own result word
+        for t in ts:
+            t.join()
+        got = [i for row in ids for i in row]
+        assert len(set(got)) == len(got), f"{len(got) - len(set(got))} operation ids handed out twice"
+        await a.write(mr, b.register(np.zeros(8, np.uint8)).descriptor, 8)  # the engine still works
