@@ -15,7 +15,7 @@ class MrDesc:
     :class:`afabric.errors.BadDescriptor` here, long before anything is posted.
     """
 
-    __slots__ = ("_blob", "base", "device", "incarnation", "length", "nics", "provider")
+    __slots__ = ("_blob", "_rid", "base", "device", "incarnation", "length", "nics", "provider")
 
     def __init__(self, blob: bytes) -> None:
         blob = bytes(blob)
@@ -27,6 +27,9 @@ class MrDesc:
         self.incarnation: int = int(info.incarnation)
         self.provider: str = info.provider.decode(errors="replace")
         self.nics: int = int(info.nics)
+        # (engine's token, remote id): the id the last engine that used it imported it as
+        # (Engine._remote), so a write need not look the blob up again; engine-private
+        self._rid: tuple[object, int] | None = None
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> MrDesc:

@@ -35,6 +35,7 @@ from .triggers import Trigger
 from .watcher import UvmWatcher
 
 IMM_MAX = 0xFFFFFFFF
+_NO_IMM = _native.NO_IMM
 U64_MAX = (1 << 64) - 1
 _REMOTE_CACHE_MAX = 65536
 
@@ -83,6 +84,40 @@ def _target_columns(
         np.ascontiguousarray(cols[:, 1]),
         np.ascontiguousarray(cols[:, 2]),
     )
+
+
+def _column_len(value: Any, name: str) -> int:
+    """Entries in a write_many argument given per write (1-D array or sequence)."""
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return len(value)
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, memoryview)):
+        return len(value)
+    raise errors.InvalidArgument(
+        f"{name} must be an int, a sequence of ints or a 1-D integer array, got {type(value).__name__}"
+        + (f" of {value.ndim} dimensions" if isinstance(value, np.ndarray) else "")
+    )
+
+
+def _u64_column(value: Any, name: str, n: int) -> npt.NDArray[np.uint64]:
+    """One write_many argument as n uint64 values: an int for every write, or one entry
+    per write (a 1-D integer array or a sequence of ints), each checked like _u64."""
+    if isinstance(value, (int, np.integer)):
+        return np.full(n, _u64(value, name), dtype=np.uint64)
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise errors.InvalidArgument(
+                f"{name} must be a 1-D integer array, got {value.ndim}-D {value.dtype}"
+            )
+        if value.dtype.kind == "i" and n and (neg := np.flatnonzero(value < 0)).size:
+            raise errors.OutOfRange(f"{name}[{int(neg[0])}] {int(value[neg[0]])} is negative")
+        return np.ascontiguousarray(value, dtype=np.uint64)
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        raise errors.InvalidArgument(
+            f"{name} must be an int, a sequence of ints or an integer array, got {type(value).__name__}"
+        )
+    if all(type(v) is int and 0 <= v <= U64_MAX for v in value):
+        return np.array(value, dtype=np.uint64).reshape(n)
+    return np.array([_u64(v, f"{name}[{i}]") for i, v in enumerate(value)], dtype=np.uint64).reshape(n)
 
 
 def _imm(value: Any) -> int:
@@ -282,6 +317,12 @@ class Engine:
         """What a message that finds max_queued_messages queued meets (README, API)."""
         self._recv_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._remotes: dict[bytes, int] = {}
+        # A descriptor keeps the remote id it was imported as (MrDesc._rid) with this token;
+        # a new token (allow_peers, an eviction) makes every such shortcut stale at once.
+        self._rtoken = object()
+        # While _remote_ids prepares a call naming many descriptors, ids evicted from
+        # _remotes wait here until that call went into the shim (it may name them).
+        self._evicted: list[int] | None = None
         self._peers: dict[bytes, int] = {}
         self.allowed_peers: tuple[Address, ...] | None = None
         """The allow-list (:meth:`allow_peers`); None: every peer."""
@@ -562,6 +603,7 @@ class Engine:
         # operations already submitted carry their own copies
         self._peers.clear()
         remotes, self._remotes = self._remotes, {}
+        self._rtoken = object()
         for rid in remotes.values():
             self._n.release_remote(rid)
 
@@ -573,15 +615,40 @@ class Engine:
                 raise errors.InvalidArgument(
                     f"remote descriptor must be an MrDesc, got {type(desc).__name__}"
                 )
+        cached = desc._rid
+        if cached is not None and cached[0] is self._rtoken:
+            return cached[1], desc.incarnation
         blob = bytes(desc)
         rid = self._remotes.get(blob)
         if rid is None:
             rid = self._n.import_descriptor(blob)
             if len(self._remotes) >= _REMOTE_CACHE_MAX:
                 old_blob = next(iter(self._remotes))
-                self._n.release_remote(self._remotes.pop(old_blob))
+                self._rtoken = object()  # the evicted id may sit in some descriptor's _rid
+                old_rid = self._remotes.pop(old_blob)
+                if self._evicted is None:
+                    self._n.release_remote(old_rid)
+                else:
+                    self._evicted.append(old_rid)
             self._remotes[blob] = rid
+        desc._rid = (self._rtoken, rid)
         return rid, desc.incarnation
+
+    def _remote_ids(self, descs: list[Any]) -> npt.NDArray[np.uint64]:
+        """Remote ids for one call naming many descriptors, all live until the caller's
+        _release_evicted() after that call (more descriptors than the cache holds, or
+        one the call named earlier evicted by a later one, would else be released)."""
+        self._evicted = []
+        try:
+            return np.fromiter((self._remote(d)[0] for d in descs), dtype=np.uint64, count=len(descs))
+        except BaseException:
+            self._release_evicted()
+            raise
+
+    def _release_evicted(self) -> None:
+        evicted, self._evicted = self._evicted or [], None
+        for rid in evicted:
+            self._n.release_remote(rid)
 
     def _peer(self, address: Any) -> tuple[int, int]:
         if not isinstance(address, Address):
@@ -633,15 +700,33 @@ class Engine:
         ``when`` the shim posts it itself once the trigger holds (see afabric.triggers).
         With ``length_from`` (afabric.lengths) ``length`` is the maximum and the shim reads
         the actual length from memory when the write starts."""
-        self._check_loop()
+        # The per-call path is inlined (submit cost, README "Python cost per operation"):
+        # the same checks as _check_loop, _remote, _u64, _imm and _trigger, in that order.
+        if self._closed or _get_ident() != self._thread or not self._loop.is_running():
+            self._refuse()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
-        mr_id = mr.check(self)
-        rid, peer = self._remote(remote_desc)
-        args = (
-            mr_id, rid, _u64(length, "length"), _u64(src_offset, "src_offset"),
-            _u64(dst_offset, "dst_offset"), _imm(imm),
-        )  # fmt: skip
+        mr_id = mr.id  # live and ours (the engine is open: checked above), else mr.check raises
+        if mr_id is None or mr._engine() is not self:
+            mr_id = mr.check(self)
+        if isinstance(remote_desc, MrDesc) and (c := remote_desc._rid) is not None and c[0] is self._rtoken:
+            rid, peer = c[1], remote_desc.incarnation
+        else:
+            rid, peer = self._remote(remote_desc)
+        if not (
+            type(length) is int and type(src_offset) is int and type(dst_offset) is int
+            and 0 <= length <= U64_MAX and 0 <= src_offset <= U64_MAX and 0 <= dst_offset <= U64_MAX
+        ):  # fmt: skip
+            length = _u64(length, "length")
+            src_offset = _u64(src_offset, "src_offset")
+            dst_offset = _u64(dst_offset, "dst_offset")
+        args = (mr_id, rid, length, src_offset, dst_offset, _NO_IMM if imm is None else _imm(imm))
+        if when is None and length_from is None:
+            op = self._n.write("write", *args)
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._ops[op] = _Op(fut, "write", peer, (mr,), "write")
+            await fut  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
+            return
         if length_from is None:
             op = self._n.write("write", *args, self._trigger(when))
             await self._wait(op, "write", peer, (mr,), "write", when)
@@ -707,10 +792,71 @@ class Engine:
             group.check(descs)
         mr_id = mr.check(self)
         n = len(targets)
-        ids = np.fromiter((self._remote(d)[0] for d in descs), dtype=np.uint64, count=n)
         lengths, src, dst = _target_columns(targets)
-        op = self._n.scatter("scatter", mr_id, ids, lengths, src, dst, _imm(imm), self._trigger(when))
+        value, trig = _imm(imm), self._trigger(when)
+        ids = self._remote_ids(descs)
+        try:
+            op = self._n.scatter("scatter", mr_id, ids, lengths, src, dst, value, trig)
+        finally:
+            self._release_evicted()
         await self._wait(op, f"scatter to {n} targets", 0, (mr,), "write", when)
+
+    async def write_many(
+        self,
+        mr: MemoryRegion,
+        remote_desc: MrDesc | Sequence[MrDesc],
+        lengths: int | Sequence[int] | npt.NDArray[np.integer[Any]],
+        src_offsets: int | Sequence[int] | npt.NDArray[np.integer[Any]] = 0,
+        dst_offsets: int | Sequence[int] | npt.NDArray[np.integer[Any]] = 0,
+        *,
+        imm: int | None = None,
+        when: Trigger | None = None,
+    ) -> None:
+        """Many one-sided writes in one call into the shim and one future: write i moves
+        ``lengths[i]`` bytes from ``src_offsets[i]`` of ``mr`` to ``dst_offsets[i]`` of
+        ``remote_desc`` (one descriptor for every write) or of ``remote_desc[i]`` (a
+        sequence of descriptors, one per write). Each of ``lengths``, ``src_offsets`` and
+        ``dst_offsets`` is an int (the same for every write) or a 1-D sequence or integer
+        numpy array with one entry per write; at least one argument must give the count.
+        Every write's ranges are checked before anything is posted (a typed error, nothing
+        written). Each write is at most ``max_write_size`` bytes (it is not split). With
+        ``imm`` every write counts one arrival at its target: n writes to one region are n
+        arrivals of ``imm`` there. Completes when all have; if any fails, it raises once."""
+        self._check_loop()
+        if not isinstance(mr, MemoryRegion):
+            raise errors.InvalidArgument(f"write_many source must be a MemoryRegion, got {type(mr).__name__}")
+        many = not isinstance(remote_desc, (MrDesc, bytes, bytearray, memoryview))
+        if many and not isinstance(remote_desc, Sequence):
+            raise errors.InvalidArgument(
+                f"remote_desc must be an MrDesc or a sequence of them, got {type(remote_desc).__name__}"
+            )
+        args = (("lengths", lengths), ("src_offsets", src_offsets), ("dst_offsets", dst_offsets))
+        counts = {name: _column_len(v, name) for name, v in args if not isinstance(v, (int, np.integer))}
+        if many:
+            counts["remote_desc"] = len(remote_desc)
+        if not counts:
+            raise errors.InvalidArgument(
+                "write_many needs the count: give lengths, offsets or descriptors as sequences"
+            )
+        n = next(iter(counts.values()))
+        if any(c != n for c in counts.values()):
+            raise errors.InvalidArgument(
+                "write_many: " + ", ".join(f"{k} has {c}" for k, c in counts.items()) + " entries"
+            )
+        mr_id = mr.check(self)
+        cols = [_u64_column(v, name, n) for name, v in args]
+        value, trig = _imm(imm), self._trigger(when)
+        if many:
+            ids = self._remote_ids(list(remote_desc))  # type: ignore[arg-type]
+            peer = 0
+        else:
+            rid, peer = self._remote(remote_desc)
+            ids = np.full(n, rid, dtype=np.uint64)
+        try:
+            op = self._n.scatter("write_many", mr_id, ids, cols[0], cols[1], cols[2], value, trig)
+        finally:
+            self._release_evicted()
+        await self._wait(op, f"write_many ({n} writes)", peer, (mr,), "write", when)
 
     async def barrier(
         self,
@@ -729,8 +875,12 @@ class Engine:
         descs = [d if isinstance(d, MrDesc) else MrDesc.from_bytes(d) for d in descs]
         if group is not None:
             group.check(descs)
-        ids = np.array([self._remote(d)[0] for d in descs], dtype=np.uint64)
-        op = self._n.scatter("barrier", 0, ids, None, None, None, value, self._trigger(when))
+        trig = self._trigger(when)
+        ids = self._remote_ids(descs)
+        try:
+            op = self._n.scatter("barrier", 0, ids, None, None, None, value, trig)
+        finally:
+            self._release_evicted()
         await self._wait(op, f"barrier over {len(descs)} peers", 0, (), "write", when)
 
     def peer_group(self, addresses: Sequence[Address | bytes]) -> PeerGroup:

@@ -34,11 +34,14 @@ PAGE_SIZES = [1 * KiB, 4 * KiB, 16 * KiB, 64 * KiB]
 QUICK_PAGES = [1 * KiB, 32 * KiB]
 REGION = 128 * MiB
 PAGES_PER_OP = 64
+MANY_SIZE = 4 * KiB  # write_many row: writes of this size, WRITES_PER_CALL per call
+WRITES_PER_CALL = 64
+MANY_WINDOW = 4  # calls in flight (4 x 64 writes; the raw loop keeps 64 single writes)
 
 
 @dataclass
 class Row:
-    kind: str  # "write" or "paged"
+    kind: str  # "write", "paged" or "many" (write_many; raw: the C loop of single writes)
     size: int  # bytes per write, or bytes per page
     ops_per_call: int  # 1, or pages per paged write
     window: int
@@ -104,6 +107,27 @@ async def _py_writes(
     return (time.perf_counter() - t0) / (per * window)
 
 
+async def _py_many(
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int
+) -> float:
+    """Seconds per write_many call of WRITES_PER_CALL writes, ``window`` calls in flight."""
+    calls = max(1, iters // (window * WRITES_PER_CALL))
+    span = max(1, REGION // max(nbytes, 1))
+    first = np.arange(window * calls) * WRITES_PER_CALL
+    offs = [
+        [(first[k * calls + i] + np.arange(WRITES_PER_CALL)) % span * nbytes for i in range(calls)]
+        for k in range(window)
+    ]
+
+    async def lane(k: int) -> None:
+        for off in offs[k]:
+            await eng.write_many(mr, desc, nbytes, off, off)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane(k) for k in range(window)))
+    return (time.perf_counter() - t0) / (calls * window)  # per call
+
+
 async def _py_paged(
     eng: Engine, mr: MemoryRegion, desc: MrDesc, page: int, src: Pages, dst: Pages, window: int, iters: int
 ) -> float:
@@ -118,6 +142,24 @@ async def _py_paged(
     return (time.perf_counter() - t0) / (per * window)
 
 
+async def _many_row(
+    args: argparse.Namespace, eng: Engine, mr: MemoryRegion, desc: MrDesc, bar: Progress
+) -> Row:
+    """write_many of MANY_SIZE writes and the raw C loop of single writes, alternately."""
+    bar.step(f"write_many {_fmt_size(MANY_SIZE)}")
+    mr_id, (rid, _) = mr.check(eng), eng._remote(desc)
+    window, iters = _window_for(MANY_SIZE), _iters_for(MANY_SIZE, args.quick)
+    row = Row("many", MANY_SIZE, WRITES_PER_CALL, MANY_WINDOW)
+    py, raw = [], []
+    for _ in range(args.repeat):
+        py.append(await _py_many(eng, mr, desc, MANY_SIZE, MANY_WINDOW, iters))
+        # per WRITES_PER_CALL single writes, so that the rows compare per write
+        raw.append(_raw(eng._n.bench_write(mr_id, rid, MANY_SIZE, window, iters), iters) * WRITES_PER_CALL)
+    _fill(row, py, raw, MANY_SIZE * WRITES_PER_CALL, per_call=WRITES_PER_CALL)
+    bar.advance()
+    return row
+
+
 def _raw(elapsed_ns: int, count: int) -> float:
     """Seconds per operation from a raw C loop's elapsed nanoseconds."""
     return elapsed_ns / 1e9 / count
@@ -127,7 +169,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
     eng = Engine(args.provider, polling=args.polling)
     sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
     pages = QUICK_PAGES if args.quick else PAGE_SIZES
-    bar = Progress(len(sizes) + len(pages) + 1)  # on stderr, when it is a terminal
+    bar = Progress(len(sizes) + len(pages) + 2)  # on stderr, when it is a terminal
     try:
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
@@ -151,6 +193,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             row.fi_gbps = statistics.median(fi) if fi else 0.0
             rows.append(row)
             bar.advance()
+        rows.append(await _many_row(args, eng, mr, desc, bar))
         rng = np.random.default_rng(1)
         for page in pages:
             bar.step(f"paged {_fmt_size(page)}/pg")
@@ -257,6 +300,11 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
         out.append("fi_rma_bw: libfabric's own C loop (-o writedata), same provider, size and window, "
                    "run alternately with afabric's rows; py/fi is the API's share of it")
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
+    if any(r.kind == "many" for r in rows):
+        out.append(
+            f"many rows: write_many, {WRITES_PER_CALL} writes per call, win calls in flight; op/s counts "
+            "writes; raw is the C loop of single writes (window 64) of that size"
+        )
     out += py_raw_note(rows)
     return "\n".join(out)
 

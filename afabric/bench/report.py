@@ -202,6 +202,11 @@ def _p2p(d: Doc) -> list[str]:
             f"Paged rows: size is per page, op/s counts pages, {paged[0].get('ops_per_call', '?')} pages "
             "per call. `raw` is the shim's C loop on the same submit path, no Python per operation."
         )
+    if any(r.get("kind") == "many" for r in d.get("rows", [])):
+        out.append(
+            "Many rows: `write_many`, several writes per call (`ops_per_call`), `window` calls in "
+            "flight; op/s counts writes; `raw` is the C loop of single writes of that size."
+        )
     return out
 
 
