@@ -370,16 +370,22 @@ so every call into the shim is checked by ``mypy --strict``.
 '''
 
 
+def _natural(name: str) -> list[int | str]:
+    """Sort key as ruff's isort orders names: digits by value (c_uint8 before c_uint32)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
 def _stub(hdr: Header) -> str:
     types = [t for f in hdr.functions for t in ([f.result] if f.result else []) + [t for _, t in f.params]]
     ann = " ".join(t.stub for t in types)
     ctypes_names = sorted(set(re.findall(r"\b(Array|_CArgObject|_CVoidPLike|_Pointer|c_\w+)\b", ann)))
-    ctypes_names = sorted({*ctypes_names, "_CArgObject", "_Pointer", "Array"})
+    ctypes_names = sorted({*ctypes_names, "_CArgObject", "_Pointer", "Array"}, key=_natural)
     ours = sorted(n for n in [*hdr.handles.values(), *(s.py_name for s in hdr.structs.values())] if n in ann)
     out = [_STUB_HEAD.format(command=COMMAND), "from ctypes import ("]
     out += [f"    {n}," for n in ctypes_names]
     out += [")", "from typing import TypeAlias, TypeVar", ""]
-    out += [f"from afabric._shim_decl import {', '.join(ours)}", "", '_T = TypeVar("_T")', ""]
+    out += ["from afabric._shim_decl import (", *(f"    {n}," for n in ours), ")", ""]
+    out += ['_T = TypeVar("_T")', ""]
     out += [
         "# What ctypes accepts for a `POINTER(T)` argtype (a `T` itself: ctypes passes its address,",
         "# cheaper than a byref object per call).",

@@ -31,13 +31,21 @@ from ctypes import (
     c_char,
     c_char_p,
     c_int32,
+    c_uint8,
     c_uint32,
     c_uint64,
-    c_uint8,
 )
 from typing import TypeAlias, TypeVar
 
-from afabric._shim_decl import Completion, Config, DescInfo, EngineFacts, EngineHandle, NicStats, OpTimingStruct
+from afabric._shim_decl import (
+    Completion,
+    Config,
+    DescInfo,
+    EngineFacts,
+    EngineHandle,
+    NicStats,
+    OpTimingStruct,
+)
 
 _T = TypeVar("_T")
 
