@@ -209,7 +209,7 @@ def build_library(
 
 
 def check_generated_abi() -> None:
-    """BuildError if afabric/_shim_decl.py or typings/afabric_shim.pyi is not what
+    """BuildError if afabric/_native_decl.py or typings/afabric_shim.pyi is not what
     shim/afabric_shim.h gives (afabric/_gen_shim.py, stdlib only, loaded by path): the
     Python side of the ABI is never built against a header it was not generated from."""
     import importlib.util

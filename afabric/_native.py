@@ -21,10 +21,10 @@ from . import errors
 
 # Everything afabric_shim.h declares (constants, EngineHandle, the structures, FUNCTIONS),
 # with afp_nic_info and the AFP_CAP_*/AFP_MR_* flags it passes through from
-# afabric_provider.h, is generated into _shim_decl.py by `python -m afabric._gen_shim` and
+# afabric_provider.h, is generated into _native_decl.py by `python -m afabric._gen_shim` and
 # re-exported from here; do not declare it again.
-from ._shim_decl import *  # noqa: F403
-from ._shim_decl import (
+from ._native_decl import *  # noqa: F403
+from ._native_decl import (
     ABI_VERSION,
     ALLOW_ON,
     ALLOW_UNKNOWN,

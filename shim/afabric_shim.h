@@ -6,7 +6,7 @@
  * results go through out-parameters placed last; the detail of a failure is in a
  * per-thread buffer read with afs_last_error() right after the failing call.
  *
- * This header is the one source of the ABI: afabric/_shim_decl.py (ctypes constants,
+ * This header is the one source of the ABI: afabric/_native_decl.py (ctypes constants,
  * structures, the FUNCTIONS table) and typings/afabric_shim.pyi (the typed stub) are
  * generated from it by `python -m afabric._gen_shim` (tests/test_stubs.py fails when they
  * are stale). Keep it to the subset that generator reads, which it enforces: `#define AFS_X

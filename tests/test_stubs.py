@@ -1,4 +1,4 @@
-"""The C ABI has one source, the header (shim/afabric_shim.h): afabric/_shim_decl.py (the
+"""The C ABI has one source, the header (shim/afabric_shim.h): afabric/_native_decl.py (the
 ctypes constants, structures and FUNCTIONS table) and the stub typings/afabric_shim.pyi that
 mypy checks every call against are generated from it by afabric._gen_shim. These tests
 fail when the committed files are stale and check what the generator produces against the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from afabric import _gen_shim, _native, _shim_decl, errors
+from afabric import _gen_shim, _native, _native_decl, errors
 
 ROOT = Path(__file__).resolve().parent.parent
 STUB = ROOT / "typings" / "afabric_shim.pyi"
@@ -114,7 +114,7 @@ def test_struct_annotations_match_fields() -> None:
 
 
 def test_generated_files_are_up_to_date() -> None:
-    """_shim_decl.py and the stub are exactly what the header gives (`python -m
+    """_native_decl.py and the stub are exactly what the header gives (`python -m
     afabric._gen_shim` rewrites them): an ABI change is made in the header only."""
     stale = [
         str(path.relative_to(ROOT))
@@ -127,9 +127,9 @@ def test_generated_files_are_up_to_date() -> None:
 
 def test_native_reexports_the_declarations() -> None:
     """_native declares nothing the header does: its names are the generated objects."""
-    for name in dir(_shim_decl):
+    for name in dir(_native_decl):
         if not name.startswith("_") and name not in ("TYPE_CHECKING", "annotations", "ctypes"):
-            assert getattr(_native, name) is getattr(_shim_decl, name), name
+            assert getattr(_native, name) is getattr(_native_decl, name), name
 
 
 def test_header_constants_reach_python() -> None:
@@ -211,7 +211,7 @@ def test_structures_have_the_c_layout(tmp_path: Path) -> None:
     """Every generated structure (afp_nic_info included) has C's size and field offsets."""
     hdr = _gen_shim.load(HEADER.read_text())
     classes: dict[str, type[ctypes.Structure]] = {
-        s.c_name: getattr(_shim_decl, s.py_name) for s in hdr.structs.values()
+        s.c_name: getattr(_native_decl, s.py_name) for s in hdr.structs.values()
     }
     assert "afp_nic_info" in classes and len(classes) == 7
     fields = {c: [f[0] for f in cls._fields_] for c, cls in classes.items()}

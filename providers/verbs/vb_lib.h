@@ -12,9 +12,11 @@
 #include <stdint.h>
 
 /* Our own declarations (vb_verbs.h), not rdma-core's: no -dev package needed to build.
- * tests/test_build.py builds the provider both ways and compares the machine code. */
+ * tests/test_build.py builds the provider both ways and compares the machine code: for that
+ * build only it names rdma-core's header in AFABRIC_VB_SYSTEM_VERBS_H (the header itself, as
+ * in -DAFABRIC_VB_SYSTEM_VERBS_H='<infiniband/verbs.h>'); no other build includes it. */
 #ifdef AFABRIC_VB_SYSTEM_VERBS_H
-#include <infiniband/verbs.h>
+#include AFABRIC_VB_SYSTEM_VERBS_H
 #else
 #include "vb_verbs.h"
 #endif
