@@ -29,6 +29,7 @@ import afabric
 from .libfabric2 import require_libfabric2
 
 ROOT = Path(__file__).resolve().parents[1]
+NATIVE_TESTS = Path(__file__).resolve().parent / "native"  # the C tests and the fuzzer
 GUARD_ENV = "AFABRIC_IN_SANITIZER_RUN"
 SANITIZER_MARKERS = (
     "ERROR: AddressSanitizer",
@@ -135,13 +136,13 @@ def asan_build(cc: list[str], tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def c_test(cc: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return compile_program(cc, tmp_path_factory.mktemp("ctest") / "test_ofi",
-                           [bn.OFI_DIR / "test_ofi.c"], sanitize=False)
+                           [NATIVE_TESTS / "test_ofi.c"], sanitize=False)
 
 
 @pytest.fixture(scope="module")
 def c_test_asan(cc: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return compile_program(cc, tmp_path_factory.mktemp("ctest_asan") / "test_ofi",
-                           [bn.OFI_DIR / "test_ofi.c"], sanitize=True)
+                           [NATIVE_TESTS / "test_ofi.c"], sanitize=True)
 
 
 @pytest.fixture(params=["system", "2.5.1"], ids=["libfabric-system", "libfabric-2.5.1"])
@@ -297,8 +298,8 @@ async def fuzz_seeds(directory: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def fuzz_binary(cc: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """shim/fuzz_desc.c linked with the shim's sources (not the .so), under ASan+UBSan."""
-    sources = sorted(set(bn.SHIM.sources()) | {bn.SHIM_DIR / "fuzz_desc.c"})
+    """tests/native/fuzz_desc.c linked with the shim's sources (not the .so), under ASan+UBSan."""
+    sources = sorted(set(bn.SHIM.sources()) | {NATIVE_TESTS / "fuzz_desc.c"})
     return compile_program(cc, tmp_path_factory.mktemp("fuzz") / "fuzz_desc", sources, sanitize=True,
                            defines=("-DAFABRIC_FUZZ",))
 

@@ -1,6 +1,6 @@
 """The verbs provider, for real: Soft-RoCE (rdma_rxe) in a qemu guest (tests/rxe/guest.py).
 
-One guest boot runs, inside the guest, the C provider test (providers/verbs/test_verbs.c,
+One guest boot runs, inside the guest, the C provider test (tests/native/test_verbs.c,
 compiled here; once against the release library, once with the test and the library built
 with ASan+UBSan, leak detection on) and the multi-process pytest module
 tests/rxe/guest_verbs.py; the tests below assert on what ran there. Skipped when the host
@@ -21,6 +21,8 @@ import build_native as bn
 from afabric import registry
 
 from .rxe import guest
+
+C_TEST = Path(__file__).resolve().parent / "native" / "test_verbs.c"
 
 GUEST_TESTS = 9  # tests in tests/rxe/guest_verbs.py; all must pass, none may be skipped
 
@@ -59,7 +61,7 @@ def guest_run(tmp_path_factory: pytest.TempPathFactory) -> GuestRun:
     exe, exe_asan = tmp / "test_verbs", tmp / "test_verbs_asan"
     for out, opt in ((exe, ["-O2"]), (exe_asan, bn.SANITIZE_FLAGS)):
         cmd = [*bn.compiler(), "-std=c11", "-D_GNU_SOURCE", "-g", *opt, "-Wall", "-Wextra", "-Werror",
-               f"-I{bn.SHIM_DIR}", str(bn.VERBS_DIR / "test_verbs.c"), "-o", str(out), "-ldl"]  # fmt: skip
+               f"-I{bn.SHIM_DIR}", str(C_TEST), "-o", str(out), "-ldl"]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, f"compiling test_verbs.c failed:\n{proc.stderr}"
     lib_asan = bn.build_library(bn.VERBS, tmp / "asan", sanitize=True)

@@ -2,11 +2,12 @@
  * Single-process test of libafabric_ofi.so through the provider ABI only.
  *
  *   cc -std=c11 -D_GNU_SOURCE -O2 -g -Wall -Wextra -Werror -Ishim \
- *      providers/ofi/test_ofi.c -o /tmp/test_ofi -ldl
+ *      tests/native/test_ofi.c -o /tmp/test_ofi -ldl
  *   /tmp/test_ofi tcp|shm [path/to/libafabric_ofi.so]
  *   (AFABRIC_LIBFABRIC=/path/libfabric.so.1 picks another libfabric)
  *
- * Not part of the library (build_native.py skips test_*.c). Two domains A and B of
+ * Not part of the library (it lives in tests/native/, outside build_native.py's sources).
+ * Two domains A and B of
  * one provider in one process: A writes 1 MiB into B's remote-writable region in 16
  * writes with immediates (A's context pool holds 8, so posting runs dry and resumes after
  * polling), one zero-length immediate-only write without local buffer or descriptor, and

@@ -1,7 +1,7 @@
 /*
  * Fuzz target for the shim's address and descriptor decoders (afs_desc_decode,
- * afs_address_check; format at the top of codec.c). Not library code: build_native.py
- * leaves fuzz_*.c out of libafabric_shim.so, and everything below also needs
+ * afs_address_check; format at the top of codec.c). Not library code: it lives in
+ * tests/native/, outside build_native.py's source dirs, and everything below also needs
  * -DAFABRIC_FUZZ, so compiling it by accident adds nothing.
  *
  * Standalone (gcc, what tests/test_native.py does): link the shim's sources directly,

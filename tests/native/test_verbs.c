@@ -3,10 +3,11 @@
  * RDMA device (Soft-RoCE rxe0 in the qemu guest of tests/rxe/guest.py):
  *
  *   cc -std=c11 -D_GNU_SOURCE -O2 -g -Wall -Wextra -Werror -Ishim \
- *      providers/verbs/test_verbs.c -o /tmp/test_verbs -ldl
+ *      tests/native/test_verbs.c -o /tmp/test_verbs -ldl
  *   /tmp/test_verbs path/to/libafabric_verbs.so [device]
  *
- * Not part of the library (build_native.py skips test_*.c). Two domains A and B on one
+ * Not part of the library (it lives in tests/native/, outside build_native.py's sources).
+ * Two domains A and B on one
  * device (two rxe devices in one guest cannot reach each other). B drops the first two
  * handshake datagrams it receives (AFABRIC_VERBS_TEST_DROP_HELLOS), so the connection
  * only comes up if A retransmits. Then: 64 shuffled 16 KiB writes with immediates in one
