@@ -11,7 +11,7 @@
  * shim's worker for that domain group). `afp_list_nics` may be called from any thread
  * and must not keep state between calls.
  *
- * Return values: 0 on success or a negative AFS_E* code (afabric_shim.h). Detail text
+ * Return values: 0 on success or a negative AFP_E* code (below). Detail text
  * for a failure goes to the buffer given by `afp_errbuf` (per domain) or, for calls
  * without a domain, to the caller-provided `err` buffer.
  */
@@ -28,6 +28,33 @@
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
+
+/* Return codes. A provider includes this header only; the numbers are the shim's own
+ * (AFS_ERROR_TABLE in afabric_shim.h, the one list Python reads), and shim/errors.c fails
+ * to compile if a row there has no twin here with the same value. */
+enum afp_error {
+    AFP_OK = 0,
+    AFP_EAGAIN = -1,       /* resource temporarily unavailable, try again */
+    AFP_EINVAL = -2,       /* invalid argument */
+    AFP_ERANGE = -3,       /* offset or length outside the memory region */
+    AFP_ECLOSED = -4,      /* engine is closed */
+    AFP_ENOMEM = -5,       /* out of memory */
+    AFP_EBADDESC = -6,     /* malformed, truncated or forged descriptor or address */
+    AFP_ESTALE = -7,       /* memory region was deregistered */
+    AFP_ETOOBIG = -8,      /* message larger than the maximum size */
+    AFP_ETIMEDOUT = -9,    /* operation timed out */
+    AFP_EPEER = -10,       /* peer unreachable or connection lost */
+    AFP_EKEY = -11,        /* remote key rejected */
+    AFP_EIO = -12,         /* transport error */
+    AFP_EPROVIDER = -13,   /* provider library could not be loaded or is incompatible */
+    AFP_EUNSUPPORTED = -14,/* operation not supported by this provider */
+    AFP_ECANCELED = -15,   /* operation canceled */
+    AFP_EBUSY = -16,       /* resource busy */
+    AFP_ENODEV = -17,      /* no usable NIC or domain */
+    AFP_EWRONGPROV = -18,  /* descriptor or address belongs to another provider */
+    AFP_EREG = -19,        /* memory registration failed */
+    AFP_EDENIED = -20,     /* peer is not on the engine's allow-list */
+};
 
 /* For provider authors: formats an error text into `buf` (a domain's errbuf or a call's
  * `err` buffer); a NULL or empty buffer is ignored. Not part of the table. */
@@ -139,7 +166,7 @@ enum afp_event_kind {
 
 typedef struct afp_event {
     uint32_t kind;
-    int32_t status;      /* 0 or negative AFS_E* code */
+    int32_t status;      /* 0 or negative AFP_E* code */
     uint64_t ctx;
     uint64_t len;
     uint32_t imm;
@@ -179,17 +206,17 @@ struct afp_ops {
     int (*forget)(afp_domain *dom, uint64_t peer);
 
     /* Post up to n writes; *posted gets how many were accepted (a prefix). Returns 0,
-     * AFS_EAGAIN when the queue is full (after posting *posted), or an error. */
+     * AFP_EAGAIN when the queue is full (after posting *posted), or an error. */
     int (*post_writes)(afp_domain *dom, const afp_write *wr, uint32_t n, uint32_t *posted);
     int (*post_send)(afp_domain *dom, uint64_t peer, const void *buf, uint64_t len, void *desc,
                      uint64_t ctx);
     int (*post_recv)(afp_domain *dom, void *buf, uint64_t len, void *desc, uint64_t ctx);
     int (*poll)(afp_domain *dom, afp_event *ev, uint32_t max, uint32_t *n);
-    /* Before sleeping on wait_fd: returns 0 if it is safe to sleep, AFS_EAGAIN if events
+    /* Before sleeping on wait_fd: returns 0 if it is safe to sleep, AFP_EAGAIN if events
      * may be pending (poll again first). */
     int (*trywait)(afp_domain *dom);
     /* Optional (minor 2): post a whole paged write as one operation (a provider that can
-     * batch pages, e.g. one copy kernel). 0, AFS_EAGAIN (nothing posted) or an error. Used
+     * batch pages, e.g. one copy kernel). 0, AFP_EAGAIN (nothing posted) or an error. Used
      * for engines of one NIC; without it the shim posts one write per page. */
     int (*post_paged)(afp_domain *dom, const afp_paged *p);
     /* Optional (minor 3): poll, and for each event set src[i] to the sender of an AFP_EV_RECV

@@ -14,6 +14,12 @@ static const struct {
 } error_table[] = {AFS_ERROR_TABLE(AFS_ERR_ROW)};
 #undef AFS_ERR_ROW
 
+/* The provider ABI's return codes (afabric_provider.h) are this table's numbers. */
+#define AFS_SAME_AS_AFP(name, value, text) \
+    _Static_assert((int)AFP_##name == (int)AFS_##name, "AFP_" #name " must equal AFS_" #name);
+AFS_ERROR_TABLE(AFS_SAME_AS_AFP)
+#undef AFS_SAME_AS_AFP
+
 #define ERROR_COUNT ((int32_t)(sizeof(error_table) / sizeof(error_table[0])))
 
 /* Detail of the last failure on this thread; Python reads it right after the call. */

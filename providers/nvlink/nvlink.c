@@ -17,7 +17,7 @@
  *  - SEND appends the message to the target's mailbox; posted receives take them in order.
  *
  * On a machine without CUDA, or with fewer than two GPUs that can reach each other,
- * list_nics/open fail with AFS_ENODEV and say why: the provider is then unavailable.
+ * list_nics/open fail with AFP_ENODEV and say why: the provider is then unavailable.
  *
  * Threading: every call on a domain comes from the shim's worker thread (ABI rule), so
  * the domain needs no lock; only the peer-facing mailbox is shared, under its own mutex.
@@ -35,7 +35,6 @@
 #include <unistd.h>
 
 #include "afabric_provider.h"
-#include "afabric_shim.h"
 #include "nvl_copy_ptx.h"
 #include "nvl_cuda.h"
 #include "nvl_mbox.h"
@@ -246,7 +245,7 @@ static int dev_count(const struct afnv_cuda *cu, int *n, char *err, size_t errle
     CUresult r = cu->device_get_count(n);
     if (r != CUDA_SUCCESS) {
         afp_errf(err, errlen, "cuDeviceGetCount: %s", afnv_cuda_errstr(cu, r));
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     return 0;
 }
@@ -308,7 +307,7 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     *n = 0;
     if (!cu) {
         afp_errf(err, errlen, "%s", why);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     int ndev = 0, rc = dev_count(cu, &ndev, err, errlen);
     if (rc)
@@ -318,7 +317,7 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     if (usable < 2) {
         afp_errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access; %d GPU(s), %d "
                           "with a peer", ndev, usable);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     uint32_t count = 0;
     for (int i = 0; i < ndev && i < (int)NVL_MAX_DEV; i++) {
@@ -335,7 +334,7 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     *n = count;
     if (count == 0) {
         afp_errf(err, errlen, "no CUDA GPU named %s with peer access", args->nic);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     return 0;
 }
@@ -343,7 +342,7 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
 static int set_dev(afp_domain *d, int ordinal)
 {
     CUresult r = d->cu->ctx_set_current(d->dev[ordinal].ctx);
-    return r == CUDA_SUCCESS ? 0 : cuda_fail(d, AFS_EIO, "cuCtxSetCurrent", r);
+    return r == CUDA_SUCCESS ? 0 : cuda_fail(d, AFP_EIO, "cuCtxSetCurrent", r);
 }
 
 static int load_kernel(afp_domain *d, nvl_dev *v)
@@ -353,11 +352,11 @@ static int load_kernel(afp_domain *d, nvl_dev *v)
     void *vals[2] = {log, (void *)(uintptr_t)sizeof log};
     CUresult r = d->cu->module_load_data_ex(&v->mod, afnv_copy_ptx, 2, opts, vals);
     if (r != CUDA_SUCCESS)
-        return DERR(d, AFS_EIO, "loading the copy kernel: %s (CUresult %d) %s [nvlink]",
+        return DERR(d, AFP_EIO, "loading the copy kernel: %s (CUresult %d) %s [nvlink]",
                     afnv_cuda_errstr(d->cu, r), r, log);
     r = d->cu->module_get_function(&v->fn, v->mod, "afnv_paged_copy");
     if (r != CUDA_SUCCESS)
-        return cuda_fail(d, AFS_EIO, "cuModuleGetFunction(afnv_paged_copy)", r);
+        return cuda_fail(d, AFP_EIO, "cuModuleGetFunction(afnv_paged_copy)", r);
     return 0;
 }
 
@@ -366,20 +365,20 @@ static int load_kernel(afp_domain *d, nvl_dev *v)
 static int dev_ready(afp_domain *d, int ordinal)
 {
     if (ordinal < 0 || ordinal >= d->ndev || ordinal >= (int)NVL_MAX_DEV)
-        return DERR(d, AFS_EINVAL, "no CUDA device %d (this process sees %d) [nvlink]", ordinal,
+        return DERR(d, AFP_EINVAL, "no CUDA device %d (this process sees %d) [nvlink]", ordinal,
                     d->ndev);
     nvl_dev *v = &d->dev[ordinal];
     if (v->ok)
         return set_dev(d, ordinal);
     if (v->ready)
-        return DERR(d, AFS_EIO, "CUDA device %d failed to initialise earlier [nvlink]", ordinal);
+        return DERR(d, AFP_EIO, "CUDA device %d failed to initialise earlier [nvlink]", ordinal);
     const struct afnv_cuda *cu = d->cu;
     CUresult r;
     int rc;
     if ((r = cu->device_get(&v->dev, ordinal)) != CUDA_SUCCESS)
-        return cuda_fail(d, AFS_EINVAL, "cuDeviceGet", r);
+        return cuda_fail(d, AFP_EINVAL, "cuDeviceGet", r);
     if ((r = cu->primary_ctx_retain(&v->ctx, v->dev)) != CUDA_SUCCESS)
-        return cuda_fail(d, AFS_EIO, "cuDevicePrimaryCtxRetain", r);
+        return cuda_fail(d, AFP_EIO, "cuDevicePrimaryCtxRetain", r);
     v->ready = true; /* from here on close releases what is made */
     if ((rc = set_dev(d, ordinal)))
         return rc;
@@ -397,25 +396,25 @@ static int dev_ready(afp_domain *d, int ordinal)
             cu->device_can_access_peer(&can, v->dev, pd) != CUDA_SUCCESS || !can)
             continue;
         if ((r = cu->primary_ctx_retain(&pctx, pd)) != CUDA_SUCCESS)
-            return cuda_fail(d, AFS_EIO, "cuDevicePrimaryCtxRetain (peer)", r);
+            return cuda_fail(d, AFP_EIO, "cuDevicePrimaryCtxRetain (peer)", r);
         r = cu->ctx_enable_peer_access(pctx, 0);
         (void)cu->primary_ctx_release(pd); /* the peer's primary context lives on regardless */
         if (r != CUDA_SUCCESS && r != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
-            return cuda_fail(d, AFS_EIO, "cuCtxEnablePeerAccess", r);
+            return cuda_fail(d, AFP_EIO, "cuCtxEnablePeerAccess", r);
     }
     if ((rc = load_kernel(d, v)))
         return rc;
     for (uint32_t k = 0; k < NVL_STREAMS; k++) {
         nvl_stream *s = &v->st[k];
         if ((r = cu->stream_create(&s->s, CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS)
-            return cuda_fail(d, AFS_EIO, "cuStreamCreate", r);
+            return cuda_fail(d, AFP_EIO, "cuStreamCreate", r);
         void *host = NULL;
         if ((r = cu->mem_host_alloc(&host, NVL_STAGE_BYTES, CU_MEMHOSTALLOC_PORTABLE)) !=
             CUDA_SUCCESS)
-            return cuda_fail(d, AFS_ENOMEM, "cuMemHostAlloc (staging)", r);
+            return cuda_fail(d, AFP_ENOMEM, "cuMemHostAlloc (staging)", r);
         s->stage_host = host;
         if ((r = cu->mem_alloc(&s->stage_dev, NVL_STAGE_BYTES)) != CUDA_SUCCESS)
-            return cuda_fail(d, AFS_ENOMEM, "cuMemAlloc (staging)", r);
+            return cuda_fail(d, AFP_ENOMEM, "cuMemAlloc (staging)", r);
     }
     v->ok = true;
     return 0;
@@ -520,15 +519,15 @@ static void wake_peer(afp_domain *d, nvl_peer *p)
     (void)sendto(d->send_fd, &one, 1, MSG_DONTWAIT, (struct sockaddr *)&p->wake, p->wake_len);
 }
 
-/* Deliver `arrivals` of an immediate. 0, AFS_EAGAIN (mailbox full) or AFS_EPEER. */
+/* Deliver `arrivals` of an immediate. 0, AFP_EAGAIN (mailbox full) or AFP_EPEER. */
 static int deliver_imm(afp_domain *d, uint64_t peer, uint32_t imm, uint64_t arrivals)
 {
     nvl_peer *p = peer_of(d, peer);
     if (!p || !peer_alive(p, false))
-        return AFS_EPEER;
+        return AFP_EPEER;
     int rc = mb_push(p->seg.hdr, MB_REC_IMM, imm, arrivals, NULL, 0);
     if (rc == -EAGAIN)
-        return peer_alive(p, true) ? AFS_EAGAIN : AFS_EPEER;
+        return peer_alive(p, true) ? AFP_EAGAIN : AFP_EPEER;
     wake_peer(d, p);
     return 0;
 }
@@ -542,19 +541,19 @@ static void finish_op(afp_domain *d, nvl_op *op)
     }
     if (op->arrivals) {
         int rc = deliver_imm(d, op->peer, op->imm, op->arrivals);
-        if (rc == AFS_EAGAIN) { /* the target is not draining: retry on the next poll */
+        if (rc == AFP_EAGAIN) { /* the target is not draining: retry on the next poll */
             nvl_op *h = grow(d->held, &d->held_cap, d->nheld + 1, sizeof *h);
             if (h) {
                 d->held = h;
                 d->held[d->nheld++] = *op;
                 return;
             }
-            rc = AFS_ENOMEM;
+            rc = AFP_ENOMEM;
         }
         if (rc) {
             write_failed(d, op->ctx, rc,
                          dup_text("immediate %u not delivered: %s [nvlink]", op->imm,
-                                  rc == AFS_EPEER ? "target process is gone" : "out of memory"));
+                                  rc == AFP_EPEER ? "target process is gone" : "out of memory"));
             return;
         }
     }
@@ -629,20 +628,20 @@ static int remember_map(afp_domain *d, uint64_t peer, CUdeviceptr mapped)
 {
     nvl_map *m = grow(d->maps, &d->maps_cap, d->nmaps + 1, sizeof *m);
     if (!m)
-        return AFS_ENOMEM;
+        return AFP_ENOMEM;
     d->maps = m;
     d->maps[d->nmaps++] = (nvl_map){peer, mapped};
     return 0;
 }
 
-/* Copy a live export entry out of the peer's table (seqlock): 0, or AFS_EKEY if the key
+/* Copy a live export entry out of the peer's table (seqlock): 0, or AFP_EKEY if the key
  * does not name a live entry. */
 static int read_export(nvl_peer *p, uint64_t key, mb_export *out)
 {
     uint32_t idx = (uint32_t)(key & 0xffffffffu);
     uint64_t gen = key >> 32;
     if (idx >= p->seg.hdr->nexports || !(gen & 1u))
-        return AFS_EKEY;
+        return AFP_EKEY;
     mb_export *e = &mb_exports(p->seg.hdr)[idx];
     uint64_t g1 = atomic_load_explicit(&e->gen, memory_order_acquire);
     memcpy((uint8_t *)out + sizeof out->gen, (uint8_t *)e + sizeof e->gen,
@@ -650,7 +649,7 @@ static int read_export(nvl_peer *p, uint64_t key, mb_export *out)
     atomic_thread_fence(memory_order_acquire);
     uint64_t g2 = atomic_load_explicit(&e->gen, memory_order_relaxed);
     if (g1 != gen || g2 != gen)
-        return AFS_EKEY;
+        return AFP_EKEY;
     return 0;
 }
 
@@ -661,9 +660,9 @@ static int translate(afp_domain *d, uint64_t peer, uint64_t key, uint64_t raddr,
 {
     nvl_peer *p = peer_of(d, peer);
     if (!p)
-        return DERR(d, AFS_EPEER, "unknown peer handle %llu [nvlink]", (unsigned long long)peer);
+        return DERR(d, AFP_EPEER, "unknown peer handle %llu [nvlink]", (unsigned long long)peer);
     if (!peer_alive(p, false))
-        return DERR(d, AFS_EPEER, "peer process %d is gone [nvlink]", p->seg.hdr->pid);
+        return DERR(d, AFP_EPEER, "peer process %d is gone [nvlink]", p->seg.hdr->pid);
     nvl_import *im = imp_find(d, peer, key);
     if (im && atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr,
                                    memory_order_acquire) != key >> 32) {
@@ -673,7 +672,7 @@ static int translate(afp_domain *d, uint64_t peer, uint64_t key, uint64_t raddr,
     if (!im) {
         mb_export e;
         if (read_export(p, key, &e))
-            return DERR(d, AFS_EKEY, "remote key %016llx is not (or no longer) registered at the "
+            return DERR(d, AFP_EKEY, "remote key %016llx is not (or no longer) registered at the "
                                      "target [nvlink]", (unsigned long long)key);
         int64_t delta;
         if (e.proc_token == afnv_process_token() && e.pid == (int32_t)getpid()) {
@@ -682,24 +681,24 @@ static int translate(afp_domain *d, uint64_t peer, uint64_t key, uint64_t raddr,
             CUdeviceptr mapped = 0;
             CUresult cr;
             if (afnv_ipc_open(d->cu, &e.handle, &mapped, &cr) != 0)
-                return cr ? cuda_fail(d, AFS_EKEY, "cuIpcOpenMemHandle", cr)
-                          : DERR(d, AFS_ENOMEM, "out of memory [nvlink]");
+                return cr ? cuda_fail(d, AFP_EKEY, "cuIpcOpenMemHandle", cr)
+                          : DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
             if (remember_map(d, peer, mapped)) {
                 afnv_ipc_close(d->cu, mapped);
-                return DERR(d, AFS_ENOMEM, "out of memory [nvlink]");
+                return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
             }
             delta = (int64_t)(mapped - e.alloc_base);
         }
         im = imp_insert(d, peer, key);
         if (!im)
-            return DERR(d, AFS_ENOMEM, "out of memory [nvlink]");
+            return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
         im->gen_addr = (uint64_t)(uintptr_t)&mb_exports(p->seg.hdr)[key & 0xffffffffu].gen;
         im->base = e.base;
         im->len = e.len;
         im->delta = delta;
     }
     if (raddr < im->base || len > im->len || raddr - im->base > im->len - len)
-        return DERR(d, AFS_EKEY,
+        return DERR(d, AFP_EKEY,
                     "remote access [%llx, +%llu) outside the registered region [%llx, +%llu) "
                     "[nvlink]",
                     (unsigned long long)raddr, (unsigned long long)len,
@@ -731,7 +730,7 @@ static nvl_batch *batch_new(afp_domain *d, int dev)
     } else {
         CUresult r = d->cu->event_create(&b->ev, CU_EVENT_DISABLE_TIMING);
         if (r != CUDA_SUCCESS) {
-            cuda_fail(d, AFS_EIO, "cuEventCreate", r);
+            cuda_fail(d, AFP_EIO, "cuEventCreate", r);
             b->next = d->free_batches;
             d->free_batches = b;
             return NULL;
@@ -795,7 +794,7 @@ static void batch_submit(afp_domain *d, nvl_stream *s, nvl_batch *b)
         (void)d->cu->stream_synchronize(s->s); /* the copies must be done before we report */
         for (uint32_t i = 0; i < b->nops; i++)
             if (!b->ops[i].status) {
-                b->ops[i].status = AFS_EIO;
+                b->ops[i].status = AFP_EIO;
                 b->ops[i].text = dup_text("cuEventRecord: %s [nvlink]", afnv_cuda_errstr(d->cu, r));
             }
         for (uint32_t i = 0; i < b->nops; i++)
@@ -873,12 +872,12 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
         nvl_batch *b = open_batch(d, dev, s);
         nvl_op *slot = b ? batch_add(b) : NULL;
         if (!slot)
-            return *posted ? 0 : AFS_EAGAIN; /* out of memory for now: the shim retries */
+            return *posted ? 0 : AFP_EAGAIN; /* out of memory for now: the shim retries */
         CUresult r = d->cu->memcpy_async(dst, (CUdeviceptr)(uintptr_t)w->local_addr, w->length,
                                          s->s);
         if (r != CUDA_SUCCESS) {
             b->nops--; /* not in flight: fails now */
-            op.status = AFS_EIO;
+            op.status = AFP_EIO;
             op.text = dup_text("cuMemcpyAsync of %llu bytes: %s [nvlink]",
                                (unsigned long long)w->length, afnv_cuda_errstr(d->cu, r));
             finish_op(d, &op);
@@ -899,7 +898,7 @@ static int64_t max_index(const int64_t *idx, uint64_t n)
 }
 
 /* Page indices for the kernel, in the stream's staging ring (or a one-off buffer when the
- * write is larger than half the ring). AFS_EAGAIN: the ring is busy, try again later. */
+ * write is larger than half the ring). AFP_EAGAIN: the ring is busy, try again later. */
 static int stage_indices(afp_domain *d, nvl_stream *s, nvl_op *op, const afp_paged *p,
                          CUdeviceptr *dev_idx)
 {
@@ -910,17 +909,17 @@ static int stage_indices(afp_domain *d, nvl_stream *s, nvl_op *op, const afp_pag
     if (need > NVL_STAGE_BYTES / 2) {
         void *h = NULL;
         if ((r = d->cu->mem_host_alloc(&h, bytes, CU_MEMHOSTALLOC_PORTABLE)) != CUDA_SUCCESS)
-            return cuda_fail(d, AFS_ENOMEM, "cuMemHostAlloc (page indices)", r);
+            return cuda_fail(d, AFP_ENOMEM, "cuMemHostAlloc (page indices)", r);
         op->big_host = h;
         if ((r = d->cu->mem_alloc(&op->big_dev, bytes)) != CUDA_SUCCESS)
-            return cuda_fail(d, AFS_ENOMEM, "cuMemAlloc (page indices)", r);
+            return cuda_fail(d, AFP_ENOMEM, "cuMemAlloc (page indices)", r);
         host = h;
         *dev_idx = op->big_dev;
     } else {
         uint64_t off = s->stage_tail % NVL_STAGE_BYTES;
         uint64_t skip = off + need > NVL_STAGE_BYTES ? NVL_STAGE_BYTES - off : 0;
         if (s->stage_tail + skip + need - s->stage_head > NVL_STAGE_BYTES)
-            return AFS_EAGAIN;
+            return AFP_EAGAIN;
         s->stage_tail += skip;
         off = s->stage_tail % NVL_STAGE_BYTES;
         host = s->stage_host + off;
@@ -930,7 +929,7 @@ static int stage_indices(afp_domain *d, nvl_stream *s, nvl_op *op, const afp_pag
     memcpy(host, p->src_idx, p->count * sizeof(int64_t));
     memcpy(host + p->count * sizeof(int64_t), p->dst_idx, p->count * sizeof(int64_t));
     if ((r = d->cu->memcpy_htod_async(*dev_idx, host, bytes, s->s)) != CUDA_SUCCESS)
-        return cuda_fail(d, AFS_EIO, "cuMemcpyHtoDAsync (page indices)", r);
+        return cuda_fail(d, AFP_EIO, "cuMemcpyHtoDAsync (page indices)", r);
     return 0;
 }
 
@@ -942,7 +941,7 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
     if (rc)
         return rc;
     if (p->count == 0)
-        return DERR(d, AFS_EINVAL, "paged write of no pages [nvlink]");
+        return DERR(d, AFP_EINVAL, "paged write of no pages [nvlink]");
     nvl_op op = {p->ctx, p->peer, p->has_imm ? p->count : 0, p->imm, 0, NULL, 0, NULL};
     /* the shim checked the pages against the descriptor's length; the owner's export entry
      * is what counts (a descriptor can be forged) */
@@ -959,7 +958,7 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
     nvl_batch *b = open_batch(d, dev, s);
     nvl_op *slot = b ? batch_add(b) : NULL;
     if (!slot)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     uint64_t src = (uint64_t)(uintptr_t)p->local_base + p->src_offset;
     CUresult r = CUDA_SUCCESS;
     if (mr && mr->device < 0) {
@@ -990,7 +989,7 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
                                  NULL);
     }
     if (r != CUDA_SUCCESS) { /* stays in the batch: copies before it may still be running */
-        op.status = AFS_EIO;
+        op.status = AFP_EIO;
         op.text = dup_text("paged copy of %llu pages: %s [nvlink]", (unsigned long long)p->count,
                            afnv_cuda_errstr(d->cu, r));
     }
@@ -1004,15 +1003,15 @@ static int nvl_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
     (void)desc;
     nvl_peer *p = peer_of(d, peer);
     if (!p || !peer_alive(p, false)) {
-        push_ev(d, AFP_EV_ERROR, AFS_EPEER, ctx, 0, 0, AFP_EV_SEND_DONE,
+        push_ev(d, AFP_EV_ERROR, AFP_EPEER, ctx, 0, 0, AFP_EV_SEND_DONE,
                 dup_text("send: peer process is gone [nvlink]"));
         return 0;
     }
     int rc = mb_push(p->seg.hdr, MB_REC_MSG, 0, len, buf, len);
     if (rc == -EAGAIN)
-        return peer_alive(p, true) ? AFS_EAGAIN : DERR(d, AFS_EPEER, "peer is gone [nvlink]");
+        return peer_alive(p, true) ? AFP_EAGAIN : DERR(d, AFP_EPEER, "peer is gone [nvlink]");
     if (rc == -EINVAL)
-        return DERR(d, AFS_ETOOBIG, "message of %llu bytes exceeds nvlink's %u [nvlink]",
+        return DERR(d, AFP_ETOOBIG, "message of %llu bytes exceeds nvlink's %u [nvlink]",
                     (unsigned long long)len, MB_MAX_MSG);
     wake_peer(d, p);
     push_ev(d, AFP_EV_SEND_DONE, 0, ctx, 0, len, 0, NULL);
@@ -1026,7 +1025,7 @@ static int nvl_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uin
         uint32_t cap = d->rq_cap ? d->rq_cap * 2 : 64;
         nvl_recv *q = malloc((size_t)cap * sizeof *q);
         if (!q)
-            return DERR(d, AFS_ENOMEM, "out of memory [nvlink]");
+            return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
         for (uint32_t i = 0; i < d->rq_len; i++)
             q[i] = d->rq[(d->rq_head + i) % d->rq_cap];
         free(d->rq);
@@ -1062,7 +1061,7 @@ static void reap_streams(afp_domain *d)
                 for (uint32_t i = 0; i < b->nops; i++) {
                     nvl_op *op = &b->ops[i];
                     if (r != CUDA_SUCCESS && !op->status) {
-                        op->status = AFS_EIO;
+                        op->status = AFP_EIO;
                         op->text = dup_text("copy failed: %s (CUresult %d) [nvlink]",
                                             afnv_cuda_errstr(d->cu, r), r);
                     }
@@ -1115,7 +1114,7 @@ static uint32_t drain_mailbox(afp_domain *d, uint32_t room)
             d->rq_head = (d->rq_head + 1) % d->rq_cap;
             d->rq_len--;
             if (r->arg > rv.len) {
-                push_ev(d, AFP_EV_ERROR, AFS_ETOOBIG, rv.ctx, 0, r->arg, AFP_EV_RECV,
+                push_ev(d, AFP_EV_ERROR, AFP_ETOOBIG, rv.ctx, 0, r->arg, AFP_EV_RECV,
                         dup_text("message of %llu bytes truncated by a %llu-byte receive [nvlink]",
                                  (unsigned long long)r->arg, (unsigned long long)rv.len));
             } else {
@@ -1179,12 +1178,12 @@ static int nvl_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
 static int nvl_trywait(afp_domain *d)
 {
     if (d->wake_fd < 0 || d->inflight || d->nheld || d->evq_len)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     atomic_store(&d->seg.hdr->sleeping, 1);
     atomic_thread_fence(memory_order_seq_cst);
     if (atomic_load(&d->seg.hdr->tail_pub) != d->seg.hdr->head) {
         atomic_store(&d->seg.hdr->sleeping, 0);
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     }
     return 0;
 }
@@ -1202,12 +1201,12 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     int rc;
     if (!(flags & AFP_MR_DEVICE)) {
         if (flags & AFP_MR_REMOTE)
-            return DERR(d, AFS_EUNSUPPORTED,
+            return DERR(d, AFP_EUNSUPPORTED,
                         "nvlink writes into CUDA device memory only: host memory can be a "
                         "local source, not a target (use shm for host memory)");
         struct afp_mr *m = calloc(1, sizeof *m);
         if (!m)
-            return DERR(d, AFS_ENOMEM, "out of memory [nvlink]");
+            return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
         *m = (struct afp_mr){-1, 0, false, (uint64_t)(uintptr_t)addr, len};
         *out = m;
         *local_desc = m;
@@ -1223,29 +1222,29 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     if ((r = cu->pointer_get_attribute(&mtype, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p)) !=
             CUDA_SUCCESS ||
         mtype != CU_MEMORYTYPE_DEVICE)
-        return DERR(d, AFS_EREG, "%p is not CUDA device memory [nvlink]", addr);
+        return DERR(d, AFP_EREG, "%p is not CUDA device memory [nvlink]", addr);
     if ((r = cu->pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)) !=
             CUDA_SUCCESS ||
         ordinal != device)
-        return DERR(d, AFS_EREG, "%p lives on CUDA device %d, not %d [nvlink]", addr, ordinal,
+        return DERR(d, AFP_EREG, "%p lives on CUDA device %d, not %d [nvlink]", addr, ordinal,
                     device);
     CUdeviceptr base = 0;
     size_t size = 0;
     if ((r = cu->mem_get_address_range(&base, &size, p)) != CUDA_SUCCESS)
-        return cuda_fail(d, AFS_EREG, "cuMemGetAddressRange", r);
+        return cuda_fail(d, AFP_EREG, "cuMemGetAddressRange", r);
     if (p - base + len > size)
-        return DERR(d, AFS_EREG, "[%p, +%llu) runs past its CUDA allocation [nvlink]", addr,
+        return DERR(d, AFP_EREG, "[%p, +%llu) runs past its CUDA allocation [nvlink]", addr,
                     (unsigned long long)len);
     struct afp_mr *m = calloc(1, sizeof *m);
     if (!m)
-        return DERR(d, AFS_ENOMEM, "out of memory [nvlink]");
+        return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
     *m = (struct afp_mr){device, 0, false, (uint64_t)p, len};
     *rkey = 0;
     if (flags & AFP_MR_REMOTE) {
         CUipcMemHandle h;
         if ((r = cu->ipc_get_mem_handle(&h, base)) != CUDA_SUCCESS) {
             free(m);
-            return DERR(d, AFS_EREG,
+            return DERR(d, AFP_EREG,
                         "cuIpcGetMemHandle: %s (CUresult %d): the allocation cannot be shared "
                         "through CUDA IPC (cudaMalloc'ed memory can; cuMem/VMM allocations such "
                         "as torch's expandable segments cannot) [nvlink]",
@@ -1253,7 +1252,7 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
         }
         if (d->free_exports == UINT32_MAX && d->next_export >= MB_EXPORTS) {
             free(m);
-            return DERR(d, AFS_ENOMEM, "more than %u regions registered [nvlink]", MB_EXPORTS);
+            return DERR(d, AFP_ENOMEM, "more than %u regions registered [nvlink]", MB_EXPORTS);
         }
         uint32_t idx;
         if (d->free_exports != UINT32_MAX) {
@@ -1324,7 +1323,7 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     const struct afnv_cuda *cu = afnv_cuda_get(&why);
     if (!cu) {
         afp_errf(err, errlen, "%s", why);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     int ndev = 0, rc = dev_count(cu, &ndev, err, errlen);
     if (rc)
@@ -1332,24 +1331,24 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     bool ok[NVL_MAX_DEV];
     if (peer_capable(cu, ndev, ok) < 2) {
         afp_errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access (%d GPU(s))", ndev);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     int home = -1;
     if (parse_nic(args->nic, &home) != 0) {
         afp_errf(err, errlen, "nvlink NICs are named cuda<N> (got \"%s\")", args->nic);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     if (home < 0)
         for (home = 0; home < ndev && !ok[home]; home++) {
         }
     if (home >= ndev || home >= (int)NVL_MAX_DEV || !ok[home]) {
         afp_errf(err, errlen, "no CUDA GPU %s with peer access", args->nic ? args->nic : "");
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     afp_domain *d = calloc(1, sizeof *d);
     if (!d) {
         afp_errf(err, errlen, "out of memory");
-        return AFS_ENOMEM;
+        return AFP_ENOMEM;
     }
     d->cu = cu;
     d->home = home;
@@ -1363,12 +1362,12 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     d->export_next = calloc(MB_EXPORTS, sizeof *d->export_next);
     if (!d->export_next) {
         afp_errf(err, errlen, "out of memory");
-        rc = AFS_ENOMEM;
+        rc = AFP_ENOMEM;
         goto out_fail;
     }
     mb_reap(); /* segments of killed processes */
     if (mb_create(&d->seg, d->token, err, errlen) != 0) {
-        rc = AFS_EIO;
+        rc = AFP_EIO;
         goto out_fail;
     }
     /* wakeups: optional (without them the shim naps at most 1 ms between polls) */
@@ -1477,7 +1476,7 @@ static int nvl_caps(afp_domain *d, afp_caps *out)
 static int nvl_address(afp_domain *d, void *buf, size_t *len)
 {
     if (*len < sizeof(nvl_addr))
-        return DERR(d, AFS_ERANGE, "address needs %zu bytes [nvlink]", sizeof(nvl_addr));
+        return DERR(d, AFP_ERANGE, "address needs %zu bytes [nvlink]", sizeof(nvl_addr));
     nvl_addr a;
     memset(&a, 0, sizeof a);
     a.magic = NVL_ADDR_MAGIC;
@@ -1494,12 +1493,12 @@ static int nvl_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
 {
     nvl_addr a;
     if (len != sizeof a)
-        return DERR(d, AFS_EBADDESC, "not an nvlink address (%zu bytes) [nvlink]", len);
+        return DERR(d, AFP_EBADDESC, "not an nvlink address (%zu bytes) [nvlink]", len);
     memcpy(&a, addr, sizeof a);
     if (a.magic != NVL_ADDR_MAGIC || a.version != MB_VERSION || a.seg[MB_NAME_LEN - 1] != '\0')
-        return DERR(d, AFS_EBADDESC, "not an nvlink address (bad magic or version) [nvlink]");
+        return DERR(d, AFP_EBADDESC, "not an nvlink address (bad magic or version) [nvlink]");
     if (memcmp(a.boot_id, d->boot_id, sizeof a.boot_id) != 0)
-        return DERR(d, AFS_EPEER, "peer is on another node: nvlink reaches the processes of "
+        return DERR(d, AFP_EPEER, "peer is on another node: nvlink reaches the processes of "
                                   "one node only [nvlink]");
     for (uint32_t i = 0; i < d->npeers; i++)
         if (d->peers[i].used && d->peers[i].token == a.token) {
@@ -1508,15 +1507,15 @@ static int nvl_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
         }
     nvl_peer *ps = grow(d->peers, &d->peers_cap, d->npeers + 1, sizeof *ps);
     if (!ps)
-        return DERR(d, AFS_ENOMEM, "out of memory [nvlink]");
+        return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
     d->peers = ps;
     nvl_peer *p = &d->peers[d->npeers];
     memset(p, 0, sizeof *p);
     if (mb_attach(&p->seg, a.seg, a.token, d->errbuf, sizeof d->errbuf) != 0)
-        return AFS_EPEER;
+        return AFP_EPEER;
     if (!mb_alive(&p->seg)) {
         mb_detach(&p->seg, false);
-        return DERR(d, AFS_EPEER, "peer %s is gone [nvlink]", a.seg);
+        return DERR(d, AFP_EPEER, "peer %s is gone [nvlink]", a.seg);
     }
     p->used = true;
     p->token = a.token;
@@ -1531,7 +1530,7 @@ static int nvl_forget(afp_domain *d, uint64_t peer)
 {
     nvl_peer *p = peer_of(d, peer);
     if (!p)
-        return DERR(d, AFS_EINVAL, "unknown peer [nvlink]");
+        return DERR(d, AFP_EINVAL, "unknown peer [nvlink]");
     flush_batches(d);
     sync_all(d);
     reap_streams(d);

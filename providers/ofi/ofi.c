@@ -43,7 +43,6 @@
 #include <rdma/fi_rma.h>
 
 #include "afabric_provider.h"
-#include "afabric_shim.h"
 #include "ofi_lib.h"
 
 /* The API version of the headers we were built with: a newer libfabric then keeps the
@@ -146,27 +145,27 @@ struct afp_domain {
 /* ------------------------------------------------------------------------------------ */
 /* Errors                                                                                */
 
-/* A positive libfabric/POSIX errno -> AFS_E* code. */
+/* A positive libfabric/POSIX errno -> AFP_E* code. */
 static int map_errno(int e)
 {
     switch (e) {
     case 0:
-        return AFS_OK;
+        return AFP_OK;
     case FI_EAGAIN:
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     case FI_EINVAL:
     case FI_EBADFLAGS:
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     case FI_ENOMEM:
     case FI_ENOSPC:
-        return AFS_ENOMEM;
+        return AFP_ENOMEM;
     case FI_EMSGSIZE:
     case FI_ETRUNC: /* the message did not fit the posted receive */
-        return AFS_ETOOBIG;
+        return AFP_ETOOBIG;
     case FI_ENOKEY:
     case FI_EKEYREJECTED:
     case FI_EACCES:
-        return AFS_EKEY;
+        return AFP_EKEY;
     case FI_ECONNREFUSED:
     case FI_ECONNRESET:
     case FI_ECONNABORTED:
@@ -177,21 +176,21 @@ static int map_errno(int e)
     case FI_ENOTCONN:
     case FI_ESHUTDOWN:
     case EPIPE:
-        return AFS_EPEER;
+        return AFP_EPEER;
     case FI_ECANCELED:
-        return AFS_ECANCELED;
+        return AFP_ECANCELED;
     case FI_ETIMEDOUT:
-        return AFS_ETIMEDOUT;
+        return AFP_ETIMEDOUT;
     case FI_ENOSYS:
     case FI_EOPNOTSUPP:
-        return AFS_EUNSUPPORTED;
+        return AFP_EUNSUPPORTED;
     case FI_ENODATA:
     case FI_ENODEV:
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     case FI_EBUSY:
-        return AFS_EBUSY;
+        return AFP_EBUSY;
     default:
-        return AFS_EIO;
+        return AFP_EIO;
     }
 }
 
@@ -330,7 +329,7 @@ static void emu_rx_done(afp_domain *d, struct ofi_op *op)
  * memory: SIGSEGV in pthread_spin_lock on the worker thread, 3 of 3 runs (issue 16). So
  * this process's domains are listed here by address, every domain that resolves one of
  * them holds a reference, and:
- *  - a closed domain is marked closed at once (writes and sends to it fail with AFS_EPEER
+ *  - a closed domain is marked closed at once (writes and sends to it fail with AFP_EPEER
  *    before anything is posted; resolving it fails the same way), but its libfabric objects,
  *    and so its shared region, stay open until no other domain of the process refers to it;
  *  - a closing domain first removes its own AV entries of such peers (while their regions
@@ -392,7 +391,7 @@ static void inproc_release(struct inproc *e)
 }
 
 /* If `addr` is an open domain of this process (other than d), takes a reference to it.
- * Returns AFS_EPEER (nothing taken) if it is one that was closed. */
+ * Returns AFP_EPEER (nothing taken) if it is one that was closed. */
 static int inproc_resolve(afp_domain *d, const void *addr, size_t len, struct inproc **out)
 {
     int rc = 0;
@@ -402,7 +401,7 @@ static int inproc_resolve(afp_domain *d, const void *addr, size_t len, struct in
         if (e == d->self || e->name_len != len || memcmp(e->name, addr, len) != 0)
             continue;
         if (atomic_load(&e->closed)) {
-            rc = AFS_EPEER;
+            rc = AFP_EPEER;
         } else {
             e->refs++;
             *out = e;
@@ -481,7 +480,7 @@ static bool shm_file_gone(afp_domain *d, uint64_t peer, uint64_t now)
     return true;
 }
 
-/* Remembers (or refuses) a peer whose address names a /dev/shm file; 0 or AFS_E*. */
+/* Remembers (or refuses) a peer whose address names a /dev/shm file; 0 or AFP_E*. */
 static int shm_peer_add(afp_domain *d, const void *addr, size_t len, char **path)
 {
     *path = shm_path(addr, len);
@@ -492,7 +491,7 @@ static int shm_peer_add(afp_domain *d, const void *addr, size_t len, char **path
                  *path, d->prov_name);
         free(*path);
         *path = NULL;
-        return AFS_EPEER;
+        return AFP_EPEER;
     }
     return 0;
 }
@@ -667,12 +666,12 @@ static int ofi_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max
         *n = 0;
     if (!a || !n || (max && !out)) {
         afp_errf(err, errlen, "list_nics: invalid arguments");
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     }
     const struct ofi_lib *lib = ofi_lib_get(&why);
     if (!lib) {
         afp_errf(err, errlen, "%s", why);
-        return AFS_EPROVIDER;
+        return AFP_EPROVIDER;
     }
     /* The plainest hints: a NIC is listed if it can be opened at all. Only an explicit
      * bind address narrows the query (no loopback default: we want every interface). */
@@ -781,7 +780,7 @@ static int select_info(afp_domain *d, const afp_open_args *a)
          "remote CQ data)",
          str_or_empty(a->fabric_provider), a->nic ? ", nic " : "", str_or_empty(a->nic),
          node ? ", address " : "", str_or_empty(node), OFI_IMM_SIZE);
-    return AFS_ENODEV;
+    return AFP_ENODEV;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -889,18 +888,18 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
 
     if (!a || !out) {
         afp_errf(err, errlen, "open: invalid arguments");
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     }
     *out = NULL;
     const struct ofi_lib *lib = ofi_lib_get(&why);
     if (!lib) {
         afp_errf(err, errlen, "%s", why);
-        return AFS_EPROVIDER;
+        return AFP_EPROVIDER;
     }
     d = calloc(1, sizeof *d);
     if (!d) {
         afp_errf(err, errlen, "open: out of memory");
-        return AFS_ENOMEM;
+        return AFP_ENOMEM;
     }
     d->lib = lib;
     d->wait_fd = -1;
@@ -940,7 +939,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     d->pool = calloc(d->pool_size, sizeof *d->pool);
     if (!d->pool) {
         afp_errf(d->errbuf, sizeof d->errbuf, "open: out of memory");
-        rc = AFS_ENOMEM;
+        rc = AFP_ENOMEM;
         goto out_close;
     }
     for (uint32_t i = d->pool_size; i-- > 0;)
@@ -1058,7 +1057,7 @@ static int ofi_address(afp_domain *d, void *buf, size_t *len)
         afp_errf(d->errbuf, sizeof d->errbuf, "address: buffer of %zu bytes, need %zu", *len,
              have);
         *len = have;
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     }
     if (ret)
         return fail(d, "fi_getname", ret);
@@ -1075,7 +1074,7 @@ static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
     if (len == 0 || len > AFP_MAX_ADDR_LEN || d->addr_len > sizeof padded) {
         afp_errf(d->errbuf, sizeof d->errbuf, "resolve: address of %zu bytes (1..%u allowed)", len,
              AFP_MAX_ADDR_LEN);
-        return AFS_EBADDESC;
+        return AFP_EBADDESC;
     }
     memcpy(padded, addr, len);
     if (d->n_inproc == d->cap_inproc) { /* room first: nothing to undo after the insert */
@@ -1083,7 +1082,7 @@ static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
         struct inproc_ref *r = realloc(d->inproc, cap * sizeof *r);
         if (!r) {
             afp_errf(d->errbuf, sizeof d->errbuf, "resolve: out of memory");
-            return AFS_ENOMEM;
+            return AFP_ENOMEM;
         }
         d->inproc = r;
         d->cap_inproc = cap;
@@ -1150,7 +1149,7 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
         if (!d->hmem) {
             afp_errf(d->errbuf, sizeof d->errbuf, "%s: no device-memory (FI_HMEM) support",
                  d->prov_name);
-            return AFS_EUNSUPPORTED;
+            return AFP_EUNSUPPORTED;
         }
         struct iovec iov = {.iov_base = addr, .iov_len = len};
         struct fi_mr_attr attr = {
@@ -1167,19 +1166,19 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     }
     if (ret) {
         fail(d, "fi_mr_reg", ret);
-        return ret == -FI_ENOMEM ? AFS_ENOMEM : AFS_EREG;
+        return ret == -FI_ENOMEM ? AFP_ENOMEM : AFP_EREG;
     }
     if (d->mr_endpoint) { /* such MRs only work once bound to the endpoint and enabled */
         ret = fi_mr_bind(mr, &d->ep->fid, 0);
         if (ret) {
             fail(d, "fi_mr_bind", ret);
-            rc = AFS_EREG;
+            rc = AFP_EREG;
             goto out_close;
         }
         ret = fi_mr_enable(mr);
         if (ret) {
             fail(d, "fi_mr_enable", ret);
-            rc = AFS_EREG;
+            rc = AFP_EREG;
             goto out_close;
         }
     }
@@ -1189,7 +1188,7 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     if (k == FI_KEY_NOTAVAIL && (flags & AFP_MR_REMOTE)) {
         afp_errf(d->errbuf, sizeof d->errbuf, "%s: memory keys need fi_mr_raw_attr",
              d->prov_name);
-        rc = AFS_EUNSUPPORTED;
+        rc = AFP_EUNSUPPORTED;
         goto out_close;
     }
     *local_desc = d->mr_local ? fi_mr_desc(mr) : NULL;
@@ -1234,23 +1233,23 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
     for (i = 0; i < n; i++) {
         const afp_write *w = &wr[i];
         if (d->n_shm_peers && shm_file_gone(d, w->peer, now)) {
-            rc = AFS_EPEER;
+            rc = AFP_EPEER;
             break;
         }
         if (w->length > d->max_msg_size) {
             afp_errf(d->errbuf, sizeof d->errbuf, "write of %llu bytes > %s max %llu",
                  (unsigned long long)w->length, d->prov_name,
                  (unsigned long long)d->max_msg_size);
-            rc = AFS_ETOOBIG;
+            rc = AFP_ETOOBIG;
             break;
         }
         if (d->n_inproc && inproc_gone(d, w->peer)) {
-            rc = AFS_EPEER;
+            rc = AFP_EPEER;
             break;
         }
         struct ofi_op *op = op_get(d, AFP_EV_WRITE_DONE, w->ctx);
         if (!op) {
-            rc = AFS_EAGAIN; /* every context in flight: the shim polls, then retries */
+            rc = AFP_EAGAIN; /* every context in flight: the shim polls, then retries */
             break;
         }
         iov.iov_base = w->local_addr;
@@ -1276,7 +1275,7 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
             op_put(d, op);
             /* -FI_EAGAIN: provider queue full or peer connecting. Never poll here: the
              * events would have nowhere to go. */
-            rc = ret == -FI_EAGAIN ? AFS_EAGAIN : fail(d, "fi_writemsg", ret);
+            rc = ret == -FI_EAGAIN ? AFP_EAGAIN : fail(d, "fi_writemsg", ret);
             break;
         }
     }
@@ -1290,14 +1289,14 @@ static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
     if (len > d->max_msg_size) {
         afp_errf(d->errbuf, sizeof d->errbuf, "send of %llu bytes > %s max %llu",
              (unsigned long long)len, d->prov_name, (unsigned long long)d->max_msg_size);
-        return AFS_ETOOBIG;
+        return AFP_ETOOBIG;
     }
     if ((d->n_inproc && inproc_gone(d, peer)) ||
         (d->n_shm_peers && shm_file_gone(d, peer, mono_ns())))
-        return AFS_EPEER;
+        return AFP_EPEER;
     struct ofi_op *op = op_get(d, AFP_EV_SEND_DONE, ctx);
     if (!op)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     struct iovec iov = {.iov_base = (void *)(uintptr_t)buf, .iov_len = len};
     struct fi_msg msg = {
         .msg_iov = &iov,
@@ -1309,7 +1308,7 @@ static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
     ssize_t ret = fi_sendmsg(d->ep, &msg, FI_COMPLETION);
     if (ret) {
         op_put(d, op);
-        return ret == -FI_EAGAIN ? AFS_EAGAIN : fail(d, "fi_sendmsg", ret);
+        return ret == -FI_EAGAIN ? AFP_EAGAIN : fail(d, "fi_sendmsg", ret);
     }
     return 0;
 }
@@ -1318,7 +1317,7 @@ static int ofi_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uin
 {
     struct ofi_op *op = op_get(d, AFP_EV_RECV, ctx);
     if (!op)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     struct iovec iov = {.iov_base = buf, .iov_len = len};
     struct fi_msg msg = {
         .msg_iov = &iov,
@@ -1330,7 +1329,7 @@ static int ofi_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uin
     ssize_t ret = fi_recvmsg(d->ep, &msg, FI_COMPLETION);
     if (ret) {
         op_put(d, op);
-        return ret == -FI_EAGAIN ? AFS_EAGAIN : fail(d, "fi_recvmsg", ret);
+        return ret == -FI_EAGAIN ? AFP_EAGAIN : fail(d, "fi_recvmsg", ret);
     }
     if (d->emu_rx_cq_data) {
         rx_link(d, op);
@@ -1366,7 +1365,7 @@ static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event 
         }
         if (d->emu_rx_cq_data) {
             if (!imm_push(d, ev->imm)) {
-                ev->status = AFS_ENOMEM; /* deliver it unpaired rather than lose it */
+                ev->status = AFP_ENOMEM; /* deliver it unpaired rather than lose it */
                 snprintf(ev->errtext, sizeof ev->errtext, "emulated FI_RX_CQ_DATA: no memory");
                 return true;
             }
@@ -1519,14 +1518,14 @@ static int ofi_trywait(afp_domain *d)
 {
     /* No fd to sleep on, or emulation work whose events come from our own cancels. */
     if (d->wait_fd < 0 || d->stealing)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     struct fid *fid = &d->cq->fid;
     int ret = fi_trywait(d->fabric, &fid, 1);
     if (ret == 0)
         return 0;
     if (ret != -FI_EAGAIN)
         fail(d, "fi_trywait", ret); /* keep polling: spinning is always correct */
-    return AFS_EAGAIN;
+    return AFP_EAGAIN;
 }
 
 /* ------------------------------------------------------------------------------------ */

@@ -15,7 +15,7 @@
  * `qp[VB_QP_WR]` (RDMA WRITE / WRITE_WITH_IMM, attached to srq_imm). They are made on
  * first use through a three-way handshake over UD (see "Handshake" below), with
  * retransmission and a bounded timeout (AFABRIC_VERBS_CONNECT_TIMEOUT_MS, default 5 s)
- * after which the operations waiting for the peer fail with AFS_ETIMEDOUT.
+ * after which the operations waiting for the peer fail with AFP_ETIMEDOUT.
  *
  * Writes to one peer are chained, up to VB_CHAIN work requests per ibv_post_send
  * (one doorbell), as paged writes and scatters produce them. Memory is registered with
@@ -46,7 +46,6 @@
 #include <unistd.h>
 
 #include "afabric_provider.h"
-#include "afabric_shim.h"
 #include "vb_lib.h"
 
 #define VB_IMM_SIZE 4u
@@ -236,22 +235,22 @@ static int map_errno(int e)
 {
     switch (e) {
     case ENOMEM:
-        return AFS_ENOMEM;
+        return AFP_ENOMEM;
     case EAGAIN:
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     case EINVAL:
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     case ENODEV:
     case ENXIO:
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     case EOPNOTSUPP:
     case ENOSYS:
-        return AFS_EUNSUPPORTED;
+        return AFP_EUNSUPPORTED;
     case EACCES:
     case EPERM:
-        return AFS_EKEY;
+        return AFP_EKEY;
     default:
-        return AFS_EIO;
+        return AFP_EIO;
     }
 }
 
@@ -272,21 +271,21 @@ static int map_wc(enum ibv_wc_status s)
 {
     switch (s) {
     case IBV_WC_SUCCESS:
-        return AFS_OK;
+        return AFP_OK;
     case IBV_WC_REM_ACCESS_ERR:
     case IBV_WC_LOC_PROT_ERR:
     case IBV_WC_MW_BIND_ERR:
-        return AFS_EKEY;
+        return AFP_EKEY;
     case IBV_WC_LOC_LEN_ERR:
     case IBV_WC_REM_INV_REQ_ERR:
-        return AFS_ETOOBIG;
+        return AFP_ETOOBIG;
     case IBV_WC_RETRY_EXC_ERR:
     case IBV_WC_RNR_RETRY_EXC_ERR:
-        return AFS_EPEER;
+        return AFP_EPEER;
     case IBV_WC_WR_FLUSH_ERR:
-        return AFS_EPEER; /* the connection broke under an earlier operation */
+        return AFP_EPEER; /* the connection broke under an earlier operation */
     default:
-        return AFS_EIO;
+        return AFP_EIO;
     }
 }
 
@@ -360,7 +359,7 @@ static int pick_gid(afp_domain *d, const struct ibv_port_attr *pa)
         if (idx < 0 || idx >= pa->gid_tbl_len ||
             d->lib->query_gid(d->ctx, d->port, idx, &d->gid) != 0) {
             derr(d, "AFABRIC_VERBS_GID_INDEX=%s: no such GID on %s port %u", env, dev, d->port);
-            return AFS_ENODEV;
+            return AFP_ENODEV;
         }
         d->gid_index = idx;
         return 0;
@@ -390,7 +389,7 @@ static int pick_gid(afp_domain *d, const struct ibv_port_attr *pa)
     }
     if (best < 0) {
         derr(d, "%s port %u has no usable GID (no IP address on its netdev?)", dev, d->port);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     d->gid_index = best;
     return 0;
@@ -466,12 +465,12 @@ static int vb_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max,
         *n = 0;
     if (!a || !n || (max && !out)) {
         afp_errf(err, errlen, "list_nics: invalid arguments");
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     }
     const struct vb_lib *lib = vb_lib_get(&why);
     if (!lib) {
         afp_errf(err, errlen, "%s", why);
-        return AFS_EPROVIDER;
+        return AFP_EPROVIDER;
     }
     char want_dev[AFP_NAME_LEN];
     uint8_t want_port;
@@ -623,7 +622,7 @@ static int open_device(afp_domain *d, const afp_open_args *a, struct ibv_port_at
     struct ibv_device **list = d->lib->get_device_list(&ndev);
     if (!list) {
         derr(d, "ibv_get_device_list: %s (no RDMA subsystem?)", strerror(errno));
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     for (int i = 0; i < ndev && !d->ctx; i++) {
         const char *name = d->lib->get_device_name(list[i]);
@@ -661,7 +660,7 @@ static int open_device(afp_domain *d, const afp_open_args *a, struct ibv_port_at
                 derr(d, "%s: CQ of %u entries cannot hold tx_depth %u + rx_depth %u", name,
                      max_cqe, d->tx_depth, d->rx_depth);
                 d->lib->free_device_list(list);
-                return AFS_EINVAL;
+                return AFP_EINVAL;
             }
             d->imm_depth = (uint32_t)(max_cqe - rest);
             need = max_cqe;
@@ -672,7 +671,7 @@ static int open_device(afp_domain *d, const afp_open_args *a, struct ibv_port_at
     if (!d->ctx) {
         derr(d, "no RDMA device with an active port%s%s", want_dev[0] ? " named " : "",
              want_dev);
-        return AFS_ENODEV;
+        return AFP_ENODEV;
     }
     return 0;
 }
@@ -719,18 +718,18 @@ static int vb_open(const afp_open_args *a, afp_domain **out, char *err, size_t e
     int rc;
     if (!a || !out) {
         afp_errf(err, errlen, "open: invalid arguments");
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     }
     *out = NULL;
     const struct vb_lib *lib = vb_lib_get(&why);
     if (!lib) {
         afp_errf(err, errlen, "%s", why);
-        return AFS_EPROVIDER;
+        return AFP_EPROVIDER;
     }
     afp_domain *d = calloc(1, sizeof *d);
     if (!d) {
         afp_errf(err, errlen, "open: out of memory");
-        return AFS_ENOMEM;
+        return AFP_ENOMEM;
     }
     d->lib = lib;
     d->tx_depth = a->tx_depth ? a->tx_depth : VB_DEFAULT_DEPTH;
@@ -757,7 +756,7 @@ static int vb_open(const afp_open_args *a, afp_domain **out, char *err, size_t e
     d->ud_buf = aligned_alloc(4096, 2 * VB_UD_SLOTS * VB_UD_SLOT_LEN);
     if (!d->pool || !d->ud_buf) {
         derr(d, "open: out of memory");
-        rc = AFS_ENOMEM;
+        rc = AFP_ENOMEM;
         goto out_close;
     }
     for (uint32_t i = d->pool_size; i-- > 0;)
@@ -892,7 +891,7 @@ static int vb_address(afp_domain *d, void *buf, size_t *len)
     if (*len < sizeof d->self) {
         derr(d, "address: buffer of %zu bytes, need %zu", *len, sizeof d->self);
         *len = sizeof d->self;
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     }
     memcpy(buf, &d->self, sizeof d->self);
     *len = sizeof d->self;
@@ -932,7 +931,7 @@ static int64_t peer_lookup(afp_domain *d, const struct vb_addr *addr)
         struct vb_peer *np = realloc(d->peers, cap * sizeof *np);
         if (!np) {
             derr(d, "out of memory for peer table");
-            return AFS_ENOMEM;
+            return AFP_ENOMEM;
         }
         d->peers = np;
         d->peers_cap = cap;
@@ -949,7 +948,7 @@ static int64_t peer_lookup(afp_domain *d, const struct vb_addr *addr)
         char g[64];
         gid_str(addr->gid, g, sizeof g);
         derr(d, "ibv_create_ah to %s: %s", g, strerror(e));
-        return map_errno(e) == AFS_EIO ? AFS_EPEER : map_errno(e);
+        return map_errno(e) == AFP_EIO ? AFP_EPEER : map_errno(e);
     }
     return d->npeers++;
 }
@@ -959,12 +958,12 @@ static int vb_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pee
     struct vb_addr a;
     if (len != sizeof a) {
         derr(d, "resolve: address of %zu bytes, verbs addresses have %zu", len, sizeof a);
-        return AFS_EBADDESC;
+        return AFP_EBADDESC;
     }
     memcpy(&a, addr, sizeof a);
     if (a.magic != VB_MAGIC || a.version != VB_VERSION) {
         derr(d, "resolve: not a verbs address (magic %08x, version %u)", a.magic, a.version);
-        return AFS_EBADDESC;
+        return AFP_EBADDESC;
     }
     int64_t i = peer_lookup(d, &a);
     if (i < 0)
@@ -976,11 +975,11 @@ static int vb_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pee
 static int vb_forget(afp_domain *d, uint64_t peer)
 {
     if (peer >= d->npeers || !d->peers[peer].in_use)
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     struct vb_peer *p = &d->peers[peer];
     if (p->outstanding) {
         derr(d, "forget: %u operations still in flight to this peer", p->outstanding);
-        return AFS_EBUSY;
+        return AFP_EBUSY;
     }
     destroy_peer_qps(d, p); /* the entry (and its AH) stays: the peer may come back */
     return 0;
@@ -1057,7 +1056,7 @@ static int rc_rts(afp_domain *d, struct vb_peer *p)
 static int send_hello(afp_domain *d, struct vb_peer *p, uint8_t flags)
 {
     if (!d->ud_send_nfree)
-        return AFS_EAGAIN; /* all slots in flight: the retransmission timer retries */
+        return AFP_EAGAIN; /* all slots in flight: the retransmission timer retries */
     uint32_t slot = d->ud_send_free[--d->ud_send_nfree];
     uint8_t *buf = d->ud_buf + (size_t)(VB_UD_SLOTS + slot) * VB_UD_SLOT_LEN;
     struct vb_hello h;
@@ -1113,7 +1112,7 @@ static void set_ready(afp_domain *d, struct vb_peer *p)
     p->state = VB_READY;
 }
 
-/* Makes sure a connection to p is coming: returns 0 when READY, AFS_EAGAIN while it is
+/* Makes sure a connection to p is coming: returns 0 when READY, AFP_EAGAIN while it is
  * being made, or an error (handshake timed out, resources). */
 static int want_peer(afp_domain *d, struct vb_peer *p)
 {
@@ -1127,13 +1126,13 @@ static int want_peer(afp_domain *d, struct vb_peer *p)
             derr(d, "verbs %s: no handshake answer from peer %s (UD QPN %u) within %.1f s; "
                     "peer dead, unreachable or not started",
                  d->dev_name, g, p->addr.ud_qpn, (double)d->connect_timeout_ns / 1e9);
-            return AFS_ETIMEDOUT;
+            return AFP_ETIMEDOUT;
         }
         p->state = VB_IDLE; /* try again */
     }
     if (p->broken) {
         if (p->outstanding)
-            return AFS_EAGAIN; /* let the flushes drain, then reconnect */
+            return AFP_EAGAIN; /* let the flushes drain, then reconnect */
         destroy_peer_qps(d, p);
     }
     if (p->state == VB_IDLE) {
@@ -1144,14 +1143,14 @@ static int want_peer(afp_domain *d, struct vb_peer *p)
         }
         set_connecting(d, p, now);
         (void)send_hello(d, p, VB_HELLO_WANT_REPLY);
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     }
     if (p->state == VB_CONNECTING && p->deadline_ns == 0) {
         /* connecting passively (the peer asked first), now with operations waiting */
         p->deadline_ns = now + d->connect_timeout_ns;
         p->next_hello_ns = now;
     }
-    return AFS_EAGAIN;
+    return AFP_EAGAIN;
 }
 
 /* Retransmissions and timeouts of handshakes with operations waiting. */
@@ -1357,7 +1356,7 @@ static int vb_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, in
     struct ibv_mr *mr = NULL;
     if (len == 0) {
         derr(d, "register: zero-length region");
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     }
     if (flags & AFP_MR_DEVICE) {
         const char *why = "";
@@ -1368,7 +1367,7 @@ static int vb_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, in
                 derr(d, "registering CUDA memory on %s: dma-buf path: %s; ibv_reg_mr: %s "
                         "(load nvidia-peermem or use a driver with dma-buf support)",
                      d->dev_name, why, strerror(errno));
-                return AFS_EREG;
+                return AFP_EREG;
             }
         }
     } else {
@@ -1377,7 +1376,7 @@ static int vb_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, in
             int e = errno;
             derr(d, "ibv_reg_mr of %llu bytes on %s: %s", (unsigned long long)len, d->dev_name,
                  strerror(e));
-            return e == ENOMEM ? AFS_ENOMEM : AFS_EREG;
+            return e == ENOMEM ? AFP_ENOMEM : AFP_EREG;
         }
     }
     *out = (afp_mr *)mr;
@@ -1413,13 +1412,13 @@ static int post_failed(afp_domain *d, struct vb_peer *p, struct ibv_qp *qp, int 
                        const char *what)
 {
     if (ret == ENOMEM)
-        return AFS_EAGAIN; /* send queue full */
+        return AFP_EAGAIN; /* send queue full */
     struct ibv_qp_attr at;
     struct ibv_qp_init_attr ia;
     memset(&at, 0, sizeof at);
     if (d->lib->query_qp(qp, &at, IBV_QP_STATE, &ia) == 0 && at.qp_state == IBV_QPS_ERR) {
         p->broken = true;
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     }
     return fail_errno(d, what, ret);
 }
@@ -1435,7 +1434,7 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
     while (i < n) {
         struct vb_peer *p = peer_of(d, wr[i].peer);
         if (!p) {
-            rc = AFS_EINVAL;
+            rc = AFP_EINVAL;
             break;
         }
         rc = want_peer(d, p);
@@ -1449,7 +1448,7 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
             if (w->length > d->max_msg_size) {
                 derr(d, "write of %llu bytes > %s max %llu", (unsigned long long)w->length,
                      d->dev_name, (unsigned long long)d->max_msg_size);
-                rc = AFS_ETOOBIG;
+                rc = AFP_ETOOBIG;
                 break;
             }
             struct vb_op *op = op_get(d, AFP_EV_WRITE_DONE, w->ctx, (uint32_t)w->peer);
@@ -1476,7 +1475,7 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
         }
         if (k == 0) {
             if (!rc)
-                rc = AFS_EAGAIN; /* queues full: the shim polls, then retries */
+                rc = AFP_EAGAIN; /* queues full: the shim polls, then retries */
             break;
         }
         struct ibv_send_wr *bad = NULL;
@@ -1506,20 +1505,20 @@ static int vb_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t 
 {
     struct vb_peer *p = peer_of(d, peer);
     if (!p)
-        return AFS_EINVAL;
+        return AFP_EINVAL;
     if (len > d->max_msg_size) {
         derr(d, "send of %llu bytes > %s max %llu", (unsigned long long)len, d->dev_name,
              (unsigned long long)d->max_msg_size);
-        return AFS_ETOOBIG;
+        return AFP_ETOOBIG;
     }
     int rc = want_peer(d, p);
     if (rc)
         return rc;
     if (d->tx_outstanding >= d->tx_depth || p->outstanding >= d->tx_depth)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     struct vb_op *op = op_get(d, AFP_EV_SEND_DONE, ctx, (uint32_t)peer);
     if (!op)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     struct ibv_sge sge = {.addr = (uint64_t)(uintptr_t)buf, .length = (uint32_t)len,
                           .lkey = desc ? ((struct ibv_mr *)desc)->lkey : 0};
     struct ibv_send_wr wr = {
@@ -1544,7 +1543,7 @@ static int vb_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uint
 {
     struct vb_op *op = op_get(d, AFP_EV_RECV, ctx, UINT32_MAX);
     if (!op)
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     struct ibv_sge sge = {.addr = (uint64_t)(uintptr_t)buf, .length = (uint32_t)len,
                           .lkey = desc ? ((struct ibv_mr *)desc)->lkey : 0};
     struct ibv_recv_wr wr = {.wr_id = (uint64_t)(uintptr_t)op, .sg_list = &sge, .num_sge = 1};
@@ -1552,7 +1551,7 @@ static int vb_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uint
     int ret = ibv_post_srq_recv(d->srq_msg, &wr, &bad);
     if (ret) {
         op_put(d, op);
-        return ret == ENOMEM ? AFS_EAGAIN : fail_errno(d, "ibv_post_srq_recv", ret);
+        return ret == ENOMEM ? AFP_EAGAIN : fail_errno(d, "ibv_post_srq_recv", ret);
     }
     return 0;
 }
@@ -1710,7 +1709,7 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
         int k = ibv_poll_cq(d->cq, want, wc);
         if (k < 0) {
             derr(d, "ibv_poll_cq on %s failed (%d)", d->dev_name, k);
-            rc = AFS_EIO;
+            rc = AFP_EIO;
             break;
         }
         for (int j = 0; j < k; j++)
@@ -1761,20 +1760,20 @@ static bool timers_armed(const afp_domain *d)
 static int vb_trywait(afp_domain *d)
 {
     if (d->imm_missing || d->nstash || timers_armed(d))
-        return AFS_EAGAIN; /* receives to repost, events to hand out, or handshake timers */
+        return AFP_EAGAIN; /* receives to repost, events to hand out, or handshake timers */
     drain_async(d);
     drain_channel(d);
     int ret = ibv_req_notify_cq(d->cq, 0);
     if (ret) {
         fail_errno(d, "ibv_req_notify_cq", ret);
-        return AFS_EAGAIN; /* keep polling: spinning is always correct */
+        return AFP_EAGAIN; /* keep polling: spinning is always correct */
     }
     /* a completion that came before the notification was armed raises no event */
     int k = ibv_poll_cq(d->cq, VB_POLL_BATCH, d->stash);
     if (k > 0) {
         d->nstash = (uint32_t)k;
         d->stash_at = 0;
-        return AFS_EAGAIN;
+        return AFP_EAGAIN;
     }
     return 0;
 }

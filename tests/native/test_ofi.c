@@ -32,7 +32,6 @@
 #include <unistd.h>
 
 #include "afabric_provider.h"
-#include "afabric_shim.h"
 
 #define MIB (1u << 20)
 #define NWRITES 16u
@@ -237,7 +236,7 @@ static void post_all(struct side *a, struct side *b, const afp_write *w, uint32_
         uint32_t posted = 0;
         int rc = ops->post_writes(a->d, w + done, n - done, &posted);
         done += posted;
-        if (rc == AFS_EAGAIN) {
+        if (rc == AFP_EAGAIN) {
             eagain++;
             poll_both(a, b, errors_ok);
             deadline_check(deadline, "posting writes");
@@ -279,9 +278,9 @@ static void run(const char *prov, uint32_t flags)
     /* Lengths legitimately differ between peers (shm names grow with the pid and the
      * endpoint counter), so only empty and over-long addresses are refused here; the
      * shim's checksummed address blob is what catches truncation. */
-    if (ops->resolve(A.d, addr_b, 0, &bad_peer) != AFS_EBADDESC)
+    if (ops->resolve(A.d, addr_b, 0, &bad_peer) != AFP_EBADDESC)
         die("resolve accepted an empty address");
-    if (ops->resolve(A.d, addr_b, AFP_MAX_ADDR_LEN + 1, &bad_peer) != AFS_EBADDESC)
+    if (ops->resolve(A.d, addr_b, AFP_MAX_ADDR_LEN + 1, &bad_peer) != AFP_EBADDESC)
         die("resolve accepted an over-long address");
     CHECK(A.d, ops->resolve(A.d, addr_b, len_b, &A.peer));
     CHECK(B.d, ops->resolve(B.d, addr_a, len_a, &B.peer));
@@ -319,7 +318,7 @@ static void run(const char *prov, uint32_t flags)
         void *ld;
         uint64_t rk, rb;
         if (ops->reg_mr(B.d, dst, MIB, AFP_MR_DEVICE, 0, 1, &m, &ld, &rk, &rb) !=
-            AFS_EUNSUPPORTED)
+            AFP_EUNSUPPORTED)
             die("device registration without DEVICE_MEM did not say EUNSUPPORTED");
     }
 
@@ -365,7 +364,7 @@ static void run(const char *prov, uint32_t flags)
         int rc = ops->post_send(A.d, A.peer, MSG, sizeof MSG, NULL, CTX_SEND);
         if (rc == 0)
             break;
-        if (rc != AFS_EAGAIN)
+        if (rc != AFP_EAGAIN)
             die("post_send -> %d: %s", rc, ops->errbuf(A.d));
         poll_both(&A, &B, false);
         deadline_check(deadline, "posting the send");
@@ -431,9 +430,9 @@ static void run(const char *prov, uint32_t flags)
 
     /* Nothing is pending now: trywait may allow sleeping (0) or say poll again. */
     int twa = ops->trywait(A.d), twb = ops->trywait(B.d);
-    if ((twa != 0 && twa != AFS_EAGAIN) || (twb != 0 && twb != AFS_EAGAIN))
+    if ((twa != 0 && twa != AFP_EAGAIN) || (twb != 0 && twb != AFP_EAGAIN))
         die("trywait -> %d/%d", twa, twb);
-    if (A.caps.wait_fd < 0 && twa != AFS_EAGAIN)
+    if (A.caps.wait_fd < 0 && twa != AFP_EAGAIN)
         die("trywait without a wait fd must say EAGAIN");
     printf("  trywait A=%d B=%d\n", twa, twb);
 
@@ -451,7 +450,7 @@ static void run(const char *prov, uint32_t flags)
             int rc = ops->post_send(A.d, A.peer, MSG, sizeof MSG, NULL, CTX_SEND);
             if (rc == 0)
                 break;
-            if (rc != AFS_EAGAIN)
+            if (rc != AFP_EAGAIN)
                 die("post_send -> %d: %s", rc, ops->errbuf(A.d));
             drain(A.d, &A.t, false);
             deadline_check(deadline, "posting the wake-up send");
@@ -572,7 +571,7 @@ static void list(const char *prov)
         die("open nic %s: %d: %s", nics[0].name, rc, err);
     ops->close(d);
     afp_open_args bogus = {.fabric_provider = prov, .nic = "no-such-nic0"};
-    if (ops->open(&bogus, &d, err, sizeof err) != AFS_ENODEV)
+    if (ops->open(&bogus, &d, err, sizeof err) != AFP_ENODEV)
         die("open of a missing NIC did not say ENODEV");
 }
 

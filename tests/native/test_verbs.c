@@ -16,7 +16,7 @@
  * (hw_counters/send_rnr_err, rcvd_rnr_err) unchanged: the provider's immediate receive
  * queue never ran dry; SEND/RECV both ways (B's side of the connection was
  * made passively); B's wait fd wakes for a message that arrives after trywait allowed
- * sleeping; a write to an address no peer answers fails with AFS_ETIMEDOUT within the
+ * sleeping; a write to an address no peer answers fails with AFP_ETIMEDOUT within the
  * connect timeout; a write with a forged key fails with an error event (no hang); then
  * the target (whose side of the connection the error broke too) writes to the writer and
  * the writer to the target again: both succeed on a rebuilt connection; two fresh
@@ -31,7 +31,6 @@
 #include <time.h>
 
 #include "afabric_provider.h"
-#include "afabric_shim.h"
 
 #define KIB 1024u
 #define NPAGES 64u
@@ -82,7 +81,7 @@ static void poll_side(struct side *s)
     afp_event ev[64];
     uint32_t n = 0;
     int rc = ops->poll(s->dom, ev, 64, &n);
-    CHECK(rc == 0 || rc == AFS_EAGAIN, "%s poll: %d %s", s->name, rc, ops->errbuf(s->dom));
+    CHECK(rc == 0 || rc == AFP_EAGAIN, "%s poll: %d %s", s->name, rc, ops->errbuf(s->dom));
     for (uint32_t i = 0; i < n; i++) {
         switch (ev[i].kind) {
         case AFP_EV_IMM:
@@ -143,8 +142,8 @@ static void post_all(struct side *a, struct side *b, afp_write *wr, uint32_t n, 
         uint32_t posted = 0;
         int rc = ops->post_writes(a->dom, wr + at, n - at, &posted);
         at += posted;
-        CHECK(rc == 0 || rc == AFS_EAGAIN, "post_writes: %d %s", rc, ops->errbuf(a->dom));
-        if (rc == AFS_EAGAIN || posted == 0)
+        CHECK(rc == 0 || rc == AFP_EAGAIN, "post_writes: %d %s", rc, ops->errbuf(a->dom));
+        if (rc == AFP_EAGAIN || posted == 0)
             poll_both(a, b);
         CHECK(now_s() - t0 < limit_s, "posting %u writes took over %.0f s (%u posted)", n,
               limit_s, at);
@@ -214,7 +213,7 @@ int main(int argc, char **argv)
     CHECK(ops->resolve(B.dom, addr_a, la, &b_to_a) == 0, "resolve A: %s", ops->errbuf(B.dom));
     uint8_t junk[8] = {1, 2, 3};
     uint64_t dummy;
-    CHECK(ops->resolve(A.dom, junk, sizeof junk, &dummy) == AFS_EBADDESC, "junk address taken");
+    CHECK(ops->resolve(A.dom, junk, sizeof junk, &dummy) == AFP_EBADDESC, "junk address taken");
 
     stage = "register";
     uint8_t *src = aligned_alloc(4096, REGION), *dst = aligned_alloc(4096, REGION);
@@ -341,8 +340,8 @@ int main(int argc, char **argv)
     CHECK(ops->caps(B.dom, &cb) == 0, "caps B");
     for (int i = 0; i < 100; i++)
         poll_both(&A, &B);
-    int tw = AFS_EAGAIN;
-    for (int i = 0; i < 1000 && tw == AFS_EAGAIN; i++) {
+    int tw = AFP_EAGAIN;
+    for (int i = 0; i < 1000 && tw == AFP_EAGAIN; i++) {
         poll_side(&B);
         tw = ops->trywait(B.dom);
     }
@@ -372,14 +371,14 @@ int main(int argc, char **argv)
         uint32_t posted = 0;
         rc = ops->post_writes(B.dom, &gw, 1, &posted);
         CHECK(posted == 0, "a write to nobody was posted");
-        if (rc != AFS_EAGAIN)
+        if (rc != AFP_EAGAIN)
             break;
         poll_both(&A, &B);
         CHECK(now_s() - t0 < CONNECT_MS / 1000.0 + 5, "no failure after %.1f s", now_s() - t0);
     }
     dt = now_s() - t0;
     printf("never-answering peer: rc %d after %.2f s: %s\n", rc, dt, ops->errbuf(B.dom));
-    CHECK(rc == AFS_ETIMEDOUT, "expected AFS_ETIMEDOUT, got %d", rc);
+    CHECK(rc == AFP_ETIMEDOUT, "expected AFP_ETIMEDOUT, got %d", rc);
     CHECK(dt >= CONNECT_MS / 1000.0 * 0.9, "failed too early (%.2f s)", dt);
 
     stage = "forged key";
@@ -416,7 +415,7 @@ int main(int argc, char **argv)
     t0 = now_s();
     unsigned tries = 1;
     uint32_t bposted = 0;
-    while ((rc = ops->post_writes(B.dom, &back, 1, &bposted)) == AFS_EAGAIN && !bposted) {
+    while ((rc = ops->post_writes(B.dom, &back, 1, &bposted)) == AFP_EAGAIN && !bposted) {
         poll_both(&A, &B);
         tries++;
         CHECK(now_s() - t0 < 20, "B could not write to A after the key error");
@@ -469,13 +468,13 @@ int main(int argc, char **argv)
         uint32_t k = 0;
         if (!cp) {
             rc = ops->post_writes(C.dom, &cw, 1, &k);
-            CHECK(rc == 0 || rc == AFS_EAGAIN, "C post: %d %s", rc, ops->errbuf(C.dom));
+            CHECK(rc == 0 || rc == AFP_EAGAIN, "C post: %d %s", rc, ops->errbuf(C.dom));
             cp += k;
         }
         if (!dp) {
             k = 0;
             rc = ops->post_writes(D.dom, &dw, 1, &k);
-            CHECK(rc == 0 || rc == AFS_EAGAIN, "D post: %d %s", rc, ops->errbuf(D.dom));
+            CHECK(rc == 0 || rc == AFP_EAGAIN, "D post: %d %s", rc, ops->errbuf(D.dom));
             dp += k;
         }
         poll_both(&C, &D);
