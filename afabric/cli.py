@@ -374,6 +374,8 @@ def _run_bench(module: str, ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench_p2p(ns: argparse.Namespace) -> int:
+    if ns.provider == "nvlink":  # GPU memory on both sides, against the CUDA peer copy
+        return _run_bench("afabric.bench.p2p_nvlink", ns)
     return _run_bench("afabric.bench.p2p", ns)
 
 

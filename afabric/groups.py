@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .address import Address
 from .descriptor import MrDesc
 from .errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class EngineView(Protocol):
+    """What a peer group needs of its engine (:class:`afabric.Engine`, which imports this
+    module): declared here so this module stands below the engine."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class PeerGroup:
     barriers to them post without per-peer set-up; also checks that every target of an
     operation given ``group=`` belongs to it."""
 
-    def __init__(self, engine: Engine, addresses: list[Address], peer_ids: list[int]) -> None:
+    def __init__(self, engine: EngineView, addresses: list[Address], peer_ids: list[int]) -> None:
         self.engine_name = engine.name
         self.addresses = tuple(addresses)
         self._ids = tuple(peer_ids)

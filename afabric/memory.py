@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .descriptor import MrDesc
 from .errors import EngineClosed, RegistrationError, StaleRegion, UsageError
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class EngineView(Protocol):
+    """What a region needs of its engine (:class:`afabric.Engine`, which imports this module
+    to make regions): declared here so this module stands below the engine."""
+
+    @property
+    def closed(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -173,9 +178,9 @@ class MemoryRegion:
     )  # fmt: skip
 
     def __init__(
-        self, engine: Engine, mr_id: int, span: BufferSpan, remote: bool, desc: MrDesc | None
+        self, engine: EngineView, mr_id: int, span: BufferSpan, remote: bool, desc: MrDesc | None
     ) -> None:
-        self._engine: weakref.ref[Engine] = weakref.ref(engine)
+        self._engine: weakref.ref[EngineView] = weakref.ref(engine)
         self.id: int | None = mr_id
         self.address = span.address
         self.length = span.length
@@ -211,7 +216,7 @@ class MemoryRegion:
     def registered(self) -> bool:
         return self.id is not None
 
-    def check(self, engine: Engine) -> int:
+    def check(self, engine: EngineView) -> int:
         """The native id, after checking the region is live and belongs to `engine`."""
         if self.id is None:
             raise StaleRegion("memory region was deregistered")

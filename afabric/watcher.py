@@ -13,14 +13,23 @@ import asyncio
 import collections
 import weakref
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from . import _native
 from .errors import EngineClosed, InvalidArgument
 from .triggers import Trigger, watcher_reaches
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class EngineView(Protocol):
+    """What a watcher needs of its engine (:class:`afabric.Engine`, which imports this module
+    to make watchers): declared here so this module stands below the engine."""
+
+    _n: _native.NativeEngine
+
+    @property
+    def closed(self) -> bool: ...
+
+    def _forget_watcher(self, w: UvmWatcher) -> None: ...
 
 # Changes kept for a reader that is not reading; beyond it the oldest two merge into one
 # (old of the first, new of the second), so the chain of values stays unbroken.
@@ -31,8 +40,10 @@ class UvmWatcher:
     """A watched word. ``async for old, new in watcher`` sees every change the shim
     observed, in order; ``await watcher.wait_for(v)`` returns once the word is >= v."""
 
-    def __init__(self, engine: Engine, watcher_id: int, host_ptr: int, device_ptr: int, device: int) -> None:
-        self._engine: weakref.ref[Engine] = weakref.ref(engine)
+    def __init__(
+        self, engine: EngineView, watcher_id: int, host_ptr: int, device_ptr: int, device: int
+    ) -> None:
+        self._engine: weakref.ref[EngineView] = weakref.ref(engine)
         self.id = watcher_id
         self.host_ptr = host_ptr
         """Address of the word in this process (a CPU writer can store to it)."""
@@ -97,7 +108,7 @@ class UvmWatcher:
 
     # ---- lifetime ----
 
-    def _live(self) -> Engine:
+    def _live(self) -> EngineView:
         eng = self._engine()
         if self._closed or eng is None or eng.closed:
             raise EngineClosed("watcher is closed (or its engine is)")

@@ -339,10 +339,7 @@ def py_raw_note(rows: list[Row]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.provider == "nvlink":  # GPU memory on both sides, against the CUDA peer copy
-        from . import p2p_nvlink
-
-        return p2p_nvlink.main(args)
+    # (`--provider nvlink` runs afabric.bench.p2p_nvlink instead, which builds on this module.)
     args.repeat = max(1, int(getattr(args, "repeat", None) or (3 if args.quick else 5)))
     report.check_outputs(args)  # a --plot that cannot be drawn fails before the run, not after it
     args.fabtests = getattr(args, "fabtests", None)

@@ -7,17 +7,35 @@ everything at each step."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .meta import Box, box_numel, dtype_size
-from .plan import replica_sets
+from .plan import Plan, replica_sets
 from .prepare import apply_writes, materialize, torch_dtype
 
 if TYPE_CHECKING:
-    from .session import WeightTransfer
+    from .receiver import Receiver
+    from .sender import Sender
 
 
-def _primaries(s: WeightTransfer) -> dict[int, list[tuple[str, Box]]]:
+class SessionView(Protocol):
+    """What this baseline uses of the session (:class:`afabric.weights.session.WeightTransfer`,
+    which calls :func:`run`): named here so this module stands below the session instead of
+    importing it back."""
+
+    rank: int
+    trainers: list[int]
+    plan: Plan
+    receiver: Receiver | None
+    sender: Sender | None
+    ctrl: Any
+    trainer_group: Any
+    inference_group: Any
+
+    async def _control(self, fn: Any, what: str) -> Any: ...
+
+
+def _primaries(s: SessionView) -> dict[int, list[tuple[str, Box]]]:
     """For every trainer, the (param, box) it contributes: one holder per distinct shard."""
     out: dict[int, list[tuple[str, Box]]] = {r: [] for r in s.trainers}
     for name in sorted(s.plan.sources):
@@ -26,18 +44,18 @@ def _primaries(s: WeightTransfer) -> dict[int, list[tuple[str, Box]]]:
     return out
 
 
-def _nbytes(s: WeightTransfer, items: list[tuple[str, Box]]) -> int:
+def _nbytes(s: SessionView, items: list[tuple[str, Box]]) -> int:
     return sum(box_numel(b) * dtype_size(s.plan.sources[n].dtype) for n, b in items)
 
 
-async def run(s: WeightTransfer, version: int) -> tuple[int, int]:
+async def run(s: SessionView, version: int) -> tuple[int, int]:
     """This rank's part of a rank-0 update; ``(bytes sent, bytes received)``."""
     if s.sender is not None:
         return await _trainer(s)
     return await _inference(s, version)
 
 
-async def _trainer(s: WeightTransfer) -> tuple[int, int]:
+async def _trainer(s: SessionView) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
@@ -76,7 +94,7 @@ async def _trainer(s: WeightTransfer) -> tuple[int, int]:
 
 
 def _assemble(
-    s: WeightTransfer, prim: dict[int, list[tuple[str, Box]]], gathered: list[Any]
+    s: SessionView, prim: dict[int, list[tuple[str, Box]]], gathered: list[Any]
 ) -> dict[str, Any]:
     """Whole parameters from every trainer's gathered shards."""
     import torch
@@ -96,7 +114,7 @@ def _assemble(
     return full
 
 
-async def _inference(s: WeightTransfer, version: int) -> tuple[int, int]:
+async def _inference(s: SessionView, version: int) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
