@@ -472,10 +472,22 @@ int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
 
 /* ---- raw benchmark loops ---- */
 
-/* Worker side: count a finished benchmark operation and wake the loop once enough are
- * done for it to refill (a batch, as Python drains completions in batches). */
-void afs_bench_count(afs_bench_counter *c)
+typedef struct afs_bench_counter {
+    _Atomic uint32_t done; /* a futex word: the raw loop sleeps on it like Python on its fd */
+    _Atomic uint32_t waiting;
+    _Atomic int32_t status;
+} afs_bench_counter;
+
+/* Worker side (the requests' afs_done_hook): note a failure; count a finished benchmark
+ * operation and wake the loop once enough are done for it to refill (a batch, as Python
+ * drains completions in batches). */
+static void bench_count(void *arg, int32_t status, bool final)
 {
+    afs_bench_counter *c = arg;
+    if (status)
+        atomic_store(&c->status, status);
+    if (!final)
+        return;
     uint32_t done = atomic_fetch_add(&c->done, 1) + 1;
     uint32_t want = atomic_load(&c->waiting);
     if (want && (int32_t)(done - want) >= 0) {
@@ -524,7 +536,8 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
             uint64_t id = x->id;
             memcpy(x, proto, sizeof(*x));
             x->id = id;
-            x->bench = &c;
+            x->done_hook = bench_count;
+            x->done_arg = &c;
             if (paged) {
                 size_t bytes = (size_t)proto->count * sizeof(int64_t);
                 x->src_idx = malloc(bytes ? bytes : 1);

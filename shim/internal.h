@@ -244,13 +244,14 @@ enum afs_ctrl_op { AFS_CTRL_REG = 1, AFS_CTRL_DEREG, AFS_CTRL_RESOLVE, AFS_CTRL_
 
 typedef struct afs_allow afs_allow; /* allow.c: an allow-list snapshot */
 
-typedef struct afs_bench_counter {
-    _Atomic uint32_t done; /* a futex word: the raw loop sleeps on it like Python on its fd */
-    _Atomic uint32_t waiting;
-    _Atomic int32_t status;
-} afs_bench_counter;
-
-void afs_bench_count(afs_bench_counter *c);
+/* The one hook into the worker's completion path. A request whose `done_hook` is set is
+ * not reported on the completion ring: the worker (its thread) calls
+ * `done_hook(done_arg, status, final)` instead, with `status` the request's failure (0 if
+ * none; AFS_ECLOSED when the engine closes under it) and `final` true once, when every
+ * work request of it has completed (it is freed right after). The only user is the raw
+ * benchmark loop (afs_bench_*, api.c), which drives the submit path from C; the rest of
+ * the worker knows nothing of benchmarks. */
+typedef void (*afs_done_hook)(void *arg, int32_t status, bool final);
 
 typedef struct afs_xfer {
     afs_qnode qn; /* first: the queue node */
@@ -263,7 +264,8 @@ typedef struct afs_xfer {
     int32_t status;
     bool reported;
     char *errtext;
-    afs_bench_counter *bench; /* raw benchmark: count here, no completion record */
+    afs_done_hook done_hook;  /* see afs_done_hook: called instead of a completion record */
+    void *done_arg;
 
     /* work-request generation */
     uint64_t total_wr;  /* data WRs to post */

@@ -210,11 +210,8 @@ static void finish(afs_engine *eng, afs_xfer *x)
     if (x->in_postq) /* failed before everything was posted (rare: scan is fine) */
         postq_remove(eng, x);
     bool outstanding = x->done_wr < x->posted_wr;
-    if (x->bench) {
-        if (x->status)
-            atomic_store(&x->bench->status, x->status);
-        if (!outstanding)
-            afs_bench_count(x->bench);
+    if (x->done_hook) {
+        x->done_hook(x->done_arg, x->status, !outstanding);
     } else if (!x->reported) {
         push_done(eng, x, outstanding);
     }
@@ -232,8 +229,8 @@ static void zombie_done(afs_engine *eng, afs_xfer *x)
     if (x->done_wr < x->posted_wr)
         return;
     list_remove(&eng->zombies, x);
-    if (x->bench) {
-        afs_bench_count(x->bench);
+    if (x->done_hook) {
+        x->done_hook(x->done_arg, 0, true);
     } else {
         afs_completion c = {0};
         c.id = x->id;
@@ -1211,8 +1208,8 @@ static void fail_queued(afs_engine *eng)
     }
     while ((x = eng->active.head) != NULL) {
         list_remove(&eng->active, x);
-        if (x->bench)
-            atomic_store(&x->bench->status, AFS_ECLOSED);
+        if (x->done_hook)
+            x->done_hook(x->done_arg, AFS_ECLOSED, false);
         afs_xfer_free(x);
     }
     while ((x = eng->zombies.head) != NULL) {
