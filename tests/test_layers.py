@@ -54,7 +54,8 @@ def _import_graph() -> dict[str, set[str]]:
                     sub = f"{base}.{a.name}"
                     targets.add(sub if sub in files else base)
         deps = set()
-        for t in targets:
+        for target in targets:
+            t = target
             while t and t not in files:  # afabric.x.Name -> afabric.x
                 t = t.rpartition(".")[0]
             if t and t != mod:
