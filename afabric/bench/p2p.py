@@ -26,6 +26,7 @@ from .. import Engine, MemoryRegion, MrDesc, Pages, _native
 from . import fabtests, harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
+from .raw import RawLoop
 
 KiB, MiB = 1 << 10, 1 << 20
 CONTIG_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -147,14 +148,14 @@ async def _many_row(
 ) -> Row:
     """write_many of MANY_SIZE writes and the raw C loop of single writes, alternately."""
     bar.step(f"write_many {_fmt_size(MANY_SIZE)}")
-    mr_id, (rid, _) = mr.check(eng), eng._remote(desc)
+    raw_loop = RawLoop(eng, mr, desc)
     window, iters = _window_for(MANY_SIZE), _iters_for(MANY_SIZE, args.quick)
     row = Row("many", MANY_SIZE, WRITES_PER_CALL, MANY_WINDOW)
     py, raw = [], []
     for _ in range(args.repeat):
         py.append(await _py_many(eng, mr, desc, MANY_SIZE, MANY_WINDOW, iters))
         # per WRITES_PER_CALL single writes, so that the rows compare per write
-        raw.append(_raw(eng._n.bench_write(mr_id, rid, MANY_SIZE, window, iters), iters) * WRITES_PER_CALL)
+        raw.append(_raw(raw_loop.write(MANY_SIZE, window, iters), iters) * WRITES_PER_CALL)
     _fill(row, py, raw, MANY_SIZE * WRITES_PER_CALL, per_call=WRITES_PER_CALL)
     bar.advance()
     return row
@@ -174,9 +175,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
         mr = eng.register(src)
-        mr_id = mr.check(eng)
-        rid, _ = eng._remote(desc)  # the raw loop drives the same imported descriptor
-        n = eng._n
+        raw_loop = RawLoop(eng, mr, desc)  # the raw loop drives the same imported descriptor
         rows: list[Row] = []
         for size in sizes:
             bar.step(f"write {_fmt_size(size)}")
@@ -188,7 +187,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             for _ in range(args.repeat):  # alternately: the C library, then afabric
                 fi += await _rma_bw(args, size, window)
                 py.append(await _py_writes(eng, mr, desc, size, window, iters))
-                raw.append(_raw(n.bench_write(mr_id, rid, size, window, iters), iters))
+                raw.append(_raw(raw_loop.write(size, window, iters), iters))
             _fill(row, py, raw, size)
             row.fi_gbps = statistics.median(fi) if fi else 0.0
             rows.append(row)
@@ -208,7 +207,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             py, raw = [], []
             for _ in range(args.repeat):
                 py.append(await _py_paged(eng, mr, desc, page, sp, dp, window, iters))
-                raw.append(_raw(n.bench_paged(mr_id, rid, page, s_idx, d_idx, window, iters), iters))
+                raw.append(_raw(raw_loop.paged(page, s_idx, d_idx, window, iters), iters))
             _fill(row, py, raw, page * count, per_call=count)
             rows.append(row)
             bar.advance()
@@ -234,9 +233,7 @@ async def _latency(eng: Engine, mr: MemoryRegion, desc: MrDesc, size: int, quick
         await eng.write(mr, desc, size)
         samples.append(clock() - t0)
     samples.sort()
-    mr_id = mr.check(eng)
-    rid, _ = eng._remote(desc)
-    raw = eng._n.bench_write(mr_id, rid, size, 1, n) / n
+    raw = RawLoop(eng, mr, desc).write(size, 1, n) / n
     p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
     return Latency(size, p50 / 1e3, p99 / 1e3, raw / 1e3, n)
 

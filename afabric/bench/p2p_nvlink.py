@@ -29,6 +29,7 @@ from . import harness, report
 from .loops import run as run_on_loop
 from .p2p import Latency, _fmt_size, _latency, _py_paged, _py_writes, _window_for
 from .progress import Progress
+from .raw import RawLoop
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CONTIG_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
@@ -114,8 +115,7 @@ class _Setup:
 
     def __init__(self, cp: Any, eng: Engine, mr: MemoryRegion, desc: MrDesc, src: Any, peer_dst: Any) -> None:
         self.cp, self.eng, self.mr, self.desc, self.src, self.peer_dst = cp, eng, mr, desc, src, peer_dst
-        self.mr_id = mr.check(eng)
-        self.rid, _ = eng._remote(desc)  # the raw loop drives the same imported descriptor
+        self.raw = RawLoop(eng, mr, desc)  # the raw loop drives the same imported descriptor
 
 
 async def _write_row(t: _Setup, size: int, args: argparse.Namespace) -> Row:
@@ -125,7 +125,7 @@ async def _write_row(t: _Setup, size: int, args: argparse.Namespace) -> Row:
     raw: list[float] = []
     for _ in range(args.repeat):
         py.append(await _py_writes(t.eng, t.mr, t.desc, size, window, iters))
-        raw.append(t.eng._n.bench_write(t.mr_id, t.rid, size, window, iters) / 1e9 / iters)
+        raw.append(t.raw.write(size, window, iters) / 1e9 / iters)
     plan = [((i % span) * size, (i % span) * size, size) for i in range(iters)]
     peer = _peer_copies(t.cp, t.peer_dst, t.src, plan, args.repeat) / iters
     row = Row("write", size, 1, window, _median_rate(size, py), _median_rate(size, raw))
@@ -144,7 +144,7 @@ async def _paged_row(t: _Setup, page: int, rng: np.random.Generator, args: argpa
     raw: list[float] = []
     for _ in range(args.repeat):
         py.append(await _py_paged(t.eng, t.mr, t.desc, page, sp, dp, window, iters))
-        raw.append(t.eng._n.bench_paged(t.mr_id, t.rid, page, s_idx, d_idx, window, iters) / 1e9 / iters)
+        raw.append(t.raw.paged(page, s_idx, d_idx, window, iters) / 1e9 / iters)
     nbytes = page * count
     peer = _peer_copies(t.cp, t.peer_dst, t.src, [(0, 0, nbytes)] * iters, args.repeat) / iters
     row = Row("paged", page, count, window, _median_rate(nbytes, py), _median_rate(nbytes, raw))

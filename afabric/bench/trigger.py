@@ -40,6 +40,7 @@ from ..errors import AfabricError
 from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
+from .raw import record_first_posts
 
 SIZE = 64  # bytes per write (a small "layer done" payload; the immediate is what counts)
 REGION = 1 << 16
@@ -136,7 +137,7 @@ class _Block:
         self.t_change = [0] * n
         self.errs: list[str] = []
         self.posts: collections.deque[tuple[int, int]] = collections.deque()
-        eng._first_posts = self.posts
+        record_first_posts(eng, self.posts)
         self.thread = threading.Thread(
             target=_writer, args=(self.w, n, self.go, self.t_change, seed, self.errs),
             name="afabric-bench-writer", daemon=True,
@@ -149,7 +150,7 @@ class _Block:
     async def finish(self) -> None:
         self.go.put(False)  # in case the writer still waits (an error cut the block short)
         await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10.0)
-        self.eng._first_posts = None
+        record_first_posts(self.eng, None)
         self.w.close()
         if self.thread.is_alive():
             raise RuntimeError("benchmark writer thread did not stop")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from afabric import Engine, MrDesc
+from afabric.bench.raw import RawLoop
 
 REGION = 128 << 20
 
@@ -48,16 +49,15 @@ async def main(prov: str, polling: str, sizes: list[int], regions: list[str], la
     eng = Engine(prov, polling=polling)
     src = np.ones(REGION, dtype=np.uint8)
     big = eng.register(src)
-    rid, _ = eng._remote(desc)
     for size in sizes:
         lanes = 64 if size <= 65536 else 16
         iters = max(200, min(20000, (1 << 30) // size))
         for region in regions:
             mr = eng.register(src[:size]) if region == "one" else big
             span = 1 if region == "one" else REGION // size
-            mid = mr.check(eng)
-            eng._n.bench_write(mid, rid, size, lanes, max(64, iters // 8))
-            raw = sorted(size * iters / eng._n.bench_write(mid, rid, size, lanes, iters) for _ in range(3))[1]
+            loop = RawLoop(eng, mr, desc)
+            loop.write(size, lanes, max(64, iters // 8))
+            raw = sorted(size * iters / loop.write(size, lanes, iters) for _ in range(3))[1]
             pyi = min(iters, 20000)
             py = sorted([await py_lanes(eng, mr, desc, size, lanes, pyi, span) for _ in range(3)])[1]
             row = f"ROW {prov} {polling} {size} {region} W={lanes}"
@@ -73,7 +73,7 @@ async def main(prov: str, polling: str, sizes: list[int], regions: list[str], la
             await eng.write(big, desc, 8)
             s.append(time.perf_counter_ns() - t0)
         s.sort()
-        raw = eng._n.bench_write(big.check(eng), rid, 8, 1, 5000) / 5000
+        raw = RawLoop(eng, big, desc).write(8, 1, 5000) / 5000
         print(
             f"LAT {prov} {polling} 8B py_p50_us={s[2500] / 1e3:.1f} py_p99_us={s[4950] / 1e3:.1f} "
             f"raw_mean_us={raw / 1e3:.1f}",

@@ -1,0 +1,59 @@
+"""The one place the benchmarks reach below afabric's public API.
+
+The benchmarks use the public API, with two exceptions: measurements the API deliberately
+does not offer. Both read the engine's private state here and nowhere else, so a change
+inside :class:`afabric.Engine` has this one file to follow:
+
+- :class:`RawLoop`: the shim's raw C loops (``afs_bench_write``, ``afs_bench_paged``) on a
+  registered region and an imported descriptor. They drive the submit path that
+  ``Engine.write``/``write_paged`` use, from C, with no Python per operation: the ``raw``
+  column of ``afabric bench p2p`` and its raw latency. Requests they post reach the
+  worker's completion path through its one hook for this (``afs_done_hook``,
+  shim/internal.h), never the completion ring.
+- :func:`record_first_posts`: the time the worker first posted each triggered write
+  (``afabric bench trigger``: bump-to-post latency).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import numpy.typing as npt
+
+from ..descriptor import MrDesc
+from ..engine import Engine
+from ..memory import MemoryRegion
+
+
+class RawLoop:
+    """The raw C loops from ``mr`` (registered with ``eng``) to the region ``desc``
+    describes: the descriptor is imported once, as the engine's own writes import it, so
+    both loops write through the same remote entry."""
+
+    def __init__(self, eng: Engine, mr: MemoryRegion, desc: MrDesc) -> None:
+        self._n = eng._n
+        self._mr_id = mr.check(eng)
+        self._rid, _ = eng._remote(desc)
+
+    def write(self, length: int, window: int, iters: int) -> int:
+        """Nanoseconds for ``iters`` contiguous writes of ``length`` bytes, ``window`` in
+        flight (rotating through the region in slots of ``length``, as the Python rows do)."""
+        return self._n.bench_write(self._mr_id, self._rid, length, window, iters)
+
+    def paged(
+        self,
+        page_len: int,
+        src_idx: npt.NDArray[np.int64],
+        dst_idx: npt.NDArray[np.int64],
+        window: int,
+        iters: int,
+    ) -> int:
+        """Nanoseconds for ``iters`` paged writes of ``len(src_idx)`` pages, ``window`` in flight."""
+        return self._n.bench_paged(self._mr_id, self._rid, page_len, src_idx, dst_idx, window, iters)
+
+
+def record_first_posts(eng: Engine, sink: collections.deque[tuple[int, int]] | None) -> None:
+    """From now on append ``(operation id, first post time in ns)`` to ``sink`` for every
+    completed operation the worker stamped (triggered writes); ``None`` stops it."""
+    eng._first_posts = sink
