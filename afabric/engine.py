@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from . import _native, errors, registry
+from . import _native, errors, registry, testing
 from .address import Address
 from .descriptor import MrDesc
 from .groups import PeerGroup, ScatterTarget
@@ -208,7 +208,6 @@ class Engine:
         rx_depth: int = 128,
         tx_depth: int = 256,
         name: str | None = None,
-        force_efa_modes: bool = False,
         timing: bool = False,
         allow_peers: Sequence[Address | bytes] | None = None,
         max_queued_messages: int = 1024,
@@ -262,7 +261,7 @@ class Engine:
             rx_depth=rx_depth,
             tx_depth=tx_depth,
             op_timeout=op_timeout,
-            force_efa_modes=force_efa_modes,
+            force_efa_modes=testing.efa_modes_forced(),  # a testing hook, not API
             timing=timing,
             max_imm_values=max_imm_values,
         )

@@ -83,8 +83,10 @@ typedef struct afp_open_args {
     uint32_t reserved;
 } afp_open_args;
 
-#define AFP_OPEN_FORCE_EFA_MODES 0x1u /* test switch: behave as if FI_RX_CQ_DATA, FI_MR_LOCAL
-                                         and FI_MR_PROV_KEY were required */
+/* Testing hook (afabric.testing.force_efa_modes; tests/native/test_ofi.c), never set in
+ * production: behave as if FI_RX_CQ_DATA, FI_MR_LOCAL and FI_MR_PROV_KEY were required.
+ * A provider without such modes ignores it. */
+#define AFP_OPEN_FORCE_EFA_MODES 0x1u
 
 /* afp_nic_info, AFP_CAP_* and AFP_MR_* reach Python through afabric/_gen_shim.py (by name). */
 typedef struct afp_nic_info {

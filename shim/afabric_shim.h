@@ -82,7 +82,7 @@ typedef struct afs_config {
                                    (imms_dropped) and reported (AFS_C_NOTICE) */
 } afs_config;
 
-#define AFS_CFG_FORCE_EFA_MODES 0x1u
+#define AFS_CFG_FORCE_EFA_MODES 0x1u /* testing hook (afabric.testing), not API */
 #define AFS_CFG_TIMING 0x2u /* stamp each operation's stages (afs_timing_drain) */
 #define AFS_POLL_ADAPTIVE 0u
 #define AFS_POLL_SPIN 1u

@@ -1,13 +1,15 @@
-"""The EFA code paths on software providers: with `force_efa_modes` the provider library
+"""The EFA code paths on software providers: under `afabric.testing.force_efa_modes()` (a
+testing hook, not an Engine argument) the provider library
 behaves as if FI_RX_CQ_DATA (immediates consume posted receives), FI_MR_LOCAL and
 provider-chosen keys were required, so those paths run in CI without an EFA device."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import afabric
-from afabric import _native
+from afabric import _native, testing
 
 from .procs import Ctl, Peer
 
@@ -16,7 +18,9 @@ CHUNKS, PAGES, PAGE = 16, 2000, 512
 
 
 async def efa_target(ctl: Ctl, provider: str) -> int:
-    async with afabric.Engine(provider, force_efa_modes=True, rx_depth=32) as eng:
+    with testing.force_efa_modes():
+        eng = afabric.Engine(provider, rx_depth=32)
+    async with eng:
         assert eng.caps & _native.CAP_IMM_NEEDS_RECV and eng.caps & _native.CAP_MR_LOCAL
         contig = np.zeros(CHUNKS * MiB, dtype=np.uint8)
         paged = np.zeros(PAGES * PAGE, dtype=np.uint8)
@@ -35,11 +39,27 @@ async def efa_target(ctl: Ctl, provider: str) -> int:
         return CHUNKS + PAGES
 
 
+def test_force_efa_modes_is_a_scoped_testing_hook() -> None:
+    """Not an Engine argument (public signatures carry no test switches); on only inside
+    the `with`."""
+    with pytest.raises(TypeError, match="force_efa_modes"):
+        afabric.Engine("tcp", force_efa_modes=True)  # type: ignore[call-arg]
+    assert not testing.efa_modes_forced()
+    with testing.force_efa_modes():
+        assert testing.efa_modes_forced()
+        with testing.force_efa_modes(False):
+            assert not testing.efa_modes_forced()
+        assert testing.efa_modes_forced()
+    assert not testing.efa_modes_forced()
+
+
 async def test_efa_modes_on_software_provider(provider: str, peers: list[Peer]) -> None:
     p = Peer(efa_target, provider)
     peers.append(p)
     d1, d2, imm, addr = await p.get()
-    async with afabric.Engine(provider, force_efa_modes=True) as eng:
+    with testing.force_efa_modes():
+        eng = afabric.Engine(provider)
+    async with eng:
         assert eng.caps & _native.CAP_PROV_KEY
         src = np.random.default_rng(3).integers(0, 256, CHUNKS * MiB, dtype=np.uint8)
         mr = eng.register(src)
