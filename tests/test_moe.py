@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from afabric.errors import InvalidArgument
 from afabric.moe import ControlMessageError, MoeConfig, PeerInfo, buffer_sizes, control
-from afabric.moe import reference as ref
+
+from .gpu import moe_reference as ref
 
 torch = pytest.importorskip("torch")
 

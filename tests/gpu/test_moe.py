@@ -1,5 +1,5 @@
 """afabric.moe.AllToAll on real GPUs, one process per GPU, against the torch reference
-(afabric.moe.reference): every routing scenario (random, empty experts, every token to one
+(tests/gpu/moe_reference.py): every routing scenario (random, empty experts, every token to one
 expert, all top-k on one rank, a rank with no tokens, masked entries), bf16 and fp8 with
 per-block scales, several calls in a row on the same buffers (both parities, dispatch
 repeated without combine, bursts without host syncs), over NVLink and over the host proxy;
@@ -120,9 +120,8 @@ def _same_rows(got: Any, want: Any, what: str) -> None:
 
 
 def _check_call(a2a: Any, cfg: Any, case: Any, rank: int, dev: Any, f: Any) -> None:
+    import moe_reference as ref  # beside this file, first on the ranks' sys.path
     import torch
-
-    from afabric.moe import reference as ref
 
     x = case.x[rank].to(dev)
     idx = case.topk_idx[rank].to(dev)
@@ -215,7 +214,7 @@ class _Captured:
 def _check_graphs(a2a: Any, cfg: Any, rank: int, dev: Any, f: Any, seed: int) -> int:
     """Replays (every token count max_tokens) checked like eager calls, with eager calls
     between some of them so that replays run on both slot parities."""
-    from afabric.moe import reference as ref
+    import moe_reference as ref  # beside this file, first on the ranks' sys.path
 
     cap = _Captured(a2a, cfg, ref.make_case(cfg, "random", seed), rank, dev)
     for i, scenario in enumerate(("random", "sparse_experts", "one_expert", "same_rank", "random")):
@@ -229,10 +228,10 @@ def _check_graphs(a2a: Any, cfg: Any, rank: int, dev: Any, f: Any, seed: int) ->
 
 
 def _proxy_refuses_capture(a2a: Any, cfg: Any, rank: int, dev: Any, seed: int) -> None:
+    import moe_reference as ref  # beside this file, first on the ranks' sys.path
     import torch
 
     from afabric.errors import UsageError
-    from afabric.moe import reference as ref
 
     case = ref.make_case(cfg, "random", seed)
     args = (case.x[rank].to(dev), case.topk_idx[rank].to(dev), case.topk_weights[rank].to(dev),
@@ -248,11 +247,11 @@ def _proxy_refuses_capture(a2a: Any, cfg: Any, rank: int, dev: Any, seed: int) -
 
 
 def _rank_main(path: str, rank: int, world: int, init: str) -> None:
+    import moe_reference as ref  # beside this file, first on the ranks' sys.path
     import torch
     import torch.distributed as dist
 
     from afabric.moe import AllToAll, MoeConfig, torch_all_gather
-    from afabric.moe import reference as ref
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)

@@ -2,6 +2,9 @@
 
 Given every rank's routing, it says which (source rank, token) pairs each local expert of
 a rank receives, and what combine must return: the tests check the kernels against it.
+Test code, not product (it was afabric/moe/reference.py): tests/test_moe.py imports it as
+``tests.gpu.moe_reference``, the GPU test's rank processes (run as
+``python tests/gpu/test_moe.py``, this directory first on sys.path) as ``moe_reference``.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .config import MoeConfig
+from afabric.moe.config import MoeConfig
 
 if TYPE_CHECKING:
     import torch
