@@ -3,8 +3,8 @@
 Given every rank's routing, it says which (source rank, token) pairs each local expert of
 a rank receives, and what combine must return: the tests check the kernels against it.
 Test code, not product (it was afabric/moe/reference.py): tests/test_moe.py imports it as
-``tests.gpu.moe_reference``, the GPU test's rank processes (run as
-``python tests/gpu/test_moe.py``, this directory first on sys.path) as ``moe_reference``.
+``tests.gpu.moe_reference``, the GPU test's rank processes (``python tests/gpu/test_moe.py``,
+which puts this directory on sys.path) as ``moe_reference``.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def _same_rows(got: Any, want: Any, what: str) -> None:
 
 
 def _check_call(a2a: Any, cfg: Any, case: Any, rank: int, dev: Any, f: Any) -> None:
-    import moe_reference as ref  # beside this file, first on the ranks' sys.path
+    import moe_reference as ref  # beside this file (see __main__ below)
     import torch
 
     x = case.x[rank].to(dev)
@@ -214,7 +214,7 @@ class _Captured:
 def _check_graphs(a2a: Any, cfg: Any, rank: int, dev: Any, f: Any, seed: int) -> int:
     """Replays (every token count max_tokens) checked like eager calls, with eager calls
     between some of them so that replays run on both slot parities."""
-    import moe_reference as ref  # beside this file, first on the ranks' sys.path
+    import moe_reference as ref  # beside this file (see __main__ below)
 
     cap = _Captured(a2a, cfg, ref.make_case(cfg, "random", seed), rank, dev)
     for i, scenario in enumerate(("random", "sparse_experts", "one_expert", "same_rank", "random")):
@@ -228,7 +228,7 @@ def _check_graphs(a2a: Any, cfg: Any, rank: int, dev: Any, f: Any, seed: int) ->
 
 
 def _proxy_refuses_capture(a2a: Any, cfg: Any, rank: int, dev: Any, seed: int) -> None:
-    import moe_reference as ref  # beside this file, first on the ranks' sys.path
+    import moe_reference as ref  # beside this file (see __main__ below)
     import torch
 
     from afabric.errors import UsageError
@@ -247,7 +247,7 @@ def _proxy_refuses_capture(a2a: Any, cfg: Any, rank: int, dev: Any, seed: int) -
 
 
 def _rank_main(path: str, rank: int, world: int, init: str) -> None:
-    import moe_reference as ref  # beside this file, first on the ranks' sys.path
+    import moe_reference as ref  # beside this file (see __main__ below)
     import torch
     import torch.distributed as dist
 
@@ -320,4 +320,7 @@ def _rank_main(path: str, rank: int, world: int, init: str) -> None:
 
 
 if __name__ == "__main__":
+    # moe_reference.py lies beside this file; put its directory on sys.path explicitly
+    # (PYTHONSAFEPATH=1, which the GPU scripts set, keeps a script's directory off it)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
