@@ -282,3 +282,27 @@ def test_paths_and_arguments() -> None:
     ]:
         with pytest.raises(InvalidArgument, match=match):
             _check_args(*args)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- kernel arguments by name
+
+
+def test_kernel_arguments_by_name() -> None:
+    """Launch arguments are set by kernels.cu's parameter names (read from the source), so
+    a name that is not a parameter, or a parameter left out, fails at setup, on any machine."""
+    from afabric.moe.kernels import KERNELS, Args, kernel_params
+
+    params = kernel_params()
+    assert set(params) == set(KERNELS)
+    assert params["dispatch_send"][:8] == ("topk", "idx64", "weights", "x", "x_stride", "scales", "s_stride",
+                                           "n_tok")  # fmt: skip
+    assert params["dispatch_small"][:17] == params["dispatch_send"]  # send's arguments first
+    assert params["combine_recv"][3] == "n_tok" and len(params["dispatch_small"]) == 27
+    a = Args("combine_recv", params["combine_recv"])
+    values = {name: i + 1 for i, name in enumerate(a.names)}
+    a.set(**values)
+    assert list(a.words) == list(range(1, 10))
+    a.words[a.span("n_tok", "n_tok")] = 77
+    assert a.words[a.at("n_tok")] == 77 and a.words[a.at("H")] == values["H"]
+    with pytest.raises(ValueError, match=r"missing \['timeout_ns'\], unknown \['timeout'\]"):
+        a.set(**{k: v for k, v in values.items() if k != "timeout_ns"}, timeout=1)

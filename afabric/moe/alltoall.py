@@ -296,26 +296,40 @@ class AllToAll:
         k_, cap = self._k, cfg.expert_capacity
         lo, mask, tmo = ptr["_layout"], self._proxy_mask, self._timeout_ns
         fn = k_.fn
-        self._send = Launch(fn["dispatch_send"], 17, k_.send_threads, k_.send_smem)
-        self._send.set(0, 0, 0, 0, 0, 0, 0, 0, lo, tab, ep, mask, self._watchers[0],
-                       ptr["_slot_of"], ptr["_tok_of"], ptr["_ctr"], ptr["_err"])  # fmt: skip
-        self._route = Launch(fn["dispatch_route"], 12, ROUTE_THREADS, k_.route_smem)
-        self._route.set(tab, ep, lo, cap, ptr["_counts"], ptr["_offsets"], ptr["_gcount"], ptr["_cursor"],
-                        ptr["_ntok"], ptr["_ctr"] + 16, ptr["_err"], tmo)  # fmt: skip
-        self._copy = Launch(fn["dispatch_copy"], 15, COPY_THREADS)
-        self._copy.set(tab, ep, ptr["_ntok"], ptr["_cursor"], lo, cap, ptr["_pos"], ptr["_wts"],
-                       ptr["_x_out"], s_out, 0, 0, 0, 0, ptr["_tok_of"])  # fmt: skip
-        self._small = Launch(fn["dispatch_small"], 27, k_.small_threads, k_.small_smem)
-        self._small.set(0, 0, 0, 0, 0, 0, 0, 0, lo, tab, ep, mask, self._watchers[0], ptr["_slot_of"],
-                        ptr["_tok_of"], ptr["_ctr"], ptr["_err"], cap, ptr["_counts"], ptr["_offsets"],
-                        ptr["_fill"], ptr["_ntok"], tmo, ptr["_pos"], ptr["_wts"], ptr["_x_out"],
-                        s_out)  # fmt: skip
+        # Arguments by the kernels' parameter names (kernels.cu); 0 marks the words a call sets.
+        per_call = dict.fromkeys(
+            ("topk", "idx64", "weights", "x", "x_stride", "scales", "s_stride", "n_tok"), 0
+        )
+        sender = dict(Lp=lo, tab=tab, ep=ep, proxy_mask=mask, watcher=self._watchers[0],
+                      slot_of=ptr["_slot_of"], tok_of=ptr["_tok_of"], ctr=ptr["_ctr"],
+                      err=ptr["_err"])  # fmt: skip
+        self._send = Launch(fn["dispatch_send"], "dispatch_send", k_.send_threads, k_.send_smem)
+        self._send.set(**per_call, **sender)
+        self._route = Launch(fn["dispatch_route"], "dispatch_route", ROUTE_THREADS, k_.route_smem)
+        self._route.set(tab=tab, ep=ep, Lp=lo, capacity=cap, expert_counts=ptr["_counts"],
+                        expert_offsets=ptr["_offsets"], gcount=ptr["_gcount"], cursor=ptr["_cursor"],
+                        ntok=ptr["_ntok"], ctr=ptr["_ctr"] + 16, err=ptr["_err"], timeout_ns=tmo)  # fmt: skip
+        self._copy = Launch(fn["dispatch_copy"], "dispatch_copy", COPY_THREADS)
+        self._copy.set(tab=tab, ep=ep, ntok=ptr["_ntok"], cursor=ptr["_cursor"], Lp=lo, capacity=cap,
+                       pos=ptr["_pos"], wts=ptr["_wts"], out_x=ptr["_x_out"], out_s=s_out,
+                       x=0, x_stride=0, scales=0, s_stride=0, tok_of=ptr["_tok_of"])  # fmt: skip
+        self._small = Launch(fn["dispatch_small"], "dispatch_small", k_.small_threads, k_.small_smem)
+        self._small.set(**per_call, **sender, capacity=cap, expert_counts=ptr["_counts"],
+                        expert_offsets=ptr["_offsets"], fill=ptr["_fill"], ntok=ptr["_ntok"], timeout_ns=tmo,
+                        pos=ptr["_pos"], wts=ptr["_wts"], out_x=ptr["_x_out"], out_s=s_out)  # fmt: skip
+        for a in (self._send, self._small):
+            a.call_words = a.span("topk", "n_tok")
+        self._copy.call_words = self._copy.span("x", "s_stride")
         self.fused_receive = n * t * k <= FUSED_RECEIVE_MAX_ENTRIES
-        self._csend = Launch(fn["combine_send"], 11, COPY_THREADS)
-        self._csend.set(0, ptr["_pos"], ptr["_wts"], ptr["_ntok"], h, lo, tab, ep, mask, self._watchers[1],
-                        ptr["_ctr"] + 8)  # fmt: skip
-        self._crecv = Launch(fn["combine_recv"], 9, COPY_THREADS)
-        self._crecv.set(tab, ep, ptr["_slot_of"], 0, h, lo, ptr["_out"], ptr["_err"], tmo)
+        self._csend = Launch(fn["combine_send"], "combine_send", COPY_THREADS)
+        self._csend.set(expert_out=0, pos=ptr["_pos"], wts=ptr["_wts"], ntok=ptr["_ntok"], H=h, Lp=lo,
+                        tab=tab, ep=ep, proxy_mask=mask, watcher=self._watchers[1],
+                        ctr=ptr["_ctr"] + 8)  # fmt: skip
+        self._crecv = Launch(fn["combine_recv"], "combine_recv", COPY_THREADS)
+        self._crecv.set(tab=tab, ep=ep, slot_of=ptr["_slot_of"], n_tok=0, H=h, Lp=lo, out=ptr["_out"],
+                        err=ptr["_err"], timeout_ns=tmo)  # fmt: skip
+        self._csend.call_words = self._csend.span("expert_out", "expert_out")
+        self._crecv.call_words = self._crecv.span("n_tok", "n_tok")
         self._grid_send = [max(1, min(2 * k_.sms, m)) for m in range(t + 1)]
         self._grid_route = max(1, min(k_.sms, -(-n * t * k // ROUTE_THREADS)))
         self._grid_copy = max(1, min(k_.sms * 8, n * t))
@@ -395,26 +409,17 @@ class AllToAll:
             self.proxy.arm_dispatch(self._d_epoch)
         stream = self._stream()
         launch = self._small if self.fused_receive else self._send
-        w = launch.words
-        w[0] = topk_idx.data_ptr()
-        w[1] = topk_idx.dtype is self._int64
-        w[2] = topk_weights.data_ptr()
-        w[3] = x_ptr
-        w[4] = x_stride
-        w[5] = s_ptr
-        w[6] = s_stride
-        w[7] = n
+        launch.words[launch.call_words] = (
+            topk_idx.data_ptr(), topk_idx.dtype is self._int64, topk_weights.data_ptr(),
+            x_ptr, x_stride, s_ptr, s_stride, n,
+        )  # fmt: skip
         self._n_tok = n
         if self.fused_receive:
             self._small(self._grid_small, stream)
             return self._result
         self._send(self._grid_send[n], stream)
         self._route(self._grid_route, stream)
-        w = self._copy.words
-        w[10] = x_ptr
-        w[11] = x_stride
-        w[12] = s_ptr
-        w[13] = s_stride
+        self._copy.words[self._copy.call_words] = (x_ptr, x_stride, s_ptr, s_stride)
         self._copy(self._grid_copy, stream)
         return self._result
 
@@ -471,10 +476,10 @@ class AllToAll:
             self._c_epoch += 1
             self.proxy.arm_combine(self._c_epoch)
         stream = self._stream()
-        self._csend.words[0] = expert_out.data_ptr()
+        self._csend.words[self._csend.call_words] = expert_out.data_ptr()
         self._csend(self._grid_csend, stream)
         n = self._n_tok
-        self._crecv.words[3] = n
+        self._crecv.words[self._crecv.call_words] = n
         self._crecv(self._grid_crecv[n], stream)
         return self._out[:n]
 

@@ -238,6 +238,40 @@ extern "C" __global__ void dispatch_send(
 
 // ---------------------------------------------------------------- dispatch: receive
 
+// Warp 0 alone (threads 0..31, together) turns the per-expert counts in shared cnt[0..E)
+// into exclusive offsets, in place: each lane takes a contiguous run of experts, a shuffle
+// scan over the lanes' sums gives each run its start. With `publish`, it also stores the
+// counts and offsets for the caller (expert_counts, expert_offsets and the total at
+// expert_offsets[E]; the offsets again in `cursor` unless it is null) and flags a total
+// above `capacity` in `err`. The one scan of dispatch_route and receive_small.
+__device__ __forceinline__ void scan_counts(int *cnt, int E, bool publish, int *expert_counts,
+                                            int *expert_offsets, int *cursor, long long capacity,
+                                            u32 *err) {
+    const int lane = threadIdx.x, per = (E + 31) / 32, lo = min(E, lane * per), hi = min(E, lo + per);
+    long long sum = 0;
+    for (int e = lo; e < hi; ++e) sum += cnt[e];
+    long long incl = sum;
+    for (int d = 1; d < 32; d <<= 1) {
+        const long long v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+    }
+    long long acc = incl - sum;
+    for (int e = lo; e < hi; ++e) {
+        const int c = cnt[e];
+        if (publish) {
+            expert_counts[e] = c;
+            expert_offsets[e] = (int)acc;
+            if (cursor) cursor[e] = (int)acc;
+        }
+        cnt[e] = (int)acc;
+        acc += c;
+    }
+    if (publish && lane == 31) {
+        expert_offsets[E] = (int)incl;
+        if (incl > capacity) atomicOr(err, ERR_CAPACITY);
+    }
+}
+
 // Many blocks: wait for every source, count the received entries per local expert (shared
 // histograms, added into gcount), and the last block lays the experts out one after
 // another: counts, offsets, and cursor[e] = offset[e] for dispatch_copy (gcount is left
@@ -278,28 +312,7 @@ extern "C" __global__ void dispatch_route(
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_cnt[e] = atomicExch(&gcount[e], 0);
     for (int r = threadIdx.x; r < N; r += blockDim.x) ntok[r] = s_n[r];
     __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x, per = (E + 31) / 32, lo = min(E, lane * per), hi = min(E, lo + per);
-        long long sum = 0;
-        for (int e = lo; e < hi; ++e) sum += s_cnt[e];
-        long long incl = sum;
-        for (int d = 1; d < 32; d <<= 1) {
-            const long long v = __shfl_up_sync(0xffffffffu, incl, d);
-            if (lane >= d) incl += v;
-        }
-        long long acc = incl - sum;
-        for (int e = lo; e < hi; ++e) {
-            const int c = s_cnt[e];
-            expert_counts[e] = c;
-            expert_offsets[e] = (int)acc;
-            cursor[e] = (int)acc;
-            acc += c;
-        }
-        if (lane == 31) {
-            expert_offsets[E] = (int)incl;
-            if (incl > capacity) atomicOr(err, ERR_CAPACITY);
-        }
-    }
+    if (threadIdx.x < 32) scan_counts(s_cnt, E, true, expert_counts, expert_offsets, cursor, capacity, err);
 }
 
 // One received row (source r, slot i) to its places s_p[0..K) in the expert-major output,
@@ -415,30 +428,7 @@ __device__ __forceinline__ void receive_small(
         }
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x, per = (E + 31) / 32, lo = min(E, lane * per), hi = min(E, lo + per);
-        long long sum = 0;
-        for (int e = lo; e < hi; ++e) sum += s_off[e];
-        long long incl = sum;
-        for (int d = 1; d < 32; d <<= 1) {
-            const long long v = __shfl_up_sync(0xffffffffu, incl, d);
-            if (lane >= d) incl += v;
-        }
-        long long acc = incl - sum;
-        for (int e = lo; e < hi; ++e) {
-            const int c = s_off[e];
-            if (lead) {
-                expert_counts[e] = c;
-                expert_offsets[e] = (int)acc;
-            }
-            s_off[e] = (int)acc;
-            acc += c;
-        }
-        if (lead && lane == 31) {
-            expert_offsets[E] = (int)incl;
-            if (incl > capacity) atomicOr(err, ERR_CAPACITY);
-        }
-    }
+    if (threadIdx.x < 32) scan_counts(s_off, E, lead, expert_counts, expert_offsets, nullptr, capacity, err);
     if (lead)
         for (int r = threadIdx.x; r < N; r += blockDim.x) ntok[r] = s_n[r];
     __syncthreads();

@@ -9,6 +9,7 @@ CuPy is imported here, lazily, so importing afabric.moe needs no GPU.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +30,72 @@ ROUTE_THREADS = 512
 COPY_THREADS = 256
 
 
-class Launch:
-    """One kernel with a persistent argument block: every argument occupies an 8-byte word
-    (pointers, 64-bit values, and non-negative 32-bit ones in the low half), and
-    ``kernelParams`` points at the words, so a launch is one driver call."""
+_KERNEL = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
+_PARAM_NAME = re.compile(r"(\w+)\s*$")
 
-    def __init__(self, fn: Any, nargs: int, block: int, smem: int = 0) -> None:
+
+@functools.cache
+def kernel_params() -> dict[str, tuple[str, ...]]:
+    """Every ``extern "C" __global__`` kernel of kernels.cu: its parameters' names in
+    signature order, read from the source, so arguments are set by those names."""
+    out: dict[str, tuple[str, ...]] = {}
+    for m in _KERNEL.finditer(_SRC.read_text()):
+        names = []
+        for decl in m.group(2).split(","):
+            found = _PARAM_NAME.search(decl.strip())
+            if found is None:
+                raise RuntimeError(f"kernels.cu: cannot read a parameter name of {m.group(1)} in {decl!r}")
+            names.append(found.group(1))
+        out[m.group(1)] = tuple(names)
+    return out
+
+
+class Args:
+    """A kernel's argument block: one 8-byte word per parameter (pointers, 64-bit values,
+    and non-negative 32-bit ones in the low half), addressed by the parameters' names in
+    kernels.cu. No CUDA needed (the tests check the names without a GPU)."""
+
+    def __init__(self, kernel: str, params: tuple[str, ...]) -> None:
+        self.kernel, self.names = kernel, params
+        self._index = {name: i for i, name in enumerate(params)}
+        self.words = np.zeros(len(params), dtype=np.uint64)
+        self.call_words = slice(0, 0)
+        """The words each call rewrites (the caller's choice, from :meth:`span`)."""
+
+    def set(self, **values: int) -> None:
+        """Every argument at once, by name (setup); a missing or unknown name is an error.
+        Calls then rewrite single words (:meth:`at`, :meth:`span`)."""
+        missing = [n for n in self.names if n not in values]
+        unknown = sorted(set(values) - set(self.names))
+        if missing or unknown:
+            raise ValueError(f"{self.kernel} arguments: missing {missing}, unknown {unknown}")
+        self.words[:] = [values[n] for n in self.names]
+
+    def at(self, name: str) -> int:
+        """The word of parameter ``name``."""
+        return self._index[name]
+
+    def span(self, first: str, last: str) -> slice:
+        """The words of parameters ``first`` to ``last`` (in signature order), which a call
+        rewrites at once: ``words[span] = (...)``."""
+        return slice(self._index[first], self._index[last] + 1)
+
+
+class Launch(Args):
+    """One kernel with a persistent argument block: ``kernelParams`` points at the words,
+    so a launch is one driver call."""
+
+    def __init__(self, fn: Any, kernel: str, block: int, smem: int = 0) -> None:
         from cupy.cuda import driver
 
+        super().__init__(kernel, kernel_params()[kernel])
         self._launch = driver.launchKernel
         self.f = int(fn.kernel.ptr)  # the CUfunction on the current device (compiles once)
         self.block, self.smem = block, smem
-        self.words = np.zeros(nargs, dtype=np.uint64)
         base = int(self.words.ctypes.data)
+        nargs = len(self.names)
         self._ptrs = np.arange(nargs, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
         self.params = int(self._ptrs.ctypes.data)
-
-    def set(self, *values: int) -> None:
-        """All arguments at once (setup); calls then rewrite single ``words``."""
-        self.words[:] = values
 
     def __call__(self, grid: int, stream: int) -> None:
         self._launch(self.f, grid, 1, 1, self.block, 1, 1, self.smem, stream, self.params, 0)
