@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import enum
 import functools
-import logging
 import random
 import time
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from . import plan, wire
 from .allocator import PageAllocator
 from .errors import CacheFull, RequestCancelled, RequestFailed, RequestRejected
 from .layout import KvCacheLayout
-from .peers import Peers, every, receive_messages
+from .peers import Side
 
 
 class State(enum.Enum):
@@ -132,7 +131,7 @@ class DecodeRequest:
         self._dec._free(self)
 
 
-class Decoder:
+class Decoder(Side):
     """The decode side of disaggregated prefill. Use as ``async with Decoder(eng, layout) as d``.
 
     ``cache``: the KV cache buffer (``layout.total_bytes``; numpy, torch — CPU or CUDA, if
@@ -157,37 +156,23 @@ class Decoder:
             raise InvalidArgument("layout must be a KvCacheLayout")
         if max_write < layout.block_bytes:
             raise InvalidArgument(f"max_write {max_write} is smaller than one block ({layout.block_bytes} B)")
-        if not 0 < heartbeat_interval < peer_timeout:
-            raise InvalidArgument("need 0 < heartbeat_interval < peer_timeout")
-        self.eng = eng
+        super().__init__(
+            eng, wire.DECODER, f"afabric.kvcache.decoder.{eng.name}", heartbeat_interval, peer_timeout
+        )
         self.layout = layout
         self.cache = cache if cache is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
         self.tail_buffer = tail if tail is not None else np.zeros(layout.tail_region_bytes, dtype=np.uint8)
         self.max_run = max(1, max_write // layout.block_bytes)
-        self.heartbeat_interval = heartbeat_interval
-        self.peer_timeout = peer_timeout
         self.drain_timeout = drain_timeout
         self.allocator = PageAllocator(layout.num_pages)
         self._free_tails = list(range(layout.tail_slots - 1, -1, -1)) if layout.tail_bytes else []
         self._rng = random.Random(seed)
         self._next_id = 0
         self._requests: dict[int, DecodeRequest] = {}
-        self.log = logging.getLogger(f"afabric.kvcache.decoder.{eng.name}")
-        self.peers = Peers(eng, wire.DECODER, self.log)
         self._mr: MemoryRegion | None = None
         self._tail_mr: MemoryRegion | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.bad_messages = 0
-        self.last_bad_message = ""
 
     # ---- lifetime ----
-
-    async def __aenter__(self) -> Decoder:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def start(self) -> None:
         """Register the cache and tail region (once) and start receiving."""
@@ -203,10 +188,7 @@ class Decoder:
             if self._tail_mr.length < self.layout.tail_region_bytes:
                 raise InvalidArgument("tail region smaller than layout.tail_region_bytes")
         self._fingerprint = self.layout.fingerprint()
-        self._tasks = [
-            asyncio.ensure_future(receive_messages(self.eng, self.peers, self._handle, self._bad)),
-            asyncio.ensure_future(every(self.heartbeat_interval, self._tick)),
-        ]
+        self._start_loops()
 
     async def aclose(self) -> None:
         """Cancel what is pending (waiting, bounded, for confirmations) and stop."""
@@ -219,13 +201,7 @@ class Decoder:
                 timeout=self.peer_timeout + self.drain_timeout,
             )
         leftover = [r._closing for r in self._requests.values() if r._closing is not None]
-        for t in [*self._tasks, *leftover]:
-            t.cancel()
-        for t in [*self._tasks, *leftover]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks = []
-        await self.peers.aclose()
+        await self._stop_loops(*leftover)
 
     # ---- requests ----
 
@@ -437,11 +413,6 @@ class Decoder:
             self._on_confirm(m)
         elif not isinstance(m, wire.Heartbeat):
             self._bad(f"a decoder does not take {type(m).__name__} messages")
-
-    def _bad(self, why: str) -> None:
-        self.bad_messages += 1
-        self.last_bad_message = why
-        self.log.warning("dropped a message: %s", why)
 
     def _on_confirm(self, m: wire.Confirm) -> None:
         req = self._requests.get(m.request_id)

@@ -1,5 +1,6 @@
-"""Control-message plumbing both sides share: sending without piling up on a slow or dead
-peer, heartbeats, and when each peer was last heard from."""
+"""What both sides (decoder, prefiller) share: sending control messages without piling up
+on a slow or dead peer, heartbeats, when each peer was last heard from, and their lifetime
+(:class:`Side`: the receive loop, the heartbeat timer, bad-message accounting)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from ..address import Address
 from ..engine import Engine
-from ..errors import AfabricError, EngineClosed
+from ..errors import AfabricError, EngineClosed, InvalidArgument
 from . import wire
 from .errors import ProtocolError
 
@@ -112,3 +114,71 @@ async def receive_messages(
             continue
         peers.saw(m.sender)
         handle(m)
+
+
+_S = TypeVar("_S", bound="Side")
+
+
+class Side:
+    """The lifetime the decoder and the prefiller share. A side consumes every message its
+    engine receives (:meth:`_handle` gets the well-formed ones, :meth:`_bad` counts and
+    logs the rest) and calls :meth:`_tick` every ``heartbeat_interval`` seconds (where it
+    sends heartbeats and declares silent peers dead). Subclasses implement ``start``
+    (calling :meth:`_start_loops` last), ``aclose`` (calling :meth:`_stop_loops`),
+    ``_handle`` and ``_tick``."""
+
+    def __init__(
+        self, eng: Engine, role: int, logger: str, heartbeat_interval: float, peer_timeout: float
+    ) -> None:
+        if not 0 < heartbeat_interval < peer_timeout:
+            raise InvalidArgument("need 0 < heartbeat_interval < peer_timeout")
+        self.eng = eng
+        self.heartbeat_interval = heartbeat_interval
+        self.peer_timeout = peer_timeout
+        self.log = logging.getLogger(logger)
+        self.peers = Peers(eng, role, self.log)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.bad_messages = 0
+        self.last_bad_message = ""
+
+    async def __aenter__(self: _S) -> _S:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    def _handle(self, m: wire.Message) -> None:
+        raise NotImplementedError
+
+    def _tick(self) -> None:
+        raise NotImplementedError
+
+    def _start_loops(self) -> None:
+        """Start receiving and the heartbeat timer."""
+        self._tasks = [
+            asyncio.ensure_future(receive_messages(self.eng, self.peers, self._handle, self._bad)),
+            asyncio.ensure_future(every(self.heartbeat_interval, self._tick)),
+        ]
+
+    async def _stop_loops(self, *also: asyncio.Task[None]) -> None:
+        """Cancel the loops (and ``also``), then let control messages in flight leave
+        (bounded)."""
+        for t in [*self._tasks, *also]:
+            t.cancel()
+        for t in [*self._tasks, *also]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        await self.peers.aclose()
+
+    def _bad(self, why: str) -> None:
+        self.bad_messages += 1
+        self.last_bad_message = why
+        self.log.warning("dropped a message: %s", why)

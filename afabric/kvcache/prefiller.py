@@ -20,7 +20,6 @@ import collections
 import contextlib
 import enum
 import functools
-import logging
 import threading
 import time
 import zlib
@@ -40,7 +39,7 @@ from .allocator import PageAllocator
 from .bump import Bumper
 from .errors import CacheFull, ProtocolError, RequestCancelled
 from .layout import KvCacheLayout
-from .peers import Peers, every, receive_messages
+from .peers import Side
 
 Key = tuple[bytes, int]  # (decoder address, request id)
 
@@ -166,7 +165,7 @@ class PrefillJob:
                 s.task.cancel()
 
 
-class Prefiller:
+class Prefiller(Side):
     """The prefill side. ``layout`` is the model's geometry with this prefiller's staging
     page count; ``cache`` (``layout.total_bytes``) and ``tail`` (``layout.tail_region_bytes``)
     are its staging buffers (host memory when omitted; a CUDA tensor on ``device``, which
@@ -187,21 +186,17 @@ class Prefiller:
     ) -> None:
         if not isinstance(layout, KvCacheLayout):
             raise InvalidArgument("layout must be a KvCacheLayout")
-        if not 0 < heartbeat_interval < peer_timeout:
-            raise InvalidArgument("need 0 < heartbeat_interval < peer_timeout")
-        self.eng = eng
+        super().__init__(
+            eng, wire.PREFILLER, f"afabric.kvcache.prefiller.{eng.name}", heartbeat_interval, peer_timeout
+        )
         self.layout = layout
         self.device = device
         self.cache = cache if cache is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
         self.tail_buffer = tail if tail is not None else np.zeros(layout.tail_region_bytes, dtype=np.uint8)
-        self.heartbeat_interval = heartbeat_interval
-        self.peer_timeout = peer_timeout
         self.max_waiting = max_waiting
         self.max_tokens = layout.num_pages * layout.tokens_per_page
         self.allocator = PageAllocator(layout.num_pages)
         self._free_tails = list(range(layout.tail_slots - 1, -1, -1)) if layout.tail_bytes else []
-        self.log = logging.getLogger(f"afabric.kvcache.prefiller.{eng.name}")
-        self.peers = Peers(eng, wire.PREFILLER, self.log)
         self._fingerprint = layout.fingerprint()
         self._jobs: dict[Key, PrefillJob] = {}
         self._waiting: collections.deque[PrefillJob] = collections.deque()
@@ -215,19 +210,9 @@ class Prefiller:
         self._mr: MemoryRegion | None = None
         self._tail_mr: MemoryRegion | None = None
         self._bump: Callable[[], None] = lambda: None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.bad_messages = 0
-        self.last_bad_message = ""
         self.stats = collections.Counter[str]()
 
     # ---- lifetime ----
-
-    async def __aenter__(self) -> Prefiller:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def start(self) -> None:
         if self._mr is not None:
@@ -241,10 +226,7 @@ class Prefiller:
             self._tail_mr = self.eng.register(self.tail_buffer, remote=False)
         self.watcher = self.eng.uvm_watcher(self.device)
         self._bump = Bumper(self.watcher)
-        self._tasks = [
-            asyncio.ensure_future(receive_messages(self.eng, self.peers, self._handle, self._bad)),
-            asyncio.ensure_future(every(self.heartbeat_interval, self._tick)),
-        ]
+        self._start_loops()
 
     async def aclose(self) -> None:
         """Stop every job (disarming what has not fired), wait (bounded) for fired writes."""
@@ -256,13 +238,7 @@ class Prefiller:
         writes = [s.task for j in self._jobs.values() for s in j._writes if not s.task.done()]
         if writes and not self.eng.closed:
             await asyncio.wait(writes, timeout=self.eng.op_timeout or None)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks = []
-        await self.peers.aclose()
+        await self._stop_loops()
 
     # ---- jobs ----
 
@@ -462,11 +438,6 @@ class Prefiller:
             self._on_cancel((m.sender, m.request_id))
         elif not isinstance(m, wire.Heartbeat):
             self._bad(f"a prefiller does not take {type(m).__name__} messages")
-
-    def _bad(self, why: str) -> None:
-        self.bad_messages += 1
-        self.last_bad_message = why
-        self.log.warning("dropped a message: %s", why)
 
     def _reject(self, key: Key, why: str) -> None:
         self._bad(why)
