@@ -2,8 +2,9 @@
 
 ``info`` lists the installed providers (from the ``afabric.providers`` entry points),
 whether each is usable here and why not, the NICs each sees, what ``provider="auto"``
-would pick, GPUs and NUMA nodes. Each ``bench`` subcommand parses its options and hands
-them to the ``main`` of its module in :mod:`afabric.bench`, importing it only then.
+would pick, GPUs and NUMA nodes. Every other subcommand (``bench ...``, ``weights``) lives
+in its own module, registered from one table (``_MODULE_COMMANDS``): the module declares
+its options (``HELP``, ``add_arguments``) and runs in its ``main``.
 
 What every command does the same way (:mod:`afabric.bench.harness`): options and output
 paths are checked before anything runs, and a missing optional package (torch, cupy,
@@ -31,6 +32,7 @@ from typing import TextIO, TypedDict
 
 from . import _native, registry
 from .bench import harness
+from .bench.harness import parse_size
 from .errors import AfabricError
 
 __all__ = ["main", "parse_size"]
@@ -99,25 +101,6 @@ class InfoJson(TypedDict):
     auto: AutoJson
     gpus: list[GpuJson]
     numa: list[NumaJson]
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``"4096"``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2G"`` -> bytes (binary units)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8, 4K, 1M, 1G)")
-    unit = (m.group(2) or "").lower()[:1]
-    return int(m.group(1)) * {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit]
-
-
-def _size_list(text: str) -> list[int]:
-    sizes = [parse_size(t) for t in text.split(",") if t.strip()]
-    if not sizes:
-        raise argparse.ArgumentTypeError("no sizes given")
-    return sizes
 
 
 def _speed(bps: int) -> str:
@@ -319,9 +302,6 @@ def _cmd_info(ns: argparse.Namespace) -> int:
 # ---- bench ----
 
 
-_PLOT_HELP = "also draw the results as a PNG plot to PATH (needs matplotlib: pip install 'afabric[plot]')"
-
-
 @contextlib.contextmanager
 def _json_to_stdout(ns: argparse.Namespace) -> Iterator[None]:
     """For ``--json -``: standard output carries the JSON document only. The report (and
@@ -373,70 +353,33 @@ def _run_bench(module: str, ns: argparse.Namespace) -> int:
         return int(run(ns))
 
 
-def _cmd_bench_p2p(ns: argparse.Namespace) -> int:
-    if ns.provider == "nvlink":  # GPU memory on both sides, against the CUDA peer copy
-        return _run_bench("afabric.bench.p2p_nvlink", ns)
-    return _run_bench("afabric.bench.p2p", ns)
-
-
-def _cmd_bench_trigger(ns: argparse.Namespace) -> int:
-    return _run_bench("afabric.bench.trigger", ns)
-
-
-def _cmd_bench_report(ns: argparse.Namespace) -> int:
-    return _run_bench("afabric.bench.report", ns)
-
-
-def _cmd_bench_overhead(ns: argparse.Namespace) -> int:
-    return _run_bench("afabric.bench.overhead", ns)
-
-
-# Subcommands that live in their own module: ``(parent, name, module)``. Each module defines
+# Every subcommand but ``info`` (this module's own: it reports, it runs nothing) is registered
+# from this one table: ``(parent, name, module, {provider: module})``. Each module defines
 # ``HELP`` (one line), ``add_arguments(parser)`` and ``main(ns) -> int``, and imports nothing
-# heavy at module level (the parser is built on every ``afabric`` call).
-_MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("bench", "kvcache", "afabric.bench.kvcache"),
-    ("bench", "soak", "afabric.bench.soak"),
-    ("bench", "moe", "afabric.bench.moe"),
-    ("", "weights", "afabric.weights.cli"),
-    ("bench", "weights", "afabric.bench.weights"),
+# heavy at module level (the parser is built on every ``afabric`` call); the last field
+# names another module whose ``main`` runs instead when ``--provider`` is that provider.
+_MODULE_COMMANDS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
+    # GPU memory on both sides, against the CUDA peer copy:
+    ("bench", "p2p", "afabric.bench.p2p", {"nvlink": "afabric.bench.p2p_nvlink"}),
+    ("bench", "trigger", "afabric.bench.trigger", {}),
+    ("bench", "overhead", "afabric.bench.overhead", {}),
+    ("bench", "report", "afabric.bench.report", {}),
+    ("bench", "kvcache", "afabric.bench.kvcache", {}),
+    ("bench", "soak", "afabric.bench.soak", {}),
+    ("bench", "moe", "afabric.bench.moe", {}),
+    ("", "weights", "afabric.weights.cli", {}),
+    ("bench", "weights", "afabric.bench.weights", {}),
 )
 
 
 def _add_module_commands(parents: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]]) -> None:
-    for parent, name, module in _MODULE_COMMANDS:
+    for parent, name, module, by_provider in _MODULE_COMMANDS:
         mod = importlib.import_module(module)
         p = parents[parent].add_parser(name, help=mod.HELP)
         mod.add_arguments(p)
-        p.set_defaults(func=lambda ns, _m=module: _run_bench(_m, ns))
-
-
-def _count_list(text: str) -> list[int]:
-    try:
-        counts = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of counts: {text!r} (e.g. 8,16)") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"not a list of positive counts: {text!r} (e.g. 8,16)")
-    return counts
-
-
-def _add_run_arguments(p: argparse.ArgumentParser, quick: str) -> None:
-    """The options every measuring benchmark takes: provider, outputs, a smoke-run switch."""
-    p.add_argument("--provider", default="auto", help=harness.PROVIDER_HELP)
-    p.add_argument("--json", metavar="PATH", default=None, help=harness.JSON_HELP)
-    p.add_argument("--plot", metavar="PATH", default=None, help=_PLOT_HELP)
-    p.add_argument("--quick", action="store_true", help=quick)
-
-
-def _add_loop_arguments(p: argparse.ArgumentParser, who: str) -> None:
-    """How the measuring process runs: its workers' polling and its event loop."""
-    p.add_argument("--polling", choices=("adaptive", "spin"), default=None,
-                   help=f"{who} polling: adaptive (default; spin briefly, then sleep) "
-                        "or spin (a core per worker)")
-    p.add_argument(
-        "--loop", choices=("asyncio", "uvloop"), default=harness.default_loop(), help=harness.LOOP_HELP
-    )
+        p.set_defaults(
+            func=lambda ns, _m=module, _v=by_provider: _run_bench(_v.get(getattr(ns, "provider", ""), _m), ns)
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -451,52 +394,6 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    p2p = bsub.add_parser("p2p", help="point-to-point write/send bandwidth and latency between two processes")
-    _add_run_arguments(p2p, "fewer sizes and iterations (smoke run)")
-    p2p.add_argument(
-        "--sizes", type=_size_list, default=None, metavar="LIST",
-        help="comma-separated message sizes, e.g. 8,4K,64K,1M (default: the benchmark's own list)",
-    )
-    p2p.add_argument("--repeat", type=int, default=None, metavar="N",
-                     help="repetitions per measurement (default: the benchmark's own)")
-    p2p.add_argument("--fabtests", metavar="DIR", default=None,
-                     help="also run libfabric's fi_rma_bw/fi_rdm_pingpong from DIR, alternately with "
-                          "afabric's rows, and print their columns and the ratio")
-    _add_loop_arguments(p2p, "worker")
-    p2p.set_defaults(func=_cmd_bench_p2p)
-
-    trig = bsub.add_parser(
-        "trigger", help="latency from a watcher change to the write it releases: triggered vs Python loop"
-    )
-    _add_run_arguments(trig, "300 iterations per mode (smoke run)")
-    trig.add_argument("--iterations", type=int, default=None, metavar="N",
-                      help="iterations per mode (default: 2000, or 300 with --quick)")
-    _add_loop_arguments(trig, "worker")
-    trig.set_defaults(func=_cmd_bench_trigger)
-
-    ovh = bsub.add_parser(
-        "overhead", help="where a scatter's microseconds go: per-stage p50/p99/p99.9 by peer count"
-    )
-    _add_run_arguments(ovh, "300 scatters per peer count (smoke run)")
-    ovh.add_argument("--peers", type=_count_list, default=None, metavar="LIST",
-                     help="comma-separated peer counts (default: 8,16,32,64)")
-    ovh.add_argument("--size", type=parse_size, default=None, metavar="BYTES",
-                     help="bytes written to each peer per scatter (default: 64)")
-    ovh.add_argument("--iterations", type=int, default=None, metavar="N",
-                     help="scatters per peer count (default: 20000 for 8 peers down to 2500 for 64)")
-    ovh.add_argument("--procs", type=int, default=None, metavar="N",
-                     help="target processes hosting the peer engines (default: 2)")
-    _add_loop_arguments(ovh, "initiator's worker")
-    ovh.set_defaults(func=_cmd_bench_overhead)
-
-    rep = bsub.add_parser(
-        "report", help="one Markdown page (tables and PNG plots) from the --json results in a directory"
-    )
-    rep.add_argument("dir", metavar="DIR", help="directory holding the *.json results of afabric bench ...")
-    rep.add_argument("-o", "--output", metavar="PATH", default=None,
-                     help="where to write the page (default: DIR/README.md); plots go next to the JSON")
-    rep.add_argument("--no-plots", action="store_true", help="tables only, no PNG plots")
-    rep.set_defaults(func=_cmd_bench_report)
     _add_module_commands({"": sub, "bench": bsub})
     return ap
 

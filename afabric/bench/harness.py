@@ -25,6 +25,7 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import threading
@@ -68,6 +69,53 @@ PROVIDER_HELP = (
 )
 LOOP_HELP = "event loop (default: uvloop if installed, else asyncio)"
 JSON_HELP = "also write the results as JSON to PATH ('-': to stdout, and the report to stderr)"
+PLOT_HELP = "also draw the results as a PNG plot to PATH (needs matplotlib: pip install 'afabric[plot]')"
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"4096"``, ``"4K"``, ``"64KiB"``, ``"1M"``, ``"2G"`` -> bytes (binary units)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8, 4K, 1M, 1G)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit]
+
+
+def size_list(text: str) -> list[int]:
+    """``"8,4K,1M"`` -> sizes in bytes (an argparse type)."""
+    sizes = [parse_size(t) for t in text.split(",") if t.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("no sizes given")
+    return sizes
+
+
+def count_list(text: str) -> list[int]:
+    """``"8,16"`` -> positive counts (an argparse type)."""
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of counts: {text!r} (e.g. 8,16)") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"not a list of positive counts: {text!r} (e.g. 8,16)")
+    return counts
+
+
+def add_run_arguments(p: argparse.ArgumentParser, quick: str) -> None:
+    """The options every measuring benchmark takes: provider, outputs, a smoke-run switch."""
+    p.add_argument("--provider", default="auto", help=PROVIDER_HELP)
+    p.add_argument("--json", metavar="PATH", default=None, help=JSON_HELP)
+    p.add_argument("--plot", metavar="PATH", default=None, help=PLOT_HELP)
+    p.add_argument("--quick", action="store_true", help=quick)
+
+
+def add_loop_arguments(p: argparse.ArgumentParser, who: str) -> None:
+    """How the measuring process runs: its workers' polling and its event loop."""
+    p.add_argument("--polling", choices=("adaptive", "spin"), default=None,
+                   help=f"{who} polling: adaptive (default; spin briefly, then sleep) "
+                        "or spin (a core per worker)")  # fmt: skip
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default=default_loop(), help=LOOP_HELP)
 
 
 class CommandError(AfabricError):

@@ -330,6 +330,22 @@ def _peer_list(value: Any) -> list[int]:
     return items
 
 
+HELP = "where a scatter's microseconds go: per-stage p50/p99/p99.9 by peer count"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    harness.add_run_arguments(p, "300 scatters per peer count (smoke run)")
+    p.add_argument("--peers", type=harness.count_list, default=None, metavar="LIST",
+                   help="comma-separated peer counts (default: 8,16,32,64)")
+    p.add_argument("--size", type=harness.parse_size, default=None, metavar="BYTES",
+                   help="bytes written to each peer per scatter (default: 64)")
+    p.add_argument("--iterations", type=int, default=None, metavar="N",
+                   help="scatters per peer count (default: 20000 for 8 peers down to 2500 for 64)")
+    p.add_argument("--procs", type=int, default=None, metavar="N",
+                   help="target processes hosting the peer engines (default: 2)")  # fmt: skip
+    harness.add_loop_arguments(p, "initiator's worker")
+
+
 def main(args: argparse.Namespace) -> int:
     args.quick = bool(getattr(args, "quick", False))
     args.peers = _peer_list(getattr(args, "peers", None))

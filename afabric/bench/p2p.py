@@ -335,6 +335,23 @@ def py_raw_note(rows: list[Row]) -> list[str]:
     return out
 
 
+HELP = "point-to-point write/send bandwidth and latency between two processes"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    harness.add_run_arguments(p, "fewer sizes and iterations (smoke run)")
+    p.add_argument(
+        "--sizes", type=harness.size_list, default=None, metavar="LIST",
+        help="comma-separated message sizes, e.g. 8,4K,64K,1M (default: the benchmark's own list)",
+    )  # fmt: skip
+    p.add_argument("--repeat", type=int, default=None, metavar="N",
+                   help="repetitions per measurement (default: the benchmark's own)")  # fmt: skip
+    p.add_argument("--fabtests", metavar="DIR", default=None,
+                   help="also run libfabric's fi_rma_bw/fi_rdm_pingpong from DIR, alternately with "
+                        "afabric's rows, and print their columns and the ratio")  # fmt: skip
+    harness.add_loop_arguments(p, "worker")
+
+
 def main(args: argparse.Namespace) -> int:
     # (`--provider nvlink` runs afabric.bench.p2p_nvlink instead, which builds on this module.)
     args.repeat = max(1, int(getattr(args, "repeat", None) or (3 if args.quick else 5)))

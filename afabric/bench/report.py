@@ -404,6 +404,16 @@ def build(
     return output, text, warnings
 
 
+HELP = "one Markdown page (tables and PNG plots) from the --json results in a directory"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="directory holding the *.json results of afabric bench ...")
+    p.add_argument("-o", "--output", metavar="PATH", default=None,
+                   help="where to write the page (default: DIR/README.md); plots go next to the JSON")
+    p.add_argument("--no-plots", action="store_true", help="tables only, no PNG plots")  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     if not directory.is_dir():

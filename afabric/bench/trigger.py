@@ -359,6 +359,16 @@ def render(res: dict[str, ModeResult], header: str) -> str:
     return "\n".join(out)
 
 
+HELP = "latency from a watcher change to the write it releases: triggered vs Python loop"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    harness.add_run_arguments(p, "300 iterations per mode (smoke run)")
+    p.add_argument("--iterations", type=int, default=None, metavar="N",
+                   help="iterations per mode (default: 2000, or 300 with --quick)")  # fmt: skip
+    harness.add_loop_arguments(p, "worker")
+
+
 def main(args: argparse.Namespace) -> int:
     quick = bool(getattr(args, "quick", False))
     iters = getattr(args, "iterations", None)
