@@ -8,7 +8,8 @@
  * only that many bytes. The word lives in a registered host region (so the caller keeps it
  * alive exactly as it keeps the source alive), every range was checked at submit against the
  * maximum, and the length read is clamped into [0, maximum]: a garbage word can shorten or
- * empty the write, never take it outside the regions.
+ * empty the write, never take it outside the regions. This file builds and submits such a
+ * write; the worker resolves its length when it starts (afs_dynlen_resolve, worker.c).
  */
 #include <string.h>
 
@@ -52,26 +53,4 @@ int32_t afs_write_dynlen(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
     x->dyn_base = len_base;
     x->dyn_scale = len_scale;
     return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
-}
-
-/* length = clamp(base + scale * word, 0, maximum), without overflow. */
-void afs_dynlen_resolve(afs_xfer *x)
-{
-    const uint64_t max = x->length;
-    const uint64_t n = __atomic_load_n(x->dyn_word, __ATOMIC_ACQUIRE);
-    uint64_t len;
-    if (x->dyn_scale && n > UINT64_MAX / x->dyn_scale) {
-        len = max;
-    } else {
-        const uint64_t prod = n * x->dyn_scale;
-        if (x->dyn_base < 0) {
-            const uint64_t neg = (uint64_t)(-(x->dyn_base + 1)) + 1;
-            len = prod > neg ? prod - neg : 0;
-        } else {
-            const uint64_t pos = (uint64_t)x->dyn_base;
-            len = prod > UINT64_MAX - pos ? UINT64_MAX : prod + pos;
-        }
-    }
-    x->length = len < max ? len : max;
-    x->dyn_len = false; /* resolved once */
 }

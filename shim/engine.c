@@ -14,8 +14,6 @@
 
 #include "internal.h"
 
-#define RX_TAG 1u
-
 static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 
 static int load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
@@ -125,19 +123,6 @@ out_close:
     return rc;
 }
 
-
-static uint64_t rx_ctx(uint32_t nic, uint32_t slot)
-{
-    return ((uint64_t)slot << 16) | ((uint64_t)nic << 8) | RX_TAG;
-}
-
-int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot)
-{
-    afs_nic *n = &eng->nics[nic];
-    uint64_t sz = eng->cfg.max_msg_size;
-    return eng->ops->post_recv(n->dom, n->rx_buf + (uint64_t)slot * sz, sz, n->rx_desc,
-                               rx_ctx(nic, slot));
-}
 
 static int setup_pools(afs_engine *eng, uint32_t index)
 {
@@ -399,15 +384,6 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
 out_free:
     engine_free(eng);
     return rc;
-}
-
-int afs_engine_check_open(afs_engine *eng)
-{
-    if (!eng)
-        return afs_fail(AFS_EINVAL, "NULL engine");
-    if (atomic_load_explicit(&eng->closed, memory_order_acquire))
-        return afs_fail(AFS_ECLOSED, "engine is closed");
-    return 0;
 }
 
 /* How long closing waits for the worker to stop before giving up on it. */

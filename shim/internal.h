@@ -411,8 +411,10 @@ int afs_build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_
 int afs_submit_built(afs_engine *eng, afs_xfer *x, uint32_t trig_kind, uint64_t trig_a,
                      uint64_t trig_b, uint64_t *xfer_id);
 
-/* dynlen.c: sets x->length from its length word (worker, when the write starts) */
+/* worker.c: sets x->length from its length word (afs_write_dynlen's writes, when they start) */
 void afs_dynlen_resolve(afs_xfer *x);
+/* worker.c: hands receive buffer `slot` of NIC `nic` to the provider */
+int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot);
 
 /* allow.c: the allow-list (see there for what it can and cannot stop) */
 int afs_allow_check_addr(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
@@ -441,9 +443,17 @@ void afs_sigkeep_begin(afs_sigkeep *k);
 void afs_sigkeep_end(afs_sigkeep *k);
 
 /* engine.c */
+/* 0, or AFS_EINVAL (no engine) / AFS_ECLOSED; every entry point checks this first. Inline
+ * here, so the files below engine.c (worker, watcher, allow, api, dynlen) need nothing of it. */
+static inline int afs_engine_check_open(afs_engine *eng)
+{
+    if (!eng)
+        return afs_fail(AFS_EINVAL, "NULL engine");
+    if (atomic_load_explicit(&eng->closed, memory_order_acquire))
+        return afs_fail(AFS_ECLOSED, "engine is closed");
+    return 0;
+}
 int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);
-int afs_engine_check_open(afs_engine *eng);
-int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot);
 int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation); /* AFS_ESTALE */
 int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
                              uint32_t blob_len, uint64_t *peer_id); /* no allow-list check */

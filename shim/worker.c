@@ -1275,3 +1275,41 @@ void *afs_worker_main(void *arg)
     fail_queued(eng);
     return NULL;
 }
+
+/* A write of afs_write_dynlen (dynlen.c), when it starts: its length is
+ * clamp(base + scale * word, 0, maximum), computed without overflow. */
+void afs_dynlen_resolve(afs_xfer *x)
+{
+    const uint64_t max = x->length;
+    const uint64_t n = __atomic_load_n(x->dyn_word, __ATOMIC_ACQUIRE);
+    uint64_t len;
+    if (x->dyn_scale && n > UINT64_MAX / x->dyn_scale) {
+        len = max;
+    } else {
+        const uint64_t prod = n * x->dyn_scale;
+        if (x->dyn_base < 0) {
+            const uint64_t neg = (uint64_t)(-(x->dyn_base + 1)) + 1;
+            len = prod > neg ? prod - neg : 0;
+        } else {
+            const uint64_t pos = (uint64_t)x->dyn_base;
+            len = prod > UINT64_MAX - pos ? UINT64_MAX : prod + pos;
+        }
+    }
+    x->length = len < max ? len : max;
+    x->dyn_len = false; /* resolved once */
+}
+
+/* One receive buffer (slot `slot` of NIC `nic`) handed to the provider; its context says
+ * which, and RX_TAG marks it as a receive when it completes. */
+static uint64_t rx_ctx(uint32_t nic, uint32_t slot)
+{
+    return ((uint64_t)slot << 16) | ((uint64_t)nic << 8) | RX_TAG;
+}
+
+int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot)
+{
+    afs_nic *n = &eng->nics[nic];
+    uint64_t sz = eng->cfg.max_msg_size;
+    return eng->ops->post_recv(n->dom, n->rx_buf + (uint64_t)slot * sz, sz, n->rx_desc,
+                               rx_ctx(nic, slot));
+}

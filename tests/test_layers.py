@@ -133,3 +133,40 @@ def test_providers_include_only_the_provider_abi() -> None:
             if name != "afabric_provider.h" and not (src.parent / name).is_file():
                 bad.append(f"{src.relative_to(ROOT)}: #include \"{name}\"")
     assert not bad, "providers include headers outside the provider ABI:\n" + "\n".join(bad)
+
+
+SHIM = ROOT / "shim"
+# A function with external linkage defined in a shim file (static ones are the file's own).
+_C_DEF = re.compile(r"^(?!static)[a-z_][\w \*]*?\b(\w+)\s*\([^;{]*\)\s*\{", re.M)
+_C_COMMENT = re.compile(r"/\*.*?\*/", re.S)
+
+
+def _shim_graph() -> dict[str, set[str]]:
+    """shim file -> the shim files whose functions it calls."""
+    files = sorted(SHIM.glob("*.c"))
+    home = {name: f.stem for f in files for name in _C_DEF.findall(f.read_text())}
+    graph: dict[str, set[str]] = {}
+    for f in files:
+        text = _C_COMMENT.sub("", f.read_text())
+        graph[f.stem] = {
+            h for name, h in home.items() if h != f.stem and re.search(rf"\b{name}\s*\(", text)
+        }
+    return graph
+
+
+def test_shim_files_call_downwards_only() -> None:
+    """The shim's files form layers, each calling only those below it: the pieces (errors,
+    util, codec, ring, slots, mpsc, immtab, keys, process; allow: reading an allow-list),
+    then worker (the worker thread), watcher (the watcher thread), engine (lifetime,
+    peers, registration), and on top the entry points (api, dynlen, allow_set). What a
+    lower file needs of a higher one's state is in internal.h (afs_engine_check_open is
+    inline there); a callback goes through a documented hook (afs_done_hook)."""
+    graph = _shim_graph()
+    assert "worker" in graph["api"] and "worker" in graph["engine"], "graph is wrong"
+    circles = _circles(graph)
+    lines = [
+        " <-> ".join(c) + "\n" + "\n".join(f"    {m} calls {sorted(graph[m] & set(c))}" for m in c)
+        for c in circles
+    ]
+    assert not circles, "shim files calling each other:\n" + "\n".join(lines)
+    assert not graph["worker"] & {"engine", "api", "dynlen", "watcher", "allow_set"}
