@@ -562,7 +562,8 @@ static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args
     if (!h)
         return NULL;
     h->ep_attr->type = FI_EP_RDM;
-    h->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    h->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ | FI_SEND |
+              FI_RECV;
     if (hmem)
         h->caps |= FI_HMEM;
     if (rma_event)
@@ -1141,7 +1142,9 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
 
     uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_READ;
     if (flags & AFP_MR_REMOTE)
-        access |= FI_REMOTE_WRITE | FI_REMOTE_READ;
+        access |= FI_REMOTE_WRITE;
+    if (flags & AFP_MR_REMOTE_READ)
+        access |= FI_REMOTE_READ;
     /* Real FI_MR_PROV_KEY: the provider ignores the request. Emulated: a key of our own
      * (unique per domain; never the shim's), so only the returned rkey works. */
     uint64_t key = d->prov_key ? 0 : d->emu_prov_key ? d->next_key++ : requested_key;
@@ -1186,7 +1189,7 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     /* A local-only region may have no key at all (libfabric 2.x tcp: FI_KEY_NOTAVAIL);
      * for a remote one that value means keys beyond 64 bits (fi_mr_raw_attr): unserved. */
     uint64_t k = fi_mr_key(mr);
-    if (k == FI_KEY_NOTAVAIL && (flags & AFP_MR_REMOTE)) {
+    if (k == FI_KEY_NOTAVAIL && (flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ))) {
         afp_errf(d->errbuf, sizeof d->errbuf, "%s: memory keys need fi_mr_raw_attr",
              d->prov_name);
         rc = AFS_EUNSUPPORTED;
@@ -1213,7 +1216,8 @@ static int ofi_dereg_mr(afp_domain *d, afp_mr *mr)
 /* ------------------------------------------------------------------------------------ */
 /* Posting                                                                               */
 
-static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+/* Writes, or with `read` reads (fi_readmsg: the same message, remote -> local). */
+static int post_rma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted, bool read)
 {
     /* Work-request template: the message's shape is fixed for the batch; each write only
      * changes addresses, lengths, key, peer, immediate and context. */
@@ -1238,8 +1242,8 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
             break;
         }
         if (w->length > d->max_msg_size) {
-            afp_errf(d->errbuf, sizeof d->errbuf, "write of %llu bytes > %s max %llu",
-                 (unsigned long long)w->length, d->prov_name,
+            afp_errf(d->errbuf, sizeof d->errbuf, "%s of %llu bytes > %s max %llu",
+                 read ? "read" : "write", (unsigned long long)w->length, d->prov_name,
                  (unsigned long long)d->max_msg_size);
             rc = AFS_ETOOBIG;
             break;
@@ -1271,17 +1275,29 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
         uint64_t flags = w->length || d->zero_len_dc ? d->write_flags : FI_COMPLETION;
         if (w->has_imm)
             flags |= FI_REMOTE_CQ_DATA;
-        ssize_t ret = fi_writemsg(d->ep, &msg, flags);
+        /* a read completes locally once its data is here: no delivery level to ask for */
+        ssize_t ret = read ? fi_readmsg(d->ep, &msg, FI_COMPLETION) : fi_writemsg(d->ep, &msg, flags);
         if (ret) {
             op_put(d, op);
             /* -FI_EAGAIN: provider queue full or peer connecting. Never poll here: the
              * events would have nowhere to go. */
-            rc = ret == -FI_EAGAIN ? AFS_EAGAIN : fail(d, "fi_writemsg", ret);
+            rc = ret == -FI_EAGAIN ? AFS_EAGAIN
+                                   : fail(d, read ? "fi_readmsg" : "fi_writemsg", ret);
             break;
         }
     }
     *posted = i;
     return rc;
+}
+
+static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    return post_rma(d, wr, n, posted, false);
+}
+
+static int ofi_post_reads(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    return post_rma(d, wr, n, posted, true);
 }
 
 static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t len,
@@ -1552,6 +1568,7 @@ static const struct afp_ops g_ops = {
     .poll = ofi_poll,
     .trywait = ofi_trywait,
     .poll_from = ofi_poll_from,
+    .post_reads = ofi_post_reads,
 };
 
 __attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)
