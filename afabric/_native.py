@@ -618,6 +618,14 @@ class NativeEngine:
         self._s.check(rc, "raw benchmark", self.provider)
         return ns.value
 
+    def bench_read(self, mr_id: int, remote_id: int, length: int, window: int, iters: int) -> int:
+        """The raw C loop of contiguous reads (elapsed ns), as bench_write."""
+        ns = ctypes.c_uint64()
+        h = self._handle()
+        rc = self._s.f.afs_bench_read(h, mr_id, remote_id, length, window, iters, ctypes.byref(ns))
+        self._s.check(rc, "raw benchmark", self.provider)
+        return ns.value
+
     def bench_paged(
         self,
         mr_id: int,

@@ -522,6 +522,18 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
             ctypes.POINTER(ctypes.c_uint64),
         ],
     ),
+    "afs_bench_read": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ],
+    ),
     "afs_bench_paged": (
         ctypes.c_int32,
         [

@@ -292,6 +292,10 @@ AFS_API int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_
 AFS_API int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
                                 uint64_t length, uint32_t window, uint64_t iters,
                                 uint64_t *elapsed_ns);
+/* The same loop of contiguous reads (remote -> mr_id), rotating through the regions alike. */
+AFS_API int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                               uint64_t length, uint32_t window, uint64_t iters,
+                               uint64_t *elapsed_ns);
 AFS_API int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
                                 uint64_t page_len, uint64_t count, const int64_t *src_idx,
                                 const int64_t *dst_idx, uint32_t window, uint64_t iters,

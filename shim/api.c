@@ -665,17 +665,18 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         return rc;
     int32_t st = atomic_load(&c.status);
     if (st)
-        return afs_fail(st, "benchmark write failed: %s", afs_error_name(st));
+        return afs_fail(st, "benchmark %s failed: %s", proto->read ? "read" : "write",
+                        afs_error_name(st));
     return 0;
 }
 
-int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                        uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+static int bench_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                        uint32_t window, uint64_t iters, bool read, uint64_t *elapsed_ns)
 {
     afs_xfer *proto;
     if (!elapsed_ns)
         return afs_fail(AFS_EINVAL, "bench: NULL output");
-    int rc = afs_build_write(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, &proto);
+    int rc = build_contig(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, read, &proto);
     if (rc)
         return rc;
     mr_copy m;
@@ -686,6 +687,18 @@ int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     rc = bench_loop(eng, proto, false, span, window, iters, elapsed_ns);
     afs_xfer_free(proto);
     return rc;
+}
+
+int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                        uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+{
+    return bench_contig(eng, mr_id, remote_id, length, window, iters, false, elapsed_ns);
+}
+
+int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                       uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+{
+    return bench_contig(eng, mr_id, remote_id, length, window, iters, true, elapsed_ns);
 }
 
 int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import afabric
-from afabric import errors
+from afabric import _native, errors
 
 from .conftest import libfabric_version, loop_name
 from .procs import Ctl, Peer
@@ -521,3 +521,43 @@ async def test_triggered_read_fires_on_an_immediate_and_cancels(provider: str, p
         await asyncio.wait_for(fired, 30)
         assert np.array_equal(dst, pattern(4096, 12))
     await stop(p, 1)
+
+
+# ---- the EFA code paths (FI_MR_LOCAL, provider keys) on software providers ----
+
+
+async def efa_source(ctl: Ctl, provider: str) -> bool:
+    async with afabric.Engine(provider, force_efa_modes=True) as eng:
+        buf = pattern(4 * MiB, 31).copy()
+        mr = eng.register(buf, remote="r")
+        ctl.put(bytes(mr.descriptor))
+        assert await ctl.get() == "stop"
+        return bool(np.array_equal(buf, pattern(4 * MiB, 31)))
+
+
+async def test_reads_with_efa_modes_forced(provider: str, peers: list[Peer]) -> None:
+    """Reads with local descriptors required (FI_MR_LOCAL) and emulated provider keys, as
+    EFA asks: contiguous (several work requests) and paged, byte-exact."""
+    p = Peer(efa_source, provider)
+    peers.append(p)
+    desc = afabric.MrDesc.from_bytes(await p.get())
+    async with afabric.Engine(provider, force_efa_modes=True) as eng:
+        assert eng.caps & _native.CAP_MR_LOCAL and eng.caps & _native.CAP_PROV_KEY
+        dst = np.zeros(4 * MiB, np.uint8)
+        mr = eng.register(dst, remote=False)
+        await asyncio.gather(
+            *(eng.read(mr, desc, MiB, src_offset=i * MiB, dst_offset=i * MiB) for i in range(4))
+        )
+        assert np.array_equal(dst, pattern(4 * MiB, 31))
+        dst[:] = 0
+        perm = np.random.default_rng(2).permutation(1024).astype(np.int64)
+        await eng.read_paged(
+            mr,
+            desc,
+            page_len=4096,
+            src_pages=afabric.Pages(perm, 4096),
+            dst_pages=afabric.Pages(np.arange(1024), 4096),
+        )
+        assert np.array_equal(dst.reshape(1024, 4096), pattern(4 * MiB, 31).reshape(1024, 4096)[perm])
+    p.put("stop")
+    assert await p.result() is True

@@ -368,6 +368,19 @@ class ShimLib:
             uint32_t window, uint64_t iters, uint64_t *elapsed_ns);"""
 
     @staticmethod
+    def afs_bench_read(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        length: int,
+        window: int,
+        iters: int,
+        elapsed_ns: _Ref[c_uint64],
+    ) -> int:
+        """int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+            uint32_t window, uint64_t iters, uint64_t *elapsed_ns);"""
+
+    @staticmethod
     def afs_bench_paged(
         eng: EngineHandle,
         mr_id: int,
