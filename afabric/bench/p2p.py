@@ -126,13 +126,18 @@ async def _py_reads(
     return (time.perf_counter() - t0) / (per * window)
 
 
+def _read_sizes(args: argparse.Namespace) -> list[int]:
+    """Read rows: the contiguous sizes asked for (--sizes), else their own list."""
+    return list(args.sizes or (QUICK_READ if args.quick else READ_SIZES))
+
+
 async def _read_rows(
     args: argparse.Namespace, eng: Engine, mr: MemoryRegion, desc: MrDesc, bar: Progress
 ) -> list[Row]:
     """Reads of the target's region into ours: Python, the raw C loop and fi_rma_bw -o read."""
     mr_id, (rid, _) = mr.check(eng), eng._remote(desc)
     rows = []
-    for size in QUICK_READ if args.quick else READ_SIZES:
+    for size in _read_sizes(args):
         bar.step(f"read {_fmt_size(size)}")
         window, iters = _window_for(size), _iters_for(size, args.quick)
         row = Row("read", size, 1, window)
@@ -212,7 +217,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
     eng = Engine(args.provider, polling=args.polling)
     sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
     pages = QUICK_PAGES if args.quick else PAGE_SIZES
-    bar = Progress(len(sizes) + len(QUICK_READ if args.quick else READ_SIZES) + len(pages) + 2)  # on stderr
+    bar = Progress(len(sizes) + len(_read_sizes(args)) + len(pages) + 2)  # on stderr, when it is a terminal
     try:
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
