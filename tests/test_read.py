@@ -561,3 +561,56 @@ async def test_reads_with_efa_modes_forced(provider: str, peers: list[Peer]) -> 
         assert np.array_equal(dst.reshape(1024, 4096), pattern(4 * MiB, 31).reshape(1024, 4096)[perm])
     p.put("stop")
     assert await p.result() is True
+
+
+# ---- domain groups of two NICs: reads shard and spread as writes do ----
+
+TWO_NICS = {"tcp": ["lo", "lo"], "shm": ["shm", "shm"]}
+
+
+async def two_nic_source(ctl: Ctl, provider: str, nbytes: int) -> bool:
+    async with afabric.Engine(provider, nics=TWO_NICS[provider]) as eng:
+        buf = pattern(nbytes, 41).copy()
+        mr = eng.register(buf, remote="r")
+        ctl.put(bytes(mr.descriptor))
+        assert await ctl.get() == "stop"
+        return bool(np.array_equal(buf, pattern(nbytes, 41)))
+
+
+async def test_reads_over_a_two_nic_group(provider: str, peers: list[Peer]) -> None:
+    """A contiguous read of 8 MiB is sharded over both NICs, pages and gather sources take
+    turns: byte-exact, and both NICs carried reads."""
+    nbytes = 16 * MiB
+    p = Peer(two_nic_source, provider, nbytes)
+    peers.append(p)
+    desc = afabric.MrDesc.from_bytes(await p.get())
+    assert desc.nics == 2 and desc.access == "r"
+    async with afabric.Engine(provider, nics=TWO_NICS[provider]) as eng:
+        dst = np.zeros(nbytes, np.uint8)
+        mr = eng.register(dst, remote=False)
+        half = nbytes // 2
+        await asyncio.gather(
+            eng.read(mr, desc, half), eng.read(mr, desc, half, src_offset=half, dst_offset=half)
+        )
+        assert np.array_equal(dst, pattern(nbytes, 41))
+        per_nic = [n["read_bytes"] for n in eng.stats()["nics"]]
+        assert all(b > 0 for b in per_nic) and sum(per_nic) == nbytes, per_nic
+        dst[:] = 0
+        npages = 256
+        perm = np.random.default_rng(6).permutation(npages).astype(np.int64)
+        await eng.read_paged(
+            mr,
+            desc,
+            page_len=4096,
+            src_pages=afabric.Pages(perm, 4096),
+            dst_pages=afabric.Pages(np.arange(npages), 4096),
+        )
+        got = dst[: npages * 4096].reshape(npages, 4096)
+        assert np.array_equal(got, pattern(nbytes, 41)[: npages * 4096].reshape(npages, 4096)[perm])
+        await eng.gather(
+            mr, [afabric.GatherSource(desc, 4096, src_offset=k * 4096, dst_offset=k * 4096) for k in range(8)]
+        )
+        assert np.array_equal(dst[: 8 * 4096], pattern(nbytes, 41)[: 8 * 4096])
+        assert sum(n["reads"] for n in eng.stats()["nics"]) >= 2 * 2 + npages + 8  # 2+ work requests each
+    p.put("stop")
+    assert await p.result() is True
