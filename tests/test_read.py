@@ -614,3 +614,81 @@ async def test_reads_over_a_two_nic_group(provider: str, peers: list[Peer]) -> N
         assert sum(n["reads"] for n in eng.stats()["nics"]) >= 2 * 2 + npages + 8  # 2+ work requests each
     p.put("stop")
     assert await p.result() is True
+
+
+# ---- a provider library from before reads (ABI minor 3, no post_reads) ----
+
+_MINOR3_SHIM = r"""
+/* The first-party ofi table as a minor-3 library would export it: cut before post_reads. */
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include "afabric_provider.h"
+
+static struct afp_ops cut; /* a test helper: one table for the process */
+
+__attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)
+{
+    void *h = dlopen(getenv("AFABRIC_TEST_REAL_OFI"), RTLD_NOW | RTLD_LOCAL);
+    afp_get_ops_fn get = h ? (afp_get_ops_fn)dlsym(h, "afp_get_ops") : NULL;
+    if (!get)
+        return NULL;
+    memcpy(&cut, get(), offsetof(struct afp_ops, post_reads));
+    cut.size = (uint32_t)offsetof(struct afp_ops, post_reads);
+    cut.minor = 3;
+    return &cut;
+}
+"""
+
+_MINOR3_CHECK = """
+import asyncio, numpy as np, afabric
+from afabric import errors
+async def main():
+    async with afabric.Engine("tcp") as a, afabric.Engine("tcp") as b:
+        w = b.register(np.zeros(4096, np.uint8))                  # writes still work
+        src = a.register(np.full(4096, 7, np.uint8), remote=False)
+        await a.write(src, w.descriptor, 4096)
+        assert (w.buffer == 7).all()
+        try:
+            b.register(np.zeros(64, np.uint8), remote="r")
+            raise SystemExit("a readable region registered without post_reads")
+        except errors.RegistrationError as e:
+            print("register r:", e)
+        try:
+            await a.read(src, w.descriptor, 8)
+            raise SystemExit("a read posted without post_reads")
+        except errors.Unsupported as e:
+            print("read:", e)
+asyncio.run(main())
+print("ok")
+"""
+
+
+def test_a_provider_without_post_reads_keeps_working(tmp_path: Any) -> None:
+    """The provider ABI grows by minor versions: a library whose table ends before
+    post_reads still serves writes; reads and readable regions are refused before the shim
+    calls it (Unsupported / RegistrationError), never a NULL call."""
+    import os
+    import subprocess
+    import sys
+
+    import afabric_ofi
+    import build_native as bn
+
+    try:
+        cc = list(bn.compiler())
+    except bn.BuildError as e:
+        pytest.skip(str(e))
+    src = tmp_path / "minor3.c"
+    src.write_text(_MINOR3_SHIM)
+    lib = tmp_path / "libminor3.so"
+    cmd = [*cc, "-std=c11", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
+           f"-I{bn.SHIM_DIR}", str(src), "-o", str(lib), "-ldl"]  # fmt: skip
+    built = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert built.returncode == 0, built.stderr
+    env = dict(os.environ, AFABRIC_OFI_LIB=str(lib), AFABRIC_TEST_REAL_OFI=afabric_ofi.library_path())
+    proc = subprocess.run([sys.executable, "-c", _MINOR3_CHECK], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    assert "no one-sided reads" in proc.stdout and "has no reads" in proc.stdout, proc.stdout
