@@ -8,7 +8,7 @@ from . import errors
 from .address import Address
 from .descriptor import MrDesc
 from .engine import Engine
-from .groups import PeerGroup, ScatterTarget
+from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import MemoryRegion
 from .pages import Pages
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Address",
     "Engine",
+    "GatherSource",
     "LengthFrom",
     "MemoryRegion",
     "MrDesc",

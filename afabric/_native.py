@@ -332,7 +332,7 @@ class NativeEngine:
         self._s.check(rc, "engine stats", self.provider)
         counts = {field[0]: int(getattr(out, field[0])) for field in NicStats._fields_}
         # work requests still with the provider: this NIC's queue depth right now
-        counts["outstanding"] = counts["writes"] + counts["sends"] - counts["completions"]
+        counts["outstanding"] = counts["writes"] + counts["reads"] + counts["sends"] - counts["completions"]
         return counts
 
     def address(self) -> bytes:
@@ -478,6 +478,49 @@ class NativeEngine:
             self._s.check(rc, what, self.provider)
         return out.value
 
+    def read(
+        self, what: str, mr_id: int, remote_id: int, length: int, src: int, dst: int,
+        trig: tuple[int, int, int] = NO_TRIGGER,
+    ) -> int:  # fmt: skip
+        """One-sided read: ``length`` bytes from ``src`` of the remote region to ``dst`` of mr."""
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_read(self._handle(), mr_id, remote_id, length, src, dst, *trig, out)
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return out.value
+
+    def read_paged(
+        self, what: str, mr_id: int, remote_id: int, page_len: int,
+        src_idx: npt.NDArray[np.int64], src_stride: int, src_offset: int,
+        dst_idx: npt.NDArray[np.int64], dst_stride: int, dst_offset: int,
+        trig: tuple[int, int, int] = NO_TRIGGER,
+    ) -> int:  # fmt: skip
+        """Remote page ``src_idx[i]`` to local page ``dst_idx[i]``."""
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_read_paged(
+            self._handle(), mr_id, remote_id, page_len, int(src_idx.shape[0]),
+            src_idx.ctypes.data, src_stride, src_offset,
+            dst_idx.ctypes.data, dst_stride, dst_offset, *trig, out,
+        )  # fmt: skip
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return out.value
+
+    def gather(
+        self, what: str, mr_id: int, remote_ids: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
+        src_offsets: npt.NDArray[np.uint64], dst_offsets: npt.NDArray[np.uint64],
+        trig: tuple[int, int, int] = NO_TRIGGER,
+    ) -> int:  # fmt: skip
+        """One read per source (src offsets in the remote regions, dst offsets in mr)."""
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_gather(
+            self._handle(), mr_id, int(remote_ids.shape[0]), remote_ids.ctypes.data,
+            lengths.ctypes.data, src_offsets.ctypes.data, dst_offsets.ctypes.data, *trig, out,
+        )  # fmt: skip
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return out.value
+
     def watcher_create(self, device: int) -> tuple[int, int, int]:
         """(watcher id, host address of the word, device address or 0)."""
         wid, host, dev = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
@@ -572,6 +615,14 @@ class NativeEngine:
         ns = ctypes.c_uint64()
         h = self._handle()
         rc = self._s.f.afs_bench_write(h, mr_id, remote_id, length, window, iters, ctypes.byref(ns))
+        self._s.check(rc, "raw benchmark", self.provider)
+        return ns.value
+
+    def bench_read(self, mr_id: int, remote_id: int, length: int, window: int, iters: int) -> int:
+        """The raw C loop of contiguous reads (elapsed ns), as bench_write."""
+        ns = ctypes.c_uint64()
+        h = self._handle()
+        rc = self._s.f.afs_bench_read(h, mr_id, remote_id, length, window, iters, ctypes.byref(ns))
         self._s.check(rc, "raw benchmark", self.provider)
         return ns.value
 

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
 POLL_ADAPTIVE = 0
 POLL_SPIN = 1
+TIMING_READ = 16
 NOTICE_IMMS_DROPPED = 1
 TRIG_NONE = 0
 TRIG_WATCHER = 1
@@ -38,6 +39,7 @@ CAP_DELIVERY_COMPLETE = 0x20
 CAP_TARGET_COPIES = 0x40
 MR_REMOTE = 0x1
 MR_DEVICE = 0x2
+MR_REMOTE_READ = 0x4
 
 
 class EngineHandle(ctypes.c_void_p):
@@ -119,6 +121,8 @@ class NicStats(ctypes.Structure):
     rejected: int
     rejected_unknown: int
     imms_dropped: int
+    reads: int
+    read_bytes: int
     _fields_ = [
         ("writes", ctypes.c_uint64),
         ("write_bytes", ctypes.c_uint64),
@@ -132,6 +136,8 @@ class NicStats(ctypes.Structure):
         ("rejected", ctypes.c_uint64),
         ("rejected_unknown", ctypes.c_uint64),
         ("imms_dropped", ctypes.c_uint64),
+        ("reads", ctypes.c_uint64),
+        ("read_bytes", ctypes.c_uint64),
     ]
 
 
@@ -169,6 +175,8 @@ class DescInfo(ctypes.Structure):
     device: int
     nics: int
     provider: bytes
+    access: int
+    reserved: int
     _fields_ = [
         ("incarnation", ctypes.c_uint64),
         ("base", ctypes.c_uint64),
@@ -176,6 +184,8 @@ class DescInfo(ctypes.Structure):
         ("device", ctypes.c_int32),
         ("nics", ctypes.c_uint32),
         ("provider", ctypes.c_char * 32),
+        ("access", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
 
@@ -368,6 +378,57 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
             ctypes.POINTER(ctypes.c_uint64),
         ],
     ),
+    "afs_read": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ],
+    ),
+    "afs_read_paged": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ],
+    ),
+    "afs_gather": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ],
+    ),
     "afs_write_dynlen": (
         ctypes.c_int32,
         [
@@ -450,6 +511,18 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     ),
     "afs_recv_release": (ctypes.c_int32, [EngineHandle, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32]),
     "afs_bench_write": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ],
+    ),
+    "afs_bench_read": (
         ctypes.c_int32,
         [
             EngineHandle,

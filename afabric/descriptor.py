@@ -1,10 +1,15 @@
-"""Memory-region descriptors: what a target hands to initiators so they can write to it."""
+"""Memory-region descriptors: what a target hands to initiators so they can write to it (or
+read from it, as its ``access`` says)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from . import _native
+
+
+def _access_text(flags: int) -> str:
+    return ("r" if flags & _native.MR_REMOTE_READ else "") + ("w" if flags & _native.MR_REMOTE else "")
 
 
 class MrDesc:
@@ -15,7 +20,7 @@ class MrDesc:
     :class:`afabric.errors.BadDescriptor` here, long before anything is posted.
     """
 
-    __slots__ = ("_blob", "_rid", "base", "device", "incarnation", "length", "nics", "provider")
+    __slots__ = ("_blob", "_rid", "access", "base", "device", "incarnation", "length", "nics", "provider")
 
     def __init__(self, blob: bytes) -> None:
         blob = bytes(blob)
@@ -27,6 +32,9 @@ class MrDesc:
         self.incarnation: int = int(info.incarnation)
         self.provider: str = info.provider.decode(errors="replace")
         self.nics: int = int(info.nics)
+        # what the owner lets peers do: "r", "w" or "rw" ("" for a descriptor made before
+        # reads existed, which does not say: only the owner's provider checks then)
+        self.access: str = _access_text(int(info.access))
         # (engine's token, remote id): the id the last engine that used it imported it as
         # (Engine._remote), so a write need not look the blob up again; engine-private
         self._rid: tuple[object, int] | None = None
@@ -44,6 +52,7 @@ class MrDesc:
     def __repr__(self) -> str:
         return (
             f"MrDesc(length={self.length}, provider={self.provider}, nics={self.nics}, "
+            f"access={self.access!r}, "
             f"owner={self.incarnation:016x})"
         )
 

@@ -26,7 +26,7 @@ import numpy.typing as npt
 from . import _native, errors, registry, testing
 from .address import Address
 from .descriptor import MrDesc
-from .groups import PeerGroup, ScatterTarget
+from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
@@ -63,7 +63,7 @@ def _bounded(value: Any, name: str, lo: int, hi: int) -> int:
 
 
 def _target_columns(
-    targets: list[ScatterTarget],
+    targets: Sequence[ScatterTarget | GatherSource],
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """Lengths, source and destination offsets of scatter targets as uint64 columns: one
     numpy conversion for plain in-range ints (the common case), else a checked loop that
@@ -120,6 +120,16 @@ def _u64_column(value: Any, name: str, n: int) -> npt.NDArray[np.uint64]:
     return np.array([_u64(v, f"{name}[{i}]") for i, v in enumerate(value)], dtype=np.uint64).reshape(n)
 
 
+_ACCESS = {True: "w", False: "", "w": "w", "r": "r", "rw": "rw", "wr": "rw"}
+
+
+def _access(remote: Any) -> str:
+    """register's ``remote``: True/"w", "r", "rw" or False, as "w", "r", "rw" or ""."""
+    if isinstance(remote, (bool, str)) and remote in _ACCESS:
+        return _ACCESS[remote]
+    raise errors.InvalidArgument(f'remote must be "w", "r", "rw", True (= "w") or False, got {remote!r}')
+
+
 def _imm(value: Any) -> int:
     if value is None:
         return _native.NO_IMM
@@ -148,7 +158,8 @@ class _Op:
         self.kind = kind
 
     def label(self) -> str:
-        return f"{self.verb} to peer {self.peer:016x}" if self.peer else self.verb
+        where = "from" if self.kind == "read" else "to"
+        return f"{self.verb} {where} peer {self.peer:016x}" if self.peer else self.verb
 
 
 def _on_ready(ref: weakref.ref[Engine]) -> None:
@@ -372,7 +383,9 @@ class Engine:
             return
         self._check_loop()
         wait = [
-            op.future for op in self._ops.values() if op.kind in ("write", "send") and not op.future.done()
+            op.future
+            for op in self._ops.values()
+            if op.kind in ("write", "read", "send") and not op.future.done()
         ]
         try:
             if wait:
@@ -524,34 +537,41 @@ class Engine:
 
     # ---- memory ----
 
-    def register(self, buf: Any, *, remote: bool = True) -> MemoryRegion:
+    def register(self, buf: Any, *, remote: bool | str = True) -> MemoryRegion:
         """Register a numpy array, bytearray/memoryview, torch tensor or CuPy array.
 
-        ``remote=False`` registers for local use only (send buffers, write sources): peers
-        cannot write there and the region has no descriptor."""
+        ``remote`` says what peers holding the descriptor may do: ``"w"`` write (``True``,
+        the default), ``"r"`` read, ``"rw"`` both; the provider enforces it and the
+        descriptor carries it, so an initiator refuses a forbidden access before posting.
+        ``remote=False`` registers for local use only (send buffers, write sources, read
+        destinations): peers can do nothing there and the region has no descriptor."""
         self._check_open()
-        if not isinstance(remote, bool):
-            raise errors.InvalidArgument(f"remote must be True or False, got {remote!r}")
-        return self._register_span(span_of(buf, remote), remote)
+        access = _access(remote)
+        return self._register_span(span_of(buf, "w" in access), access)
 
     def register_ptr(
-        self, ptr: int, length: int, device: int = -1, *, remote: bool = True, owner: Any = None
+        self, ptr: int, length: int, device: int = -1, *, remote: bool | str = True, owner: Any = None
     ) -> MemoryRegion:
         """Register raw memory. The caller keeps it valid until deregistered (``owner`` is
         kept referenced for that)."""
         self._check_open()
+        access = _access(remote)
         span = BufferSpan(_u64(ptr, "ptr"), _u64(length, "length"), int(device), owner)
-        return self._register_span(span, remote)
+        return self._register_span(span, access)
 
-    def _register_span(self, span: BufferSpan, remote: bool) -> MemoryRegion:
-        flags = (_native.MR_REMOTE if remote else 0) | (_native.MR_DEVICE if span.device >= 0 else 0)
+    def _register_span(self, span: BufferSpan, access: str) -> MemoryRegion:
+        flags = (
+            (_native.MR_REMOTE if "w" in access else 0)
+            | (_native.MR_REMOTE_READ if "r" in access else 0)
+            | (_native.MR_DEVICE if span.device >= 0 else 0)
+        )
         try:
             mr_id, blob = self._n.register(span.address, span.length, flags, span.device)
         except (errors.Unsupported, errors.TransportError) as e:
             where = "host memory" if span.device < 0 else f"CUDA memory (device {span.device})"
             raise errors.RegistrationError(f"provider {self.provider} cannot register {where}: {e}") from e
-        desc = MrDesc(blob) if remote else None
-        mr = MemoryRegion(self, mr_id, span, remote, desc)
+        desc = MrDesc(blob) if access else None
+        mr = MemoryRegion(self, mr_id, span, access, desc)
         self._regions[mr_id] = mr
         return mr
 
@@ -881,6 +901,98 @@ class Engine:
         finally:
             self._release_evicted()
         await self._wait(op, f"barrier over {len(descs)} peers", 0, (), "write", when)
+
+    # ---- reads (remote -> local): the writes' counterparts, same checks and bookkeeping ----
+
+    def _read_dest(self, mr: Any, what: str) -> int:
+        if not isinstance(mr, MemoryRegion):
+            raise errors.InvalidArgument(
+                f"{what} destination must be a MemoryRegion, got {type(mr).__name__}"
+            )
+        mr_id = mr.check(self)
+        if mr.readonly:
+            raise errors.InvalidArgument(f"{what} destination is a read-only buffer: a read writes into it")
+        return mr_id
+
+    async def read(
+        self,
+        mr: MemoryRegion,
+        remote_desc: MrDesc,
+        length: int,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        *,
+        when: Trigger | None = None,
+    ) -> None:
+        """One-sided read of ``length`` bytes from ``src_offset`` of the remote region
+        ``remote_desc`` (registered ``remote="r"`` or ``"rw"`` by its owner) to
+        ``dst_offset`` of the local region ``mr``. Ranges and the descriptor's access are
+        checked before anything is posted; a target's refusal raises
+        :class:`~afabric.errors.RemoteKeyRejected`. Nothing is counted at the target."""
+        self._check_loop()
+        mr_id = self._read_dest(mr, "read")
+        rid, peer = self._remote(remote_desc)
+        op = self._n.read(
+            "read", mr_id, rid, _u64(length, "length"), _u64(src_offset, "src_offset"),
+            _u64(dst_offset, "dst_offset"), self._trigger(when),
+        )  # fmt: skip
+        await self._wait(op, "read", peer, (mr,), "read", when)
+
+    async def read_paged(
+        self,
+        mr: MemoryRegion,
+        remote_desc: MrDesc,
+        *,
+        page_len: int,
+        src_pages: Pages,
+        dst_pages: Pages,
+        when: Trigger | None = None,
+    ) -> None:
+        """Read remote page ``src_pages[i]`` into local page ``dst_pages[i]`` of ``mr`` for
+        every i, in one call into the shim, spread over the group's NICs."""
+        self._check_loop()
+        mr_id = self._read_dest(mr, "paged read")
+        if not isinstance(src_pages, Pages) or not isinstance(dst_pages, Pages):
+            raise errors.InvalidArgument("src_pages and dst_pages must be afabric.Pages")
+        if len(src_pages) != len(dst_pages):
+            raise errors.InvalidArgument(
+                f"{len(src_pages)} source pages but {len(dst_pages)} destination pages"
+            )
+        rid, peer = self._remote(remote_desc)
+        op = self._n.read_paged(
+            "paged read", mr_id, rid, _u64(page_len, "page_len"),
+            src_pages.indices, src_pages.stride, src_pages.offset,
+            dst_pages.indices, dst_pages.stride, dst_pages.offset, self._trigger(when),
+        )  # fmt: skip
+        await self._wait(op, "paged read", peer, (mr,), "read", when)
+
+    async def gather(
+        self,
+        mr: MemoryRegion,
+        sources: Sequence[GatherSource],
+        *,
+        group: PeerGroup | None = None,
+        when: Trigger | None = None,
+    ) -> None:
+        """One read per source, all in one call into the shim (sources spread over the
+        group's NICs): ``length`` bytes from ``src_offset`` of ``source.desc`` to
+        ``dst_offset`` of ``mr``. Completes when all have; if any fails, it raises once."""
+        self._check_loop()
+        mr_id = self._read_dest(mr, "gather")
+        sources = list(sources)
+        if not all(isinstance(t, GatherSource) for t in sources):
+            raise errors.InvalidArgument("gather sources must be afabric.GatherSource")
+        descs = [t.desc for t in sources]
+        if group is not None:
+            group.check(descs)
+        lengths, src, dst = _target_columns(sources)
+        trig = self._trigger(when)
+        ids = self._remote_ids(descs)
+        try:
+            op = self._n.gather("gather", mr_id, ids, lengths, src, dst, trig)
+        finally:
+            self._release_evicted()
+        await self._wait(op, f"gather from {len(sources)} sources", 0, (mr,), "read", when)
 
     def peer_group(self, addresses: Sequence[Address | bytes]) -> PeerGroup:
         """Resolve a set of peers once; pass it as ``group=`` to scatter and barrier."""

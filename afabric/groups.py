@@ -1,4 +1,4 @@
-"""Peer groups and scatter targets: one call writes to many peers."""
+"""Peer groups, scatter targets and gather sources: one call writes to (reads from) many peers."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ class EngineView(Protocol):
 class ScatterTarget:
     """One write of a scatter: ``length`` bytes from ``src_offset`` of the local region to
     ``dst_offset`` of the region ``desc`` describes."""
+
+    desc: MrDesc
+    length: int
+    src_offset: int = 0
+    dst_offset: int = 0
+
+
+@dataclass(frozen=True)
+class GatherSource:
+    """One read of a gather: ``length`` bytes from ``src_offset`` of the region ``desc``
+    describes (registered ``remote="r"`` or ``"rw"``) to ``dst_offset`` of the local region."""
 
     desc: MrDesc
     length: int

@@ -29,6 +29,7 @@ class BufferSpan:
     device: int
     owner: Any  # keeps the memory alive while registered
     pin: Any = None  # holds the memory in place while registered (a buffer export, ...)
+    readonly: bool = False  # the buffer is read-only: never a write target nor a read destination
 
 
 def span_of(buf: Any, remote: bool = True) -> BufferSpan:
@@ -49,8 +50,8 @@ def span_of(buf: Any, remote: bool = True) -> BufferSpan:
 
 def _read_only(what: str) -> RegistrationError:
     return RegistrationError(
-        f"{what} is read-only: a remote region is writable by peers; register it with "
-        "remote=False to use it only as a source"
+        f"{what} is read-only: a region peers may write (remote=\"w\" or \"rw\") must be writable; "
+        "register it with remote=\"r\" (peers read it) or remote=False (a local source)"
     )
 
 
@@ -77,7 +78,7 @@ def _buffer_span(buf: Any, remote: bool) -> BufferSpan:
         raise RegistrationError("cannot register an empty buffer")
     flat = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
     view = np.frombuffer(flat, dtype=np.uint8)
-    return BufferSpan(int(view.__array_interface__["data"][0]), int(view.nbytes), -1, buf, view)
+    return BufferSpan(int(view.__array_interface__["data"][0]), int(view.nbytes), -1, buf, view, mv.readonly)
 
 
 def _numpy_span(arr: Any, remote: bool) -> BufferSpan:
@@ -99,7 +100,10 @@ def _numpy_span(arr: Any, remote: bool) -> BufferSpan:
     while isinstance(a, np.ndarray):
         pins.append(weakref.ref(a))
         a = a.base
-    return BufferSpan(int(arr.__array_interface__["data"][0]), int(arr.nbytes), -1, arr, tuple(pins))
+    return BufferSpan(
+        int(arr.__array_interface__["data"][0]), int(arr.nbytes), -1, arr, tuple(pins),
+        not arr.flags.writeable,
+    )
 
 
 def _torch_span(t: Any) -> BufferSpan:
@@ -174,18 +178,21 @@ class MemoryRegion:
     while peers may still write there."""
 
     __slots__ = (
-        "__weakref__", "_desc", "_engine", "_owner", "_pin", "address", "device", "id", "length", "remote",
+        "__weakref__", "_desc", "_engine", "_owner", "_pin", "access", "address", "device", "id", "length",
+        "readonly", "remote",
     )  # fmt: skip
 
     def __init__(
-        self, engine: EngineView, mr_id: int, span: BufferSpan, remote: bool, desc: MrDesc | None
+        self, engine: EngineView, mr_id: int, span: BufferSpan, access: str, desc: MrDesc | None
     ) -> None:
         self._engine: weakref.ref[EngineView] = weakref.ref(engine)
         self.id: int | None = mr_id
         self.address = span.address
         self.length = span.length
         self.device = span.device
-        self.remote = remote
+        self.access = access  # what peers may do: "w", "r", "rw", or "" (local only)
+        self.remote = bool(access)
+        self.readonly = span.readonly  # a read-only buffer: no read may land here
         self._desc = desc
         self._owner = span.owner
         self._pin = span.pin
@@ -230,4 +237,5 @@ class MemoryRegion:
     def __repr__(self) -> str:
         state = "live" if self.id is not None else "deregistered"
         where = "host" if self.device < 0 else f"cuda:{self.device}"
-        return f"MemoryRegion({self.length} bytes, {where}, remote={self.remote}, {state})"
+        remote = repr(self.access) if self.access else "False"
+        return f"MemoryRegion({self.length} bytes, {where}, remote={remote}, {state})"

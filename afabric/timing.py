@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = {2: "write", 3: "paged", 4: "send", 8: "scatter"}
+KINDS = {2: "write", 3: "paged", 4: "send", 8: "scatter", 18: "read", 19: "paged read", 24: "gather"}
 STAGES = ("queued", "to_first_post", "posting", "in_flight", "total")
 
 

@@ -24,7 +24,8 @@
 #include <stdio.h>
 
 #define AFP_ABI_MAJOR 1u
-#define AFP_ABI_MINOR 3u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from */
+#define AFP_ABI_MINOR 4u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from; 4: post_reads,
+                            AFP_MR_REMOTE_READ */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
@@ -121,7 +122,9 @@ typedef struct afp_caps {
     int32_t wait_fd;             /* fd readable when the domain may have events, or -1 */
 } afp_caps;
 
-/* One write work request. `ctx` comes back in the completion. */
+/* One write work request. `ctx` comes back in the completion. The same request describes a
+ * read (post_reads): `length` bytes from remote_addr/remote_key at `peer` into local_addr
+ * (imm/has_imm unused, always 0). */
 typedef struct afp_write {
     void *local_addr;
     void *local_desc; /* from reg_mr (may be NULL for zero-length writes) */
@@ -157,7 +160,7 @@ typedef struct afp_paged {
 } afp_paged;
 
 enum afp_event_kind {
-    AFP_EV_WRITE_DONE = 1, /* ctx, status */
+    AFP_EV_WRITE_DONE = 1, /* ctx, status (also a read's completion: post_reads) */
     AFP_EV_SEND_DONE = 2,  /* ctx, status */
     AFP_EV_RECV = 3,       /* ctx = the receive's ctx, len, status */
     AFP_EV_IMM = 4,        /* imm; ctx = the receive consumed when IMM_NEEDS_RECV, else 0 */
@@ -184,6 +187,10 @@ typedef struct afp_event {
 
 #define AFP_MR_REMOTE 0x1u /* remote peers may write into the region */
 #define AFP_MR_DEVICE 0x2u /* CUDA device memory (device id in `device`) */
+/* Remote peers may read the region (minor 4). Without it, a provider must refuse a remote
+ * read of the region; a provider built before minor 4 never sees it (the shim refuses to
+ * register a readable region with a provider that lacks post_reads). */
+#define AFP_MR_REMOTE_READ 0x4u
 
 struct afp_ops {
     uint32_t size;  /* sizeof(struct afp_ops) as the provider was built */
@@ -225,6 +232,12 @@ struct afp_ops {
      * or AFP_EV_IMM: a `resolve` handle, AFP_SRC_UNRESOLVED or AFP_SRC_UNKNOWN. Only exact
      * answers may be given (the shim's allow-list trusts them); when unsure, UNKNOWN. */
     int (*poll_from)(afp_domain *dom, afp_event *ev, uint64_t *src, uint32_t max, uint32_t *n);
+    /* Optional (minor 4): post up to n one-sided reads (afp_write: remote -> local_addr),
+     * as post_writes does; each completes with AFP_EV_WRITE_DONE or AFP_EV_ERROR (op
+     * AFP_EV_WRITE_DONE) carrying its ctx. A target's refusal (no AFP_MR_REMOTE_READ, bad
+     * key or range) is AFS_EKEY where the provider can tell. Without it, reads are
+     * AFS_EUNSUPPORTED. */
+    int (*post_reads)(afp_domain *dom, const afp_write *rd, uint32_t n, uint32_t *posted);
 };
 
 typedef const struct afp_ops *(*afp_get_ops_fn)(void);

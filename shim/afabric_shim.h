@@ -20,7 +20,9 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 2u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE */
+#define AFS_ABI_VERSION 3u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+                              3: reads (afs_read*, afs_gather), afs_desc_info.access,
+                              afs_nic_stats.reads/read_bytes */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -111,13 +113,16 @@ typedef struct afs_nic_stats {
     uint64_t rejected;         /* messages/immediates dropped: sender not on the allow-list */
     uint64_t rejected_unknown; /* dropped while a list is set: the provider cannot name the sender */
     uint64_t imms_dropped;     /* immediates dropped: a new value while the table held max_imm_values */
+    uint64_t reads;            /* read work requests posted (`completions` counts them too) */
+    uint64_t read_bytes;       /* bytes they asked for */
 } afs_nic_stats;
 
 /* Where one operation's time went (AFS_CFG_TIMING), CLOCK_MONOTONIC ns; 0 = stage not
  * reached (e.g. failed before posting). */
 typedef struct afs_op_timing {
     uint64_t id;
-    uint32_t kind;   /* AFS request kind: 2 write, 3 paged, 4 send, 8 scatter */
+    uint32_t kind;   /* AFS request kind: 2 write, 3 paged, 4 send, 8 scatter; a read adds
+                        AFS_TIMING_READ (18 read, 19 paged read, 24 gather) */
     int32_t status;
     uint64_t work_requests;
     uint64_t t_enqueue;    /* the caller handed it to the shim */
@@ -127,6 +132,8 @@ typedef struct afs_op_timing {
     uint64_t t_complete;   /* its last completion was seen */
 } afs_op_timing;
 
+#define AFS_TIMING_READ 16u
+
 /* Decoded descriptor (afs_desc_decode). */
 typedef struct afs_desc_info {
     uint64_t incarnation;
@@ -135,6 +142,9 @@ typedef struct afs_desc_info {
     int32_t device;      /* -1 host, else CUDA device */
     uint32_t nics;
     char provider[32];
+    uint32_t access;     /* what peers may do: AFP_MR_REMOTE (write) | AFP_MR_REMOTE_READ (read);
+                            0 = not stated (a descriptor from before reads: the target decides) */
+    uint32_t reserved;
 } afs_desc_info;
 
 /* One record drained from the completion ring. */
@@ -224,6 +234,26 @@ AFS_API int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count,
                             int64_t imm, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
                             uint64_t *xfer_id);
 
+/* One-sided reads, remote -> local: the counterparts of afs_write, afs_write_paged and
+ * afs_scatter with the same checks (and triggers). `src` is always the remote side, `dst`
+ * the local region `mr_id` (which the provider writes into). A descriptor that states its
+ * access and lacks read is refused here (AFS_EKEY), before anything is posted. */
+AFS_API int32_t afs_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                         uint64_t src_offset, uint64_t dst_offset, uint32_t trig_kind,
+                         uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
+AFS_API int32_t afs_read_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                               uint64_t page_len, uint64_t count, const int64_t *src_idx,
+                               uint64_t src_stride, uint64_t src_offset, const int64_t *dst_idx,
+                               uint64_t dst_stride, uint64_t dst_offset, uint32_t trig_kind,
+                               uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
+/* One read per source: lengths[i] bytes from src_offsets[i] of remote_ids[i] to
+ * dst_offsets[i] of mr_id. */
+AFS_API int32_t afs_gather(afs_engine *eng, uint64_t mr_id, uint64_t count,
+                           const uint64_t *remote_ids, const uint64_t *lengths,
+                           const uint64_t *src_offsets, const uint64_t *dst_offsets,
+                           uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+                           uint64_t *xfer_id);
+
 /* A write whose length is read when it starts (at its trigger, or now): the u32 `n` at byte
  * `len_offset` of registered host region `len_mr_id` (4-aligned) makes it
  * clamp(len_base + len_scale * n, 0, max_length) bytes. Ranges are checked against
@@ -262,6 +292,10 @@ AFS_API int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_
 AFS_API int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
                                 uint64_t length, uint32_t window, uint64_t iters,
                                 uint64_t *elapsed_ns);
+/* The same loop of contiguous reads (remote -> mr_id), rotating through the regions alike. */
+AFS_API int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                               uint64_t length, uint32_t window, uint64_t iters,
+                               uint64_t *elapsed_ns);
 AFS_API int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
                                 uint64_t page_len, uint64_t count, const int64_t *src_idx,
                                 const int64_t *dst_idx, uint32_t window, uint64_t iters,

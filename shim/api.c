@@ -53,6 +53,7 @@ static int load_remote(afs_engine *eng, uint64_t id, afs_remote_entry *out)
         memcpy(out->fi_addr, r->fi_addr, sizeof(out->fi_addr));
         memcpy(out->rbase, r->rbase, sizeof(out->rbase));
         memcpy(out->key, r->key, sizeof(out->key));
+        out->access = r->access;
         if (afs_slots_still(&eng->remotes, id))
             return peer_current(eng, out->peer_id);
     }
@@ -90,53 +91,87 @@ static void fill_targets(afs_engine *eng, afs_xfer *x, const mr_copy *m,
     }
 }
 
-/* The checks every write starts with: an open engine, a valid immediate, a live local
- * region and a live remote descriptor (copied, so they cannot change under us). */
+/* What a descriptor lets this engine do: one that states its access (every descriptor
+ * made since reads) and lacks the one asked for is refused before anything is posted, as
+ * the target's provider would refuse it (the same code as a rejected key). */
+static int check_access(const afs_remote_entry *r, bool read, uint64_t index)
+{
+    uint32_t need = read ? AFP_MR_REMOTE_READ : AFP_MR_REMOTE;
+    if (!r->access || (r->access & need))
+        return 0;
+    char which[40] = "";
+    if (index != UINT64_MAX)
+        snprintf(which, sizeof which, " (target %llu)", (unsigned long long)index);
+    return afs_fail(AFS_EKEY, "%s refused before posting%s: the region was registered "
+                              "remote=\"%s\" (its owner does not let peers %s it)",
+                    read ? "read" : "write", which, read ? "w" : "r", read ? "read" : "write");
+}
+
+/* The checks every write (or read) starts with: an open engine, a valid immediate, a live
+ * local region and a live remote descriptor (copied, so they cannot change under us) that
+ * allows the access. */
 static int load_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, int64_t imm,
-                      bool *has_imm, uint32_t *imm_value, mr_copy *m, afs_remote_entry *r)
+                      bool read, bool *has_imm, uint32_t *imm_value, mr_copy *m,
+                      afs_remote_entry *r)
 {
     int rc = afs_engine_check_open(eng);
     if (rc)
         return rc;
+    if (read && !AFP_HAS_OP(eng->ops, post_reads))
+        return afs_fail(AFS_EUNSUPPORTED, "read: provider %s has no one-sided reads",
+                        eng->provider_name ? eng->provider_name : "?");
     if ((rc = check_imm(imm, has_imm, imm_value)) || (rc = load_mr(eng, mr_id, m)) ||
-        (rc = load_remote(eng, remote_id, r)))
+        (rc = load_remote(eng, remote_id, r)) || (rc = check_access(r, read, UINT64_MAX)))
         return rc;
     return 0;
 }
 
-int afs_build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                       uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out)
+/* Sides in the caller's terms: a write's source is local, a read's is remote. Internally
+ * (afs_xfer, gen_wr) offsets are always local ("src") and remote ("dst"). */
+static const char *local_side(bool read) { return read ? "destination" : "source"; }
+static const char *remote_side(bool read) { return read ? "source" : "destination"; }
+
+static int build_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                        uint64_t local_offset, uint64_t remote_offset, int64_t imm, bool read,
+                        afs_xfer **out)
 {
     bool has_imm = false;
     uint32_t imm_value = 0;
     mr_copy m;
     afs_remote_entry r;
-    int rc = load_write(eng, mr_id, remote_id, imm, &has_imm, &imm_value, &m, &r);
+    int rc = load_write(eng, mr_id, remote_id, imm, read, &has_imm, &imm_value, &m, &r);
     if (rc)
         return rc;
-    if (!range_ok(src_offset, length, m.len))
+    if (!range_ok(local_offset, length, m.len))
         return afs_fail(AFS_ERANGE,
-                        "source [%llu, +%llu) outside the local region of %llu bytes",
-                        (unsigned long long)src_offset, (unsigned long long)length,
-                        (unsigned long long)m.len);
-    if (!range_ok(dst_offset, length, r.length))
+                        "%s [%llu, +%llu) outside the local region of %llu bytes",
+                        local_side(read), (unsigned long long)local_offset,
+                        (unsigned long long)length, (unsigned long long)m.len);
+    if (!range_ok(remote_offset, length, r.length))
         return afs_fail(AFS_ERANGE,
-                        "destination [%llu, +%llu) outside the remote region of %llu bytes",
-                        (unsigned long long)dst_offset, (unsigned long long)length,
-                        (unsigned long long)r.length);
+                        "%s [%llu, +%llu) outside the remote region of %llu bytes",
+                        remote_side(read), (unsigned long long)remote_offset,
+                        (unsigned long long)length, (unsigned long long)r.length);
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_WRITE);
     if (!x)
-        return afs_fail(AFS_ENOMEM, "write: out of memory");
+        return afs_fail(AFS_ENOMEM, "%s: out of memory", read ? "read" : "write");
     fill_targets(eng, x, &m, &r);
-    x->local_addr = m.addr + src_offset;
+    x->read = read;
+    x->local_addr = m.addr + local_offset;
     x->length = length;
-    x->dst_addr = dst_offset;
+    x->dst_addr = remote_offset;
     x->has_imm = has_imm;
     x->imm = imm_value;
     uint64_t maxw = eng->nics[0].caps.max_msg_size;
     x->chunk = (maxw && maxw < MAX_CHUNK) ? maxw : MAX_CHUNK;
     *out = x;
     return 0;
+}
+
+int afs_build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                       uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out)
+{
+    return build_contig(eng, mr_id, remote_id, length, src_offset, dst_offset, imm, false, out);
 }
 
 static int check_pages(const int64_t *idx, uint64_t count, uint64_t stride, uint64_t offset,
@@ -163,16 +198,17 @@ static int check_pages(const int64_t *idx, uint64_t count, uint64_t stride, uint
     return 0;
 }
 
+/* src_* are the local pages and dst_* the remote ones (a read passes them swapped). */
 static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
                        uint64_t count, const int64_t *src_idx, uint64_t src_stride,
                        uint64_t src_offset, const int64_t *dst_idx, uint64_t dst_stride,
-                       uint64_t dst_offset, int64_t imm, afs_xfer **out)
+                       uint64_t dst_offset, int64_t imm, bool read, afs_xfer **out)
 {
     bool has_imm = false;
     uint32_t imm_value = 0;
     mr_copy m;
     afs_remote_entry r;
-    int rc = load_write(eng, mr_id, remote_id, imm, &has_imm, &imm_value, &m, &r);
+    int rc = load_write(eng, mr_id, remote_id, imm, read, &has_imm, &imm_value, &m, &r);
     if (rc)
         return rc;
     if (page_len > eng->nics[0].caps.max_msg_size)
@@ -182,20 +218,22 @@ static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint
     if (count > (1ull << 31))
         return afs_fail(AFS_EINVAL, "too many pages in one request (%llu)",
                         (unsigned long long)count);
-    if ((rc = check_pages(src_idx, count, src_stride, src_offset, page_len, m.len, "source")) ||
+    if ((rc = check_pages(src_idx, count, src_stride, src_offset, page_len, m.len,
+                          local_side(read))) ||
         (rc = check_pages(dst_idx, count, dst_stride, dst_offset, page_len, r.length,
-                          "destination")))
+                          remote_side(read))))
         return rc;
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PAGED);
     if (!x)
-        return afs_fail(AFS_ENOMEM, "paged write: out of memory");
+        return afs_fail(AFS_ENOMEM, "paged %s: out of memory", read ? "read" : "write");
+    x->read = read;
     size_t bytes = (size_t)(count ? count : 1) * sizeof(int64_t);
     x->src_idx = malloc(bytes);
     x->dst_idx = malloc(bytes);
     if (!x->src_idx || !x->dst_idx) {
         afs_xfer_free(x);
-        return afs_fail(AFS_ENOMEM, "paged write: out of memory for %llu pages",
-                        (unsigned long long)count);
+        return afs_fail(AFS_ENOMEM, "paged %s: out of memory for %llu pages",
+                        read ? "read" : "write", (unsigned long long)count);
     }
     memcpy(x->src_idx, src_idx, (size_t)count * sizeof(int64_t));
     memcpy(x->dst_idx, dst_idx, (size_t)count * sizeof(int64_t));
@@ -271,26 +309,32 @@ int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     if (!xfer_id)
         return afs_fail(AFS_EINVAL, "paged write: NULL output");
     int rc = build_paged(eng, mr_id, remote_id, page_len, count, src_idx, src_stride,
-                         src_offset, dst_idx, dst_stride, dst_offset, imm, &x);
+                         src_offset, dst_idx, dst_stride, dst_offset, imm, false, &x);
     if (rc)
         return rc;
     return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }
 
-int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
-                    const uint64_t *lengths, const uint64_t *src_offsets,
-                    const uint64_t *dst_offsets, int64_t imm, uint32_t trig_kind,
-                    uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id)
+/* A scatter (or barrier), or with `read` a gather. src_offsets are local and dst_offsets
+ * remote (a gather passes them swapped). */
+static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
+                      const uint64_t *lengths, const uint64_t *src_offsets,
+                      const uint64_t *dst_offsets, int64_t imm, bool read, uint32_t trig_kind,
+                      uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id)
 {
+    const char *op = read ? "gather" : "scatter";
     int rc = afs_engine_check_open(eng);
     if (rc)
         return rc;
     bool barrier = lengths == NULL;
     if (!xfer_id || (count && !remote_ids) ||
-        (!barrier && (!src_offsets || !dst_offsets)))
-        return afs_fail(AFS_EINVAL, "scatter: NULL argument");
+        (!barrier && (!src_offsets || !dst_offsets)) || (read && barrier))
+        return afs_fail(AFS_EINVAL, "%s: NULL argument", op);
     if (count > (1u << 24))
-        return afs_fail(AFS_EINVAL, "scatter: too many targets (%llu)", (unsigned long long)count);
+        return afs_fail(AFS_EINVAL, "%s: too many targets (%llu)", op, (unsigned long long)count);
+    if (read && !AFP_HAS_OP(eng->ops, post_reads))
+        return afs_fail(AFS_EUNSUPPORTED, "gather: provider %s has no one-sided reads",
+                        eng->provider_name ? eng->provider_name : "?");
     bool has_imm = false;
     uint32_t imm_value = 0;
     if ((rc = check_imm(imm, &has_imm, &imm_value)))
@@ -302,17 +346,18 @@ int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint6
         return rc;
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SCATTER);
     if (!x)
-        return afs_fail(AFS_ENOMEM, "scatter: out of memory");
+        return afs_fail(AFS_ENOMEM, "%s: out of memory", op);
+    x->read = read;
     x->targets = calloc(count ? count : 1, sizeof(afs_target));
     if (!x->targets) {
         afs_xfer_free(x);
-        return afs_fail(AFS_ENOMEM, "scatter: out of memory for %llu targets",
+        return afs_fail(AFS_ENOMEM, "%s: out of memory for %llu targets", op,
                         (unsigned long long)count);
     }
     for (uint64_t i = 0; i < count; i++) {
         afs_remote_entry r;
         afs_target *t = &x->targets[i];
-        if ((rc = load_remote(eng, remote_ids[i], &r))) {
+        if ((rc = load_remote(eng, remote_ids[i], &r)) || (rc = check_access(&r, read, i))) {
             afs_xfer_free(x);
             return rc;
         }
@@ -327,19 +372,23 @@ int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint6
         t->dst_offset = dst_offsets[i];
         if (!range_ok(t->src_offset, t->length, m.len) ||
             !range_ok(t->dst_offset, t->length, r.length)) {
+            /* in the caller's terms: source -> destination */
+            uint64_t from = read ? t->dst_offset : t->src_offset;
+            uint64_t to = read ? t->src_offset : t->dst_offset;
             rc = afs_fail(AFS_ERANGE,
-                          "scatter target %llu: [%llu, +%llu) -> [%llu, +%llu) outside the "
+                          "%s %s %llu: [%llu, +%llu) -> [%llu, +%llu) outside the "
                           "local region (%llu bytes) or the remote one (%llu bytes)",
-                          (unsigned long long)i, (unsigned long long)t->src_offset,
-                          (unsigned long long)t->length, (unsigned long long)t->dst_offset,
-                          (unsigned long long)t->length, (unsigned long long)m.len,
-                          (unsigned long long)r.length);
+                          op, read ? "source" : "target", (unsigned long long)i,
+                          (unsigned long long)from, (unsigned long long)t->length,
+                          (unsigned long long)to, (unsigned long long)t->length,
+                          (unsigned long long)m.len, (unsigned long long)r.length);
             afs_xfer_free(x); /* after the message: t points into x */
             return rc;
         }
         if (t->length > eng->nics[0].caps.max_msg_size) {
-            rc = afs_fail(AFS_ETOOBIG, "scatter target %llu: %llu bytes exceed the provider's "
-                          "largest write", (unsigned long long)i, (unsigned long long)t->length);
+            rc = afs_fail(AFS_ETOOBIG, "%s %s %llu: %llu bytes exceed the provider's "
+                          "largest %s", op, read ? "source" : "target", (unsigned long long)i,
+                          (unsigned long long)t->length, read ? "read" : "write");
             afs_xfer_free(x);
             return rc;
         }
@@ -350,6 +399,58 @@ int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint6
     x->has_imm = has_imm;
     x->imm = imm_value;
     return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
+}
+
+int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
+                    const uint64_t *lengths, const uint64_t *src_offsets,
+                    const uint64_t *dst_offsets, int64_t imm, uint32_t trig_kind,
+                    uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id)
+{
+    return scatter_rw(eng, mr_id, count, remote_ids, lengths, src_offsets, dst_offsets, imm,
+                      false, trig_kind, trig_a, trig_b, xfer_id);
+}
+
+/* ---- reads: the same builders, the sides swapped (local = the destination) ---- */
+
+int32_t afs_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                 uint64_t src_offset, uint64_t dst_offset, uint32_t trig_kind, uint64_t trig_a,
+                 uint64_t trig_b, uint64_t *xfer_id)
+{
+    afs_xfer *x;
+    if (!xfer_id)
+        return afs_fail(AFS_EINVAL, "read: NULL output");
+    int rc = build_contig(eng, mr_id, remote_id, length, dst_offset, src_offset, AFS_NO_IMM,
+                          true, &x);
+    if (rc)
+        return rc;
+    return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
+}
+
+int32_t afs_read_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
+                       uint64_t count, const int64_t *src_idx, uint64_t src_stride,
+                       uint64_t src_offset, const int64_t *dst_idx, uint64_t dst_stride,
+                       uint64_t dst_offset, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+                       uint64_t *xfer_id)
+{
+    afs_xfer *x;
+    if (!xfer_id)
+        return afs_fail(AFS_EINVAL, "paged read: NULL output");
+    int rc = build_paged(eng, mr_id, remote_id, page_len, count, dst_idx, dst_stride,
+                         dst_offset, src_idx, src_stride, src_offset, AFS_NO_IMM, true, &x);
+    if (rc)
+        return rc;
+    return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
+}
+
+int32_t afs_gather(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
+                   const uint64_t *lengths, const uint64_t *src_offsets,
+                   const uint64_t *dst_offsets, uint32_t trig_kind, uint64_t trig_a,
+                   uint64_t trig_b, uint64_t *xfer_id)
+{
+    if (!lengths)
+        return afs_fail(AFS_EINVAL, "gather: NULL lengths");
+    return scatter_rw(eng, mr_id, count, remote_ids, lengths, dst_offsets, src_offsets,
+                      AFS_NO_IMM, true, trig_kind, trig_a, trig_b, xfer_id);
 }
 
 int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len,
@@ -577,17 +678,18 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         return rc;
     int32_t st = atomic_load(&c.status);
     if (st)
-        return afs_fail(st, "benchmark write failed: %s", afs_error_name(st));
+        return afs_fail(st, "benchmark %s failed: %s", proto->read ? "read" : "write",
+                        afs_error_name(st));
     return 0;
 }
 
-int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                        uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+static int bench_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                        uint32_t window, uint64_t iters, bool read, uint64_t *elapsed_ns)
 {
     afs_xfer *proto;
     if (!elapsed_ns)
         return afs_fail(AFS_EINVAL, "bench: NULL output");
-    int rc = afs_build_write(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, &proto);
+    int rc = build_contig(eng, mr_id, remote_id, length, 0, 0, AFS_NO_IMM, read, &proto);
     if (rc)
         return rc;
     mr_copy m;
@@ -600,6 +702,18 @@ int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     return rc;
 }
 
+int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                        uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+{
+    return bench_contig(eng, mr_id, remote_id, length, window, iters, false, elapsed_ns);
+}
+
+int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                       uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
+{
+    return bench_contig(eng, mr_id, remote_id, length, window, iters, true, elapsed_ns);
+}
+
 int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
                         uint64_t count, const int64_t *src_idx, const int64_t *dst_idx,
                         uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
@@ -608,7 +722,7 @@ int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     if (!elapsed_ns)
         return afs_fail(AFS_EINVAL, "bench: NULL output");
     int rc = build_paged(eng, mr_id, remote_id, page_len, count, src_idx, page_len, 0, dst_idx,
-                         page_len, 0, AFS_NO_IMM, &proto);
+                         page_len, 0, AFS_NO_IMM, false, &proto);
     if (rc)
         return rc;
     rc = bench_loop(eng, proto, true, 1, window, iters, elapsed_ns);

@@ -6,8 +6,11 @@
  *
  * Address:    "AFA1" u8 nics u8 name_len u16 max_msg u64 incarnation name[name_len]
  *             { u16 len, bytes[len] } x nics   u32 crc
- * Descriptor: "AFD1" u32 addr_len addr[addr_len] u64 base u64 length i32 device u32 nics
- *             { u64 remote_base, u64 key } x nics   u32 crc
+ * Descriptor: "AFD2" u32 addr_len addr[addr_len] u64 base u64 length i32 device u32 nics
+ *             u32 access { u64 remote_base, u64 key } x nics   u32 crc
+ *             `access`: what peers may do, AFP_MR_REMOTE (write) | AFP_MR_REMOTE_READ (read),
+ *             at least one of them. "AFD1" (before reads) is the same without `access`; it
+ *             still decodes, with access 0 ("not stated": only the target's provider checks).
  * All integers little-endian. `max_msg` is the largest message the engine receives, so that
  * senders refuse bigger ones before posting (libfabric 1.17's shm wedges on an oversize
  * message): below 32768 it is the size in bytes, else 0x8000 | size / 4096 (rounded down,
@@ -181,17 +184,18 @@ int afs_addr_parse(const uint8_t *buf, uint32_t len, afs_addr_view *out)
 }
 
 int afs_desc_encode(const uint8_t *addr_blob, uint32_t addr_len, uint64_t base, uint64_t length,
-                    int32_t device, uint32_t nics, const uint64_t *remote_base,
+                    int32_t device, uint32_t access, uint32_t nics, const uint64_t *remote_base,
                     const uint64_t *key, uint8_t *out, uint32_t cap, uint32_t *len)
 {
     wbuf w = {out, cap, 0, false};
-    put(&w, AFS_DESC_MAGIC, 4);
+    put(&w, AFS_DESC_MAGIC2, 4);
     put_u(&w, addr_len, 4);
     put(&w, addr_blob, addr_len);
     put_u(&w, base, 8);
     put_u(&w, length, 8);
     put_u(&w, (uint32_t)device, 4);
     put_u(&w, nics, 4);
+    put_u(&w, access, 4);
     for (uint32_t i = 0; i < nics; i++) {
         put_u(&w, remote_base[i], 8);
         put_u(&w, key[i], 8);
@@ -213,7 +217,8 @@ int afs_desc_parse(const uint8_t *buf, uint32_t len, afs_desc_view *out)
         return rc;
     rbuf r = {buf, len - 4, 0, false};
     const uint8_t *magic = take(&r, 4);
-    if (!magic || memcmp(magic, AFS_DESC_MAGIC, 4) != 0)
+    bool v2 = magic && memcmp(magic, AFS_DESC_MAGIC2, 4) == 0;
+    if (!magic || (!v2 && memcmp(magic, AFS_DESC_MAGIC, 4) != 0))
         return afs_fail(AFS_EBADDESC, "not an afabric descriptor (bad magic)");
     uint32_t addr_len = (uint32_t)get_u(&r, 4);
     const uint8_t *addr = take(&r, addr_len);
@@ -228,8 +233,11 @@ int afs_desc_parse(const uint8_t *buf, uint32_t len, afs_desc_view *out)
     out->length = get_u(&r, 8);
     out->device = (int32_t)(uint32_t)get_u(&r, 4);
     uint32_t nics = (uint32_t)get_u(&r, 4);
+    out->access = v2 ? (uint32_t)get_u(&r, 4) : 0;
     if (r.bad)
         return afs_fail(AFS_EBADDESC, "descriptor truncated");
+    if (v2 && (out->access == 0 || (out->access & ~(AFP_MR_REMOTE | AFP_MR_REMOTE_READ))))
+        return afs_fail(AFS_EBADDESC, "descriptor: bad access 0x%x", out->access);
     if (nics != out->owner.nics)
         return afs_fail(AFS_EBADDESC, "descriptor has %u keys for %u NICs", nics,
                         out->owner.nics);
@@ -262,6 +270,7 @@ int32_t afs_desc_decode(const uint8_t *buf, uint32_t len, afs_desc_info *out)
     out->length = v.length;
     out->device = v.device;
     out->nics = v.owner.nics;
+    out->access = v.access;
     memcpy(out->provider, v.owner.provider, sizeof(out->provider) - 1);
     return 0;
 }

@@ -485,6 +485,8 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     out->rejected = atomic_load_explicit(&n->st_rejected, memory_order_relaxed);
     out->rejected_unknown = atomic_load_explicit(&n->st_rejected_unknown, memory_order_relaxed);
     out->imms_dropped = atomic_load_explicit(&n->st_imms_dropped, memory_order_relaxed);
+    out->reads = atomic_load_explicit(&n->st_reads, memory_order_relaxed);
+    out->read_bytes = atomic_load_explicit(&n->st_read_bytes, memory_order_relaxed);
     return 0;
 }
 
@@ -514,8 +516,13 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
         return afs_fail(AFS_EINVAL, "register: empty region or NULL address");
     if (len > UINT64_MAX - addr)
         return afs_fail(AFS_EINVAL, "register: region wraps the address space");
-    if (flags & ~(AFP_MR_REMOTE | AFP_MR_DEVICE))
+    if (flags & ~(AFP_MR_REMOTE | AFP_MR_REMOTE_READ | AFP_MR_DEVICE))
         return afs_fail(AFS_EINVAL, "register: unknown flags 0x%x", flags);
+    /* A provider from before reads would register a readable region without read access
+     * (it ignores the flag): refuse rather than hand out a descriptor that says "r". */
+    if ((flags & AFP_MR_REMOTE_READ) && !AFP_HAS_OP(eng->ops, post_reads))
+        return afs_fail(AFS_EUNSUPPORTED, "register: provider %s has no reads (remote=\"r\")",
+                        eng->provider_name ? eng->provider_name : "?");
     if ((flags & AFP_MR_DEVICE) && device < 0)
         return afs_fail(AFS_EINVAL, "register: device memory needs a device id");
     uint32_t index;
@@ -538,8 +545,9 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
     if (rc)
         goto out_slot;
     *desc_len = 0;
-    if (flags & AFP_MR_REMOTE) {
-        rc = afs_desc_encode(eng->address, eng->address_len, addr, len, m->device, eng->nnics,
+    if (flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) {
+        rc = afs_desc_encode(eng->address, eng->address_len, addr, len, m->device,
+                             flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ), eng->nnics,
                              m->rbase, m->rkey, desc, cap, desc_len);
         if (rc) {
             afs_xfer *d = afs_xfer_new(eng, AFS_REQ_CTRL);
@@ -715,6 +723,7 @@ int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len, ui
     r->length = d.length;
     memcpy(r->rbase, d.remote_base, sizeof(r->rbase));
     memcpy(r->key, d.key, sizeof(r->key));
+    r->access = d.access;
     *remote_id = afs_slots_publish(&eng->remotes, index);
     return 0;
 }

@@ -15,7 +15,8 @@
 
 #define AFS_MAX_NICS 8u
 #define AFS_ADDR_MAGIC "AFA1"
-#define AFS_DESC_MAGIC "AFD1"
+#define AFS_DESC_MAGIC "AFD1"  /* before reads: no access field (still decoded) */
+#define AFS_DESC_MAGIC2 "AFD2" /* with the region's access (AFP_MR_REMOTE | AFP_MR_REMOTE_READ) */
 #define AFS_MAX_PROVNAME 31u
 /* Work requests posted for one transfer per progress round: the paper's release posts
  * at most 32 per round because EFA's small-message rate collapses otherwise. */
@@ -144,6 +145,7 @@ typedef struct afs_desc_view {
     int32_t device;
     uint64_t remote_base[AFS_MAX_NICS];
     uint64_t key[AFS_MAX_NICS];
+    uint32_t access; /* AFP_MR_REMOTE | AFP_MR_REMOTE_READ; 0: not stated (AFD1) */
 } afs_desc_view;
 
 int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics, uint32_t max_msg,
@@ -151,7 +153,7 @@ int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics, u
                     uint32_t cap, uint32_t *len);
 int afs_addr_parse(const uint8_t *buf, uint32_t len, afs_addr_view *out);
 int afs_desc_encode(const uint8_t *addr_blob, uint32_t addr_len, uint64_t base, uint64_t length,
-                    int32_t device, uint32_t nics, const uint64_t *remote_base,
+                    int32_t device, uint32_t access, uint32_t nics, const uint64_t *remote_base,
                     const uint64_t *key, uint8_t *out, uint32_t cap, uint32_t *len);
 int afs_desc_parse(const uint8_t *buf, uint32_t len, afs_desc_view *out);
 
@@ -167,7 +169,8 @@ typedef struct afs_nic {
     void *rx_desc, *tx_desc;
     /* counters (afs_nic_stats): written by the worker alone, read by anyone */
     _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
-        st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown, st_imms_dropped;
+        st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown, st_imms_dropped,
+        st_reads, st_read_bytes;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     /* receive slots the provider would not take back yet ("try again": its queue or context
@@ -205,6 +208,7 @@ typedef struct afs_remote_entry {
     uint64_t length;
     uint64_t rbase[AFS_MAX_NICS];
     uint64_t key[AFS_MAX_NICS];
+    uint32_t access; /* as the descriptor states it (0: not stated) */
 } afs_remote_entry;
 
 /* Request kinds travelling through the submit queue. */
@@ -275,6 +279,8 @@ typedef struct afs_xfer {
     bool whole;         /* paged write handed to the provider whole (post_paged) */
     bool has_imm;
     uint32_t imm;
+    bool read; /* a read (afs_read*, afs_gather): local_* is the destination, the remote side
+                  (rbase + dst_*, targets' dst_offset) the source; never an immediate */
 
     /* write / paged */
     uint64_t local_addr;

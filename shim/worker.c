@@ -158,7 +158,7 @@ static void set_error(afs_xfer *x, int status, const char *fmt, const char *text
 
 static void record_timing(afs_engine *eng, const afs_xfer *x)
 {
-    afs_op_timing t = {x->id, x->kind, x->status, x->posted_wr, x->t_enqueue, x->t_pickup,
+    afs_op_timing t = {x->id, x->kind + (x->read ? AFS_TIMING_READ : 0u), x->status, x->posted_wr, x->t_enqueue, x->t_pickup,
                        x->t_first_post, x->t_last_post, afs_now_ns()};
     pthread_mutex_lock(&eng->timing_lock);
     uint32_t at = (eng->timing_head + eng->timing_len) % eng->timing_cap;
@@ -414,7 +414,8 @@ static int post_round(afs_engine *eng, afs_xfer *x)
         /* stamped as posting starts (one clock read per operation; the loop's `now` may
          * predate a nap), so "posting" covers every provider call of the operation */
         uint64_t t_post = x->posted_wr == 0 ? afs_now_ns() : 0;
-        int rc = eng->ops->post_writes(n->dom, &wr[at], run, &posted);
+        int rc = x->read ? eng->ops->post_reads(n->dom, &wr[at], run, &posted)
+                         : eng->ops->post_writes(n->dom, &wr[at], run, &posted);
         if (posted && x->posted_wr == 0)
             x->t_first_post = t_post;
         x->posted_wr += posted;
@@ -423,14 +424,15 @@ static int post_round(afs_engine *eng, afs_xfer *x)
         uint64_t bytes = 0;
         for (uint32_t i = 0; i < posted; i++)
             bytes += wr[at + i].length;
-        afs_count(&n->st_writes, posted);
-        afs_count(&n->st_write_bytes, bytes);
+        afs_count(x->read ? &n->st_reads : &n->st_writes, posted);
+        afs_count(x->read ? &n->st_read_bytes : &n->st_write_bytes, bytes);
         if (rc == AFS_EAGAIN) {
             afs_count(&n->st_retries, 1);
             return AFS_EAGAIN;
         }
         if (rc) {
-            set_error(x, rc, "posting write: %s", eng->ops->errbuf(eng->nics[nic].dom));
+            set_error(x, rc, x->read ? "posting read: %s" : "posting write: %s",
+                      eng->ops->errbuf(eng->nics[nic].dom));
             x->total_wr = x->posted_wr; /* nothing more will be posted */
             x->imm_pending = false;
             return 0;
@@ -803,7 +805,9 @@ static uint64_t landed_total(afs_engine *eng)
 
 static bool settle_dereg(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
-    if (!(x->ctrl_mr->flags & AFP_MR_REMOTE) || x->ctrl_rc)
+    /* readable regions too: a read accepted before the revocation may still be answered from
+     * the region by the target's progress (nothing counts those, so they get the quiet time) */
+    if (!(x->ctrl_mr->flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) || x->ctrl_rc)
         return false;
     bool copies = false;
     for (uint32_t k = 0; k < eng->nnics; k++)
@@ -951,7 +955,7 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             x->nic0 = eng->rr++ % eng->nnics;
             if (x->kind == AFS_REQ_WRITE)
                 plan_shards(eng, x);
-            x->whole = x->kind == AFS_REQ_PAGED && eng->nnics == 1 &&
+            x->whole = x->kind == AFS_REQ_PAGED && eng->nnics == 1 && !x->read &&
                        AFP_HAS_OP(eng->ops, post_paged);
             x->total_wr = x->whole ? (x->count ? 1 : 0) : n_data_wrs(x);
             x->imm_pending = x->kind == AFS_REQ_WRITE && x->has_imm && x->total_wr > 1;

@@ -52,4 +52,6 @@ def test_fabtests_columns_beside_afabric_rows(tmp_path: Path) -> None:
     (row,) = [r for r in doc["rows"] if r["kind"] == "write"]
     assert row["window"] == 64 and row["fi_gbps"] > 0  # fi_rma_bw ran at afabric's size and window
     assert all(r["fi_gbps"] == 0 for r in doc["rows"] if r["kind"] == "paged")
+    reads = [r for r in doc["rows"] if r["kind"] == "read"]  # fi_rma_bw -o read beside them
+    assert reads and all(r["fi_gbps"] > 0 and r["py_gbps"] > 0 and r["raw_gbps"] > 0 for r in reads)
     assert doc["latency"][0]["fi_pingpong_us"] > 0

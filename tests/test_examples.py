@@ -45,6 +45,7 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     kinds = {(r["kind"], r["size"]) for r in doc["rows"]}
     assert ("write", 4096) in kinds and ("write", 1 << 20) in kinds
+    assert ("read", 4096) in kinds and ("read", 1 << 20) in kinds
     assert any(k == "paged" for k, _ in kinds)
     for r in doc["rows"]:
         assert r["py_gbps"] > 0 and r["raw_gbps"] > 0

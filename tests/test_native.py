@@ -48,6 +48,11 @@ SANITIZER_SUITE = [
     "tests/test_efa_modes.py",
     "tests/test_shim_safety.py::test_writing_to_a_closed_engine_of_this_process_fails_at_once",
     "tests/test_shim_safety.py::test_a_refused_barrier_is_an_error",
+    "tests/test_read.py::test_paged_reads_are_byte_exact",
+    "tests/test_read.py::test_gather_from_three_peers_is_byte_exact",
+    "tests/test_read.py::test_bad_reads_are_refused_before_posting",
+    "tests/test_read.py::test_access_is_checked_before_posting",
+    "tests/test_read.py::test_triggered_read_fires_on_an_immediate_and_cancels",
     "-k",
     "not uvloop and not killed",
 ]

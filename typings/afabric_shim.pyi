@@ -219,6 +219,64 @@ class ShimLib:
             imm, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
 
     @staticmethod
+    def afs_read(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        length: int,
+        src_offset: int,
+        dst_offset: int,
+        trig_kind: int,
+        trig_a: int,
+        trig_b: int,
+        xfer_id: _Ref[c_uint64],
+    ) -> int:
+        """int32_t afs_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length, uint64_t
+            src_offset, uint64_t dst_offset, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+            uint64_t *xfer_id);"""
+
+    @staticmethod
+    def afs_read_paged(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        page_len: int,
+        count: int,
+        src_idx: _CVoidPLike | None,
+        src_stride: int,
+        src_offset: int,
+        dst_idx: _CVoidPLike | None,
+        dst_stride: int,
+        dst_offset: int,
+        trig_kind: int,
+        trig_a: int,
+        trig_b: int,
+        xfer_id: _Ref[c_uint64],
+    ) -> int:
+        """int32_t afs_read_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
+            uint64_t count, const int64_t *src_idx, uint64_t src_stride, uint64_t src_offset, const
+            int64_t *dst_idx, uint64_t dst_stride, uint64_t dst_offset, uint32_t trig_kind, uint64_t
+            trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
+
+    @staticmethod
+    def afs_gather(
+        eng: EngineHandle,
+        mr_id: int,
+        count: int,
+        remote_ids: _CVoidPLike | None,
+        lengths: _CVoidPLike | None,
+        src_offsets: _CVoidPLike | None,
+        dst_offsets: _CVoidPLike | None,
+        trig_kind: int,
+        trig_a: int,
+        trig_b: int,
+        xfer_id: _Ref[c_uint64],
+    ) -> int:
+        """int32_t afs_gather(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
+            const uint64_t *lengths, const uint64_t *src_offsets, const uint64_t *dst_offsets, uint32_t
+            trig_kind, uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
+
+    @staticmethod
     def afs_write_dynlen(
         eng: EngineHandle,
         mr_id: int,
@@ -307,6 +365,19 @@ class ShimLib:
         elapsed_ns: _Ref[c_uint64],
     ) -> int:
         """int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+            uint32_t window, uint64_t iters, uint64_t *elapsed_ns);"""
+
+    @staticmethod
+    def afs_bench_read(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        length: int,
+        window: int,
+        iters: int,
+        elapsed_ns: _Ref[c_uint64],
+    ) -> int:
+        """int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
             uint32_t window, uint64_t iters, uint64_t *elapsed_ns);"""
 
     @staticmethod

@@ -118,10 +118,11 @@ def _pair_once(directory: str, binary: str, fabric: str, opts: list[str]) -> lis
     return lines[-1]
 
 
-def rma_bw(directory: str, fabric: str, size: int, window: int, iters: int) -> float:
-    """GB/s of `fi_rma_bw -o writedata` at this size and window (its MB/sec column / 1000)."""
+def rma_bw(directory: str, fabric: str, size: int, window: int, iters: int, op: str = "writedata") -> float:
+    """GB/s of `fi_rma_bw -o <op>` (writedata, or read) at this size and window (its MB/sec
+    column / 1000)."""
     fields = _pair(directory, RMA_BW, fabric,
-                   ["-o", "writedata", "-S", str(size), "-I", str(iters), "-W", str(window)])
+                   ["-o", op, "-S", str(size), "-I", str(iters), "-W", str(window)])
     return float(fields[4]) / 1e3
 
 

@@ -33,6 +33,8 @@ CONTIG_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 *
 QUICK_CONTIG = [8, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]
 PAGE_SIZES = [1 * KiB, 4 * KiB, 16 * KiB, 64 * KiB]
 QUICK_PAGES = [1 * KiB, 32 * KiB]
+READ_SIZES = [8, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]  # read rows (one-sided READ, remote -> local)
+QUICK_READ = [4 * KiB, 1 * MiB]
 REGION = 128 * MiB
 PAGES_PER_OP = 64
 MANY_SIZE = 4 * KiB  # write_many row: writes of this size, WRITES_PER_CALL per call
@@ -42,7 +44,7 @@ MANY_WINDOW = 4  # calls in flight (4 x 64 writes; the raw loop keeps 64 single 
 
 @dataclass
 class Row:
-    kind: str  # "write", "paged" or "many" (write_many; raw: the C loop of single writes)
+    kind: str  # "write", "read", "paged" or "many" (write_many; raw: the C loop of single writes)
     size: int  # bytes per write, or bytes per page
     ops_per_call: int  # 1, or pages per paged write
     window: int
@@ -72,7 +74,7 @@ def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
     async def run() -> None:
         async with Engine(provider, polling=polling) as eng:
             buf = np.zeros(REGION, dtype=np.uint8)
-            mr = eng.register(buf)
+            mr = eng.register(buf, remote="rw")  # written to, and read from by the read rows
             conn.send(bytes(mr.descriptor))
             aloop = asyncio.get_running_loop()
             await aloop.run_in_executor(None, conn.recv)
@@ -106,6 +108,52 @@ async def _py_writes(
     t0 = time.perf_counter()
     await asyncio.gather(*(lane(k) for k in range(window)))
     return (time.perf_counter() - t0) / (per * window)
+
+
+async def _py_reads(
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int
+) -> float:
+    """Seconds per read, ``window`` in flight, rotating through the regions as writes do."""
+    per = max(1, iters // window)
+    span = max(1, REGION // max(nbytes, 1))
+
+    async def lane(k: int) -> None:
+        for i in range(per):
+            off = ((k * per + i) % span) * nbytes
+            await eng.read(mr, desc, nbytes, src_offset=off, dst_offset=off)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane(k) for k in range(window)))
+    return (time.perf_counter() - t0) / (per * window)
+
+
+def _read_sizes(args: argparse.Namespace) -> list[int]:
+    """Read rows: the contiguous sizes asked for (--sizes), else their own list."""
+    return list(args.sizes or (QUICK_READ if args.quick else READ_SIZES))
+
+
+async def _read_rows(
+    args: argparse.Namespace, eng: Engine, mr: MemoryRegion, desc: MrDesc, bar: Progress
+) -> list[Row]:
+    """Reads of the target's region into ours: Python, the raw C loop and fi_rma_bw -o read."""
+    raw_loop = RawLoop(eng, mr, desc)
+    rows = []
+    for size in _read_sizes(args):
+        bar.step(f"read {_fmt_size(size)}")
+        window, iters = _window_for(size), _iters_for(size, args.quick)
+        row = Row("read", size, 1, window)
+        py: list[float] = []
+        raw: list[float] = []
+        fi: list[float] = []
+        for _ in range(args.repeat):
+            fi += await _rma_bw(args, size, window, "read")
+            py.append(await _py_reads(eng, mr, desc, size, window, iters))
+            raw.append(_raw(raw_loop.read(size, window, iters), iters))
+        _fill(row, py, raw, size)
+        row.fi_gbps = statistics.median(fi) if fi else 0.0
+        rows.append(row)
+        bar.advance()
+    return rows
 
 
 async def _py_many(
@@ -170,7 +218,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
     eng = Engine(args.provider, polling=args.polling)
     sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
     pages = QUICK_PAGES if args.quick else PAGE_SIZES
-    bar = Progress(len(sizes) + len(pages) + 2)  # on stderr, when it is a terminal
+    bar = Progress(len(sizes) + len(_read_sizes(args)) + len(pages) + 2)  # on stderr, when it is a terminal
     try:
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
@@ -192,7 +240,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
             row.fi_gbps = statistics.median(fi) if fi else 0.0
             rows.append(row)
             bar.advance()
-        rows.append(await _many_row(args, eng, mr, desc, bar))
+        rows += [await _many_row(args, eng, mr, desc, bar), *await _read_rows(args, eng, mr, desc, bar)]
         rng = np.random.default_rng(1)
         for page in pages:
             bar.step(f"paged {_fmt_size(page)}/pg")
@@ -243,12 +291,12 @@ async def _off_loop(fn: Callable[..., float], *a: object) -> float:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *a)
 
 
-async def _rma_bw(args: argparse.Namespace, size: int, window: int) -> list[float]:
-    """One fi_rma_bw sample at this size and window with --fabtests, else none."""
+async def _rma_bw(args: argparse.Namespace, size: int, window: int, op: str = "writedata") -> list[float]:
+    """One fi_rma_bw sample (-o op) at this size and window with --fabtests, else none."""
     if not args.fabtests:
         return []
     iters = fabtests.rma_iters(size, args.quick)
-    return [await _off_loop(fabtests.rma_bw, args.fabtests, args.fabric, size, window, iters)]
+    return [await _off_loop(fabtests.rma_bw, args.fabtests, args.fabric, size, window, iters, op)]
 
 
 async def _pingpong(args: argparse.Namespace) -> float:
@@ -294,9 +342,11 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
             + (f"; fi_rdm_pingpong {x.fi_pingpong_us:.2f} µs (half round trip)" if x.fi_pingpong_us else "")
         )
     if fi:
-        out.append("fi_rma_bw: libfabric's own C loop (-o writedata), same provider, size and window, "
-                   "run alternately with afabric's rows; py/fi is the API's share of it")
+        out.append("fi_rma_bw: libfabric's own C loop (-o writedata; -o read for read rows), same provider, "
+                   "size and window, run alternately with afabric's rows; py/fi is the API's share of it")
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
+    if any(r.kind == "read" for r in rows):
+        out.append("read rows: one-sided READs of the target's region into ours (remote -> local)")
     if any(r.kind == "many" for r in rows):
         out.append(
             f"many rows: write_many, {WRITES_PER_CALL} writes per call, win calls in flight; op/s counts "

@@ -4,9 +4,9 @@ The benchmarks use the public API, with two exceptions: measurements the API del
 does not offer. Both read the engine's private state here and nowhere else, so a change
 inside :class:`afabric.Engine` has this one file to follow:
 
-- :class:`RawLoop`: the shim's raw C loops (``afs_bench_write``, ``afs_bench_paged``) on a
-  registered region and an imported descriptor. They drive the submit path that
-  ``Engine.write``/``write_paged`` use, from C, with no Python per operation: the ``raw``
+- :class:`RawLoop`: the shim's raw C loops (``afs_bench_write``, ``afs_bench_read``,
+  ``afs_bench_paged``) on a registered region and an imported descriptor. They drive the
+  submit path that ``Engine.write``/``read``/``write_paged`` use, from C, with no Python per operation: the ``raw``
   column of ``afabric bench p2p`` and its raw latency. Requests they post reach the
   worker's completion path through its one hook for this (``afs_done_hook``,
   shim/internal.h), never the completion ring.
@@ -40,6 +40,11 @@ class RawLoop:
         """Nanoseconds for ``iters`` contiguous writes of ``length`` bytes, ``window`` in
         flight (rotating through the region in slots of ``length``, as the Python rows do)."""
         return self._n.bench_write(self._mr_id, self._rid, length, window, iters)
+
+    def read(self, length: int, window: int, iters: int) -> int:
+        """Nanoseconds for ``iters`` contiguous reads of ``length`` bytes into ``mr``,
+        ``window`` in flight (the same slots as :meth:`write`)."""
+        return self._n.bench_read(self._mr_id, self._rid, length, window, iters)
 
     def paged(
         self,

@@ -48,7 +48,9 @@ typedef struct mb_export {
     int32_t pid;
     int32_t device;
     CUipcMemHandle handle;
-    uint8_t pad[16];
+    uint32_t access; /* AFP_MR_REMOTE | AFP_MR_REMOTE_READ (0, from a build before reads:
+                        write only); taken from the padding, the layout is unchanged */
+    uint8_t pad[12];
 } mb_export;
 
 typedef struct mb_rec {

@@ -79,6 +79,7 @@ typedef struct nvl_import {
     uint64_t gen_addr;  /* where the entry's generation lives (the peer's mapping) */
     uint64_t base, len; /* owner's registered range */
     int64_t delta;      /* our address = owner's address + delta */
+    uint32_t access;    /* what the owner allows: AFP_MR_REMOTE | AFP_MR_REMOTE_READ */
     bool tomb;
 } nvl_import;
 
@@ -653,10 +654,11 @@ static int read_export(nvl_peer *p, uint64_t key, mb_export *out)
     return 0;
 }
 
-/* Where to write [raddr, +len) of region `key` of `peer`, checked against the owner's
- * export entry (not the descriptor, which a peer could forge). */
+/* Where to write (or, `need` AFP_MR_REMOTE_READ, read) [raddr, +len) of region `key` of
+ * `peer`, checked against the owner's export entry (not the descriptor, which a peer could
+ * forge): its range and what it allows. */
 static int translate(afp_domain *d, uint64_t peer, uint64_t key, uint64_t raddr, uint64_t len,
-                     uint64_t *out)
+                     uint32_t need, uint64_t *out)
 {
     nvl_peer *p = peer_of(d, peer);
     if (!p)
@@ -696,7 +698,11 @@ static int translate(afp_domain *d, uint64_t peer, uint64_t key, uint64_t raddr,
         im->base = e.base;
         im->len = e.len;
         im->delta = delta;
+        im->access = e.access ? e.access : AFP_MR_REMOTE;
     }
+    if (!(im->access & need))
+        return DERR(d, AFP_EKEY, "remote region does not allow %s (registered without it) "
+                                 "[nvlink]", need == AFP_MR_REMOTE_READ ? "reads" : "writes");
     if (raddr < im->base || len > im->len || raddr - im->base > im->len - len)
         return DERR(d, AFP_EKEY,
                     "remote access [%llx, +%llu) outside the registered region [%llx, +%llu) "
@@ -860,7 +866,8 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
             return *posted ? 0 : rc;
         nvl_op op = {w->ctx, w->peer, w->has_imm ? 1u : 0u, w->imm, 0, NULL, 0, NULL};
         uint64_t dst = 0;
-        int trc = translate(d, w->peer, w->remote_key, w->remote_addr, w->length, &dst);
+        int trc = translate(d, w->peer, w->remote_key, w->remote_addr, w->length, AFP_MR_REMOTE,
+                            &dst);
         if (trc || w->length == 0) { /* nothing for the GPU: done (or failed) now */
             op.status = trc;
             op.text = trc ? strdup(d->errbuf) : NULL;
@@ -879,6 +886,50 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
             b->nops--; /* not in flight: fails now */
             op.status = AFP_EIO;
             op.text = dup_text("cuMemcpyAsync of %llu bytes: %s [nvlink]",
+                               (unsigned long long)w->length, afnv_cuda_errstr(d->cu, r));
+            finish_op(d, &op);
+        } else {
+            *slot = op;
+        }
+        (*posted)++;
+    }
+    return 0;
+}
+
+/* Reads: the write path's copy in the other direction (from the peer's exported memory,
+ * mapped here, into the local region), on a stream of the local region's device. Written to
+ * mirror nvl_post_writes; not run on a GPU machine yet. */
+static int nvl_post_reads(afp_domain *d, const afp_write *rd, uint32_t n, uint32_t *posted)
+{
+    *posted = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const afp_write *w = &rd[i];
+        int dev = src_device(d, w->local_desc);
+        int rc = dev_ready(d, dev);
+        if (rc)
+            return *posted ? 0 : rc;
+        nvl_op op = {w->ctx, w->peer, 0u, 0u, 0, NULL, 0, NULL};
+        uint64_t src = 0;
+        int trc = translate(d, w->peer, w->remote_key, w->remote_addr, w->length,
+                            AFP_MR_REMOTE_READ, &src);
+        if (trc || w->length == 0) {
+            op.status = trc;
+            op.text = trc ? strdup(d->errbuf) : NULL;
+            finish_op(d, &op);
+            (*posted)++;
+            continue;
+        }
+        nvl_stream *s = pick_stream(d, dev);
+        nvl_batch *b = open_batch(d, dev, s);
+        nvl_op *slot = b ? batch_add(b) : NULL;
+        if (!slot)
+            return *posted ? 0 : AFP_EAGAIN;
+        CUresult r = d->cu->memcpy_async((CUdeviceptr)(uintptr_t)w->local_addr, src, w->length,
+                                         s->s);
+        if (r != CUDA_SUCCESS) {
+            b->nops--;
+            op.status = AFP_EIO;
+            op.text = dup_text("cuMemcpyAsync (read) of %llu bytes: %s [nvlink]",
                                (unsigned long long)w->length, afnv_cuda_errstr(d->cu, r));
             finish_op(d, &op);
         } else {
@@ -947,7 +998,8 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
      * is what counts (a descriptor can be forged) */
     uint64_t span = (uint64_t)max_index(p->dst_idx, p->count) * p->dst_stride + p->page_len;
     uint64_t dst = 0;
-    int trc = translate(d, p->peer, p->remote_key, p->remote_base + p->dst_offset, span, &dst);
+    int trc = translate(d, p->peer, p->remote_key, p->remote_base + p->dst_offset, span,
+                        AFP_MR_REMOTE, &dst);
     if (trc || p->page_len == 0) { /* refused, or only arrivals to deliver */
         op.status = trc;
         op.text = trc ? strdup(d->errbuf) : NULL;
@@ -1200,10 +1252,11 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     CUresult r;
     int rc;
     if (!(flags & AFP_MR_DEVICE)) {
-        if (flags & AFP_MR_REMOTE)
+        if (flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ))
             return DERR(d, AFP_EUNSUPPORTED,
-                        "nvlink writes into CUDA device memory only: host memory can be a "
-                        "local source, not a target (use shm for host memory)");
+                        "nvlink writes into (reads from) CUDA device memory only: host memory "
+                        "can be a local source or destination, not a target (use shm for host "
+                        "memory)");
         struct afp_mr *m = calloc(1, sizeof *m);
         if (!m)
             return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
@@ -1240,7 +1293,7 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
         return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
     *m = (struct afp_mr){device, 0, false, (uint64_t)p, len};
     *rkey = 0;
-    if (flags & AFP_MR_REMOTE) {
+    if (flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) {
         CUipcMemHandle h;
         if ((r = cu->ipc_get_mem_handle(&h, base)) != CUDA_SUCCESS) {
             free(m);
@@ -1270,6 +1323,7 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
         e->pid = (int32_t)getpid();
         e->device = device;
         e->handle = h;
+        e->access = flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ);
         atomic_store_explicit(&e->gen, gen + 1, memory_order_release); /* live */
         m->export_idx = idx;
         m->exported = true;
@@ -1564,6 +1618,7 @@ static const struct afp_ops nvl_ops = {
     .poll = nvl_poll,
     .trywait = nvl_trywait,
     .post_paged = nvl_post_paged,
+    .post_reads = nvl_post_reads,
 };
 
 __attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)

@@ -118,6 +118,8 @@ struct afp_domain {
     bool delivery_complete;
     bool zero_len_dc; /* zero-length writes are sent delivery-complete too (ofi_open) */
     bool rma_event;
+    bool reads; /* opened with FI_READ | FI_REMOTE_READ (else post_reads and readable
+                   regions are refused: a provider without RMA read still serves writes) */
     bool source; /* FI_SOURCE: completions of receives say who sent them (poll_from) */
     bool src_msg, src_imm; /* which events' sources are passed on (see trust_sources) */
     uint64_t self_fa;      /* our own address, taking AV index 0 (see trust_sources) */
@@ -554,6 +556,9 @@ static bool info_usable(const struct fi_info *fi, const afp_open_args *a)
     return fi->domain_attr->cq_data_size >= OFI_IMM_SIZE;
 }
 
+/* ofi.c's own bit in a copy of afp_open_args.flags (never the shim's): ask for no RMA read. */
+#define OFI_OPEN_NO_READS 0x80000000u
+
 static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args *a, bool dc,
                                   bool hmem, bool rma_event, bool source)
 {
@@ -562,6 +567,8 @@ static struct fi_info *make_hints(const struct ofi_lib *lib, const afp_open_args
         return NULL;
     h->ep_attr->type = FI_EP_RDM;
     h->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    if (!(a->flags & OFI_OPEN_NO_READS))
+        h->caps |= FI_READ | FI_REMOTE_READ;
     if (hmem)
         h->caps |= FI_HMEM;
     if (rma_event)
@@ -676,6 +683,9 @@ static int ofi_list_nics(const afp_open_args *a, afp_nic_info *out, uint32_t max
     /* The plainest hints: a NIC is listed if it can be opened at all. Only an explicit
      * bind address narrows the query (no loopback default: we want every interface). */
     const char *node = a->bind_addr && *a->bind_addr ? a->bind_addr : NULL;
+    afp_open_args plain = *a; /* RMA read not needed to be listed (select_info falls back) */
+    plain.flags |= OFI_OPEN_NO_READS;
+    a = &plain;
     int ret = query(lib, a, node, false, false, false, false, &list);
     if (ret == -FI_ENODATA)
         goto out; /* no NIC is not an error here */
@@ -752,24 +762,31 @@ static int select_info(afp_domain *d, const afp_open_args *a)
     const char *node = open_node(a);
     bool try_hmem = cuda_present();
     int ret = -FI_ENODATA;
+    /* every rung with RMA read first, then (a provider without it) every rung without */
+    const size_t nrungs = sizeof rungs / sizeof rungs[0];
+    afp_open_args no_reads = *a;
+    no_reads.flags |= OFI_OPEN_NO_READS;
 
-    for (size_t r = 0; r < sizeof rungs / sizeof rungs[0]; r++) {
+    for (size_t k = 0; k < 2 * nrungs; k++) {
+        const afp_open_args *args = k < nrungs ? a : &no_reads;
+        size_t r = k % nrungs;
         struct fi_info *list = NULL;
         if (rungs[r].hmem && !try_hmem)
             continue;
-        ret = query(d->lib, a, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event, false,
+        ret = query(d->lib, args, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event, false,
                     &list);
         if (ret == -FI_ENODATA)
             continue;
         if (ret)
             return fail(d, "fi_getinfo", ret);
         for (struct fi_info *fi = list; fi; fi = fi->next) {
-            if (info_usable(fi, a)) {
+            if (info_usable(fi, args)) {
                 d->info_list = list;
                 d->info = fi;
                 d->delivery_complete = rungs[r].dc;
                 d->rma_event = rungs[r].rma_event;
-                with_source(d, a, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event);
+                d->reads = k < nrungs;
+                with_source(d, args, node, rungs[r].dc, rungs[r].hmem, rungs[r].rma_event);
                 return 0;
             }
         }
@@ -1138,9 +1155,15 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     struct fid_mr *mr = NULL;
     int rc, ret;
 
+    if ((flags & AFP_MR_REMOTE_READ) && !d->reads) {
+        afp_errf(d->errbuf, sizeof d->errbuf, "%s: no RMA read (FI_REMOTE_READ)", d->prov_name);
+        return AFP_EUNSUPPORTED;
+    }
     uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_READ;
     if (flags & AFP_MR_REMOTE)
-        access |= FI_REMOTE_WRITE | FI_REMOTE_READ;
+        access |= FI_REMOTE_WRITE;
+    if (flags & AFP_MR_REMOTE_READ)
+        access |= FI_REMOTE_READ;
     /* Real FI_MR_PROV_KEY: the provider ignores the request. Emulated: a key of our own
      * (unique per domain; never the shim's), so only the returned rkey works. */
     uint64_t key = d->prov_key ? 0 : d->emu_prov_key ? d->next_key++ : requested_key;
@@ -1185,7 +1208,7 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
     /* A local-only region may have no key at all (libfabric 2.x tcp: FI_KEY_NOTAVAIL);
      * for a remote one that value means keys beyond 64 bits (fi_mr_raw_attr): unserved. */
     uint64_t k = fi_mr_key(mr);
-    if (k == FI_KEY_NOTAVAIL && (flags & AFP_MR_REMOTE)) {
+    if (k == FI_KEY_NOTAVAIL && (flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ))) {
         afp_errf(d->errbuf, sizeof d->errbuf, "%s: memory keys need fi_mr_raw_attr",
              d->prov_name);
         rc = AFP_EUNSUPPORTED;
@@ -1212,7 +1235,8 @@ static int ofi_dereg_mr(afp_domain *d, afp_mr *mr)
 /* ------------------------------------------------------------------------------------ */
 /* Posting                                                                               */
 
-static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+/* Writes, or with `read` reads (fi_readmsg: the same message, remote -> local). */
+static int post_rma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted, bool read)
 {
     /* Work-request template: the message's shape is fixed for the batch; each write only
      * changes addresses, lengths, key, peer, immediate and context. */
@@ -1237,8 +1261,8 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
             break;
         }
         if (w->length > d->max_msg_size) {
-            afp_errf(d->errbuf, sizeof d->errbuf, "write of %llu bytes > %s max %llu",
-                 (unsigned long long)w->length, d->prov_name,
+            afp_errf(d->errbuf, sizeof d->errbuf, "%s of %llu bytes > %s max %llu",
+                 read ? "read" : "write", (unsigned long long)w->length, d->prov_name,
                  (unsigned long long)d->max_msg_size);
             rc = AFP_ETOOBIG;
             break;
@@ -1270,17 +1294,34 @@ static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
         uint64_t flags = w->length || d->zero_len_dc ? d->write_flags : FI_COMPLETION;
         if (w->has_imm)
             flags |= FI_REMOTE_CQ_DATA;
-        ssize_t ret = fi_writemsg(d->ep, &msg, flags);
+        /* a read completes locally once its data is here: no delivery level to ask for */
+        ssize_t ret = read ? fi_readmsg(d->ep, &msg, FI_COMPLETION) : fi_writemsg(d->ep, &msg, flags);
         if (ret) {
             op_put(d, op);
             /* -FI_EAGAIN: provider queue full or peer connecting. Never poll here: the
              * events would have nowhere to go. */
-            rc = ret == -FI_EAGAIN ? AFP_EAGAIN : fail(d, "fi_writemsg", ret);
+            rc = ret == -FI_EAGAIN ? AFP_EAGAIN
+                                   : fail(d, read ? "fi_readmsg" : "fi_writemsg", ret);
             break;
         }
     }
     *posted = i;
     return rc;
+}
+
+static int ofi_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    return post_rma(d, wr, n, posted, false);
+}
+
+static int ofi_post_reads(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    if (!d->reads) {
+        *posted = 0;
+        afp_errf(d->errbuf, sizeof d->errbuf, "%s: no RMA read (FI_READ)", d->prov_name);
+        return AFP_EUNSUPPORTED;
+    }
+    return post_rma(d, wr, n, posted, true);
 }
 
 static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t len,
@@ -1551,6 +1592,7 @@ static const struct afp_ops g_ops = {
     .poll = ofi_poll,
     .trywait = ofi_trywait,
     .poll_from = ofi_poll_from,
+    .post_reads = ofi_post_reads,
 };
 
 __attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)

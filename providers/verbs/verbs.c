@@ -171,6 +171,7 @@ struct afp_domain {
     uint32_t tx_outstanding; /* all RC sends/writes in flight: bounds the CQ */
     uint32_t imm_missing;    /* srq_imm receives consumed and not yet reposted */
     int access;              /* for reg_mr (RELAXED_ORDERING dropped if refused) */
+    uint8_t rd_atom;         /* RDMA READs in flight per QP, each way (device limits, <= 16) */
     bool relaxed;
     uint64_t connect_timeout_ns;
     uint32_t drop_hellos;    /* test switch AFABRIC_VERBS_TEST_DROP_HELLOS */
@@ -643,6 +644,11 @@ static int open_device(afp_domain *d, const afp_open_args *a, struct ibv_port_at
         d->port = port;
         snprintf(d->dev_name, sizeof d->dev_name, "%s", name);
         uint32_t max_wr = da.max_qp_wr > 0 ? (uint32_t)da.max_qp_wr : 1;
+        /* READs a QP keeps in flight: both our initiator limit and the responder's (the peer
+         * runs the same code on the same kind of device); 16 is ConnectX's, rxe allows 128 */
+        int rd = da.max_qp_init_rd_atom < da.max_qp_rd_atom ? da.max_qp_init_rd_atom
+                                                            : da.max_qp_rd_atom;
+        d->rd_atom = (uint8_t)(rd >= 16 ? 16 : rd > 0 ? rd : 1);
         uint32_t max_srq = da.max_srq_wr > 0 ? (uint32_t)da.max_srq_wr : 1;
         uint32_t max_cqe = da.max_cqe > 0 ? (uint32_t)da.max_cqe : 1;
         if (d->tx_depth > max_wr)
@@ -1005,7 +1011,8 @@ static int create_rc(afp_domain *d, struct vb_peer *p)
             .pkey_index = 0,
             .port_num = d->port,
             .qp_access_flags =
-                IBV_ACCESS_LOCAL_WRITE | (q == VB_QP_WR ? IBV_ACCESS_REMOTE_WRITE : 0),
+                IBV_ACCESS_LOCAL_WRITE |
+                (q == VB_QP_WR ? IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ : 0),
         };
         int rc = modify(d, p->qp[q], &at,
                         IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
@@ -1027,7 +1034,7 @@ static int rc_rts(afp_domain *d, struct vb_peer *p)
         at.retry_cnt = 7;
         at.rnr_retry = 7; /* retry forever on RNR (srq_imm never runs dry anyway) */
         at.sq_psn = p->psn[q];
-        at.max_rd_atomic = 1;
+        at.max_rd_atomic = d->rd_atom;
         int rc = modify(d, p->qp[q], &at,
                         IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                             IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC,
@@ -1227,7 +1234,7 @@ static void on_hello(afp_domain *d, const uint8_t *buf, uint32_t len)
             at.path_mtu = mtu;
             at.dest_qp_num = h.qpn[q];
             at.rq_psn = h.psn[q];
-            at.max_dest_rd_atomic = 1;
+            at.max_dest_rd_atomic = d->rd_atom;
             at.min_rnr_timer = 12;
             fill_ah_attr(d, &p->addr, &at.ah_attr);
             if (modify(d, p->qp[q], &at,
@@ -1353,6 +1360,8 @@ static int vb_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, in
     int access = d->access;
     if (flags & AFP_MR_REMOTE)
         access |= IBV_ACCESS_REMOTE_WRITE;
+    if (flags & AFP_MR_REMOTE_READ)
+        access |= IBV_ACCESS_REMOTE_READ;
     struct ibv_mr *mr = NULL;
     if (len == 0) {
         derr(d, "register: zero-length region");
@@ -1423,7 +1432,8 @@ static int post_failed(afp_domain *d, struct vb_peer *p, struct ibv_qp *qp, int 
     return fail_errno(d, what, ret);
 }
 
-static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+/* Writes, or with `read` RDMA READs (remote -> local_addr), chained alike. */
+static int post_rdma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted, bool read)
 {
     struct ibv_send_wr sw[VB_CHAIN];
     struct ibv_sge sge[VB_CHAIN];
@@ -1446,7 +1456,8 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
                d->tx_outstanding + k < d->tx_depth && p->outstanding + k < d->tx_depth) {
             const afp_write *w = &wr[i + k];
             if (w->length > d->max_msg_size) {
-                derr(d, "write of %llu bytes > %s max %llu", (unsigned long long)w->length,
+                derr(d, "%s of %llu bytes > %s max %llu", read ? "read" : "write",
+                     (unsigned long long)w->length,
                      d->dev_name, (unsigned long long)d->max_msg_size);
                 rc = AFP_ETOOBIG;
                 break;
@@ -1462,9 +1473,12 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
             sw[k].wr_id = (uint64_t)(uintptr_t)op;
             sw[k].sg_list = &sge[k];
             sw[k].num_sge = w->length ? 1 : 0;
-            sw[k].opcode = w->has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-            sw[k].send_flags = IBV_SEND_SIGNALED |
-                               (w->length && w->length <= d->max_inline ? IBV_SEND_INLINE : 0);
+            sw[k].opcode = read          ? IBV_WR_RDMA_READ
+                           : w->has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM
+                                        : IBV_WR_RDMA_WRITE;
+            sw[k].send_flags = IBV_SEND_SIGNALED | (!read && w->length && w->length <= d->max_inline
+                                                        ? IBV_SEND_INLINE
+                                                        : 0);
             sw[k].imm_data = htonl(w->imm);
             sw[k].wr.rdma.remote_addr = w->remote_addr;
             sw[k].wr.rdma.rkey = (uint32_t)w->remote_key;
@@ -1490,7 +1504,8 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
         d->tx_outstanding += ok;
         i += ok;
         if (ret) {
-            rc = post_failed(d, p, p->qp[VB_QP_WR], ret, "ibv_post_send(write)");
+            rc = post_failed(d, p, p->qp[VB_QP_WR], ret,
+                             read ? "ibv_post_send(read)" : "ibv_post_send(write)");
             break;
         }
         if (rc)
@@ -1498,6 +1513,16 @@ static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32
     }
     *posted = i;
     return rc;
+}
+
+static int vb_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    return post_rdma(d, wr, n, posted, false);
+}
+
+static int vb_post_reads(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    return post_rdma(d, wr, n, posted, true);
 }
 
 static int vb_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t len, void *desc,
@@ -1796,6 +1821,7 @@ static const struct afp_ops g_ops = {
     .resolve = vb_resolve,
     .forget = vb_forget,
     .post_writes = vb_post_writes,
+    .post_reads = vb_post_reads,
     .post_send = vb_post_send,
     .post_recv = vb_post_recv,
     .poll = vb_poll,

@@ -83,9 +83,12 @@ static void fix_crc(uint8_t *p, size_t n)
         wr(p + n - 4, crc32_ieee(p, n - 4), 4);
 }
 
-static bool is_desc(const uint8_t *p, size_t n) { return n >= 8 && memcmp(p, "AFD1", 4) == 0; }
+static bool is_desc(const uint8_t *p, size_t n)
+{
+    return n >= 8 && (memcmp(p, "AFD1", 4) == 0 || memcmp(p, "AFD2", 4) == 0);
+}
 
-/* The owner address inside a descriptor ("AFD1" u32 addr_len addr[addr_len] ...). */
+/* The owner address inside a descriptor ("AFD1"/"AFD2" u32 addr_len addr[addr_len] ...). */
 static void fix_inner_crc(uint8_t *p, size_t n)
 {
     if (!is_desc(p, n))

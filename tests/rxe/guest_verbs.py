@@ -51,6 +51,7 @@ async def server(ctl: Ctl) -> str:
         m1, m2 = e1.register(b1), e2.register(b2)
         imm = e1.alloc_imm()
         ctl.put((bytes(e1.address), bytes(e2.address), bytes(m1.descriptor), bytes(m2.descriptor), imm))
+        readable: list[tuple[np.ndarray, bytes]] = []
         while True:
             req = await ctl.get(timeout=300)
             kind = req[0]
@@ -95,6 +96,27 @@ async def server(ctl: Ctl) -> str:
                 b1[:] = 0
                 b2[:] = 0
                 ctl.put("ok")
+            elif kind == "readable":
+                ctl.put(readable_regions(e1, e2, readable))
+
+
+def readable_regions(
+    e1: afabric.Engine, e2: afabric.Engine, kept: list[tuple[np.ndarray, bytes]]
+) -> tuple[list[bytes], list[int]]:
+    """Regions to read from, registered once: "r" on e1 and on e2, "w" on e1; their
+    descriptors, and how many bytes of each differ from what was put there."""
+    if not kept:
+        w1 = np.zeros(8192, np.uint8)
+        for eng, buf, remote in (
+            (e1, pattern(REGION, 21), "r"),
+            (e2, pattern(REGION, 22), "r"),
+            (e1, w1, "w"),
+        ):
+            kept.append((buf, bytes(eng.register(buf, remote=remote).descriptor)))
+    wants = [pattern(REGION, 21), pattern(REGION, 22), np.zeros(8192, np.uint8)]
+    return [d for _, d in kept], [
+        int(np.count_nonzero(b != w)) for (b, _), w in zip(kept, wants, strict=True)
+    ]
 
 
 async def vanishing_peer(ctl: Ctl) -> str:
@@ -266,3 +288,85 @@ async def test_allow_list_names_senders_by_queue_pair() -> None:
         assert (nic["rejected"], nic["rejected_unknown"], nic["recvs"]) == (10, 0, 3)
         with pytest.raises(errors.OperationTimeout):
             await rx.expect_imm(9, 1, timeout=0.5)
+
+
+# ---- one-sided reads ----
+
+
+async def readable(p: Peer) -> tuple[list[afabric.MrDesc], list[int]]:
+    """Descriptors of the server's readable regions ("r" on e1, "r" on e2, "w" on e1) and
+    how many bytes of each differ from what it put there."""
+    p.put(("readable",))
+    blobs, changed = await p.get()
+    return [afabric.MrDesc.from_bytes(b) for b in blobs], changed
+
+
+async def test_reads_contiguous_paged_and_gather(srv: tuple[Peer, Any]) -> None:
+    p, (a1, a2, *_rest) = srv
+    (r1, r2, _w1), changed = await readable(p)
+    assert (r1.access, r2.access) == ("r", "r") and changed == [0, 0, 0]
+    want1, want2 = pattern(REGION, 21), pattern(REGION, 22)
+    async with afabric.Engine(P) as eng:
+        dst = np.zeros(REGION, np.uint8)
+        mr = eng.register(dst, remote=False)
+        n, off = (3 << 20) + 12345, 4097
+        await eng.read(mr, r1, n, src_offset=off, dst_offset=5)
+        assert np.array_equal(dst[5 : 5 + n], want1[off : off + n]) and not dst[:5].any()
+        dst[:] = 0
+        src_idx, dst_idx = pages(13)
+        await eng.read_paged(
+            mr,
+            r1,
+            page_len=PAGE,
+            src_pages=afabric.Pages(src_idx, PAGE),
+            dst_pages=afabric.Pages(dst_idx, PAGE),
+        )
+        got, src = dst.reshape(-1, PAGE), want1.reshape(-1, PAGE)
+        assert np.array_equal(got[dst_idx], src[src_idx])
+        dst[:] = 0
+        group = eng.peer_group([afabric.Address.from_bytes(a1), afabric.Address.from_bytes(a2)])
+        k = 256 << 10
+        await eng.gather(
+            mr,
+            [
+                afabric.GatherSource(r2, k, src_offset=k, dst_offset=0),
+                afabric.GatherSource(r1, k, dst_offset=k),
+            ],
+            group=group,
+        )
+        assert np.array_equal(dst[:k], want2[k : 2 * k]) and np.array_equal(dst[k : 2 * k], want1[:k])
+        nic = eng.stats()["nics"][0]
+        assert nic["errors"] == 0 and nic["writes"] == 0 and nic["reads"] >= 2 + NPAGES
+    assert (await readable(p))[1] == [0, 0, 0]
+
+
+async def test_read_access_enforced_by_the_device(srv: tuple[Peer, Any]) -> None:
+    """The initiator refuses a read of a "w" region before posting; a descriptor forged to
+    say "rw" gets past that, and the responder (rxe, registered without
+    IBV_ACCESS_REMOTE_READ) refuses the READ: RemoteKeyRejected, nothing read. Likewise a
+    write into an "r" region."""
+    import struct
+    import zlib
+
+    def forge(d: afabric.MrDesc) -> afabric.MrDesc:
+        blob = bytes(d)
+        at = 8 + struct.unpack_from("<I", blob, 4)[0] + 24
+        body = blob[:at] + struct.pack("<I", 0x5) + blob[at + 4 : -4]
+        return afabric.MrDesc.from_bytes(body + struct.pack("<I", zlib.crc32(body)))
+
+    p, _info = srv
+    (r1, _r2, w1), _ = await readable(p)
+    async with afabric.Engine(P) as eng:
+        dst = np.zeros(8192, np.uint8)
+        mr = eng.register(dst, remote=False)
+        with pytest.raises(errors.RemoteKeyRejected, match="before posting"):
+            await eng.read(mr, w1, 8192)
+        assert eng.stats()["nics"][0]["reads"] == 0
+        with pytest.raises(errors.RemoteKeyRejected):
+            await asyncio.wait_for(eng.read(mr, forge(w1), 8192), 60)
+        assert not dst.any()
+    async with afabric.Engine(P) as eng:
+        src = eng.register(np.full(8192, 0xAB, np.uint8), remote=False)
+        with pytest.raises(errors.RemoteKeyRejected):
+            await asyncio.wait_for(eng.write(src, forge(r1), 8192), 60)
+    assert (await readable(p))[1] == [0, 0, 0]
