@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import afabric
-from afabric import _native, errors
+from afabric import _native, errors, testing
 
 from .conftest import libfabric_version, loop_name
 from .procs import Ctl, Peer
@@ -527,7 +527,9 @@ async def test_triggered_read_fires_on_an_immediate_and_cancels(provider: str, p
 
 
 async def efa_source(ctl: Ctl, provider: str) -> bool:
-    async with afabric.Engine(provider, force_efa_modes=True) as eng:
+    with testing.force_efa_modes():
+        eng = afabric.Engine(provider)
+    async with eng:
         buf = pattern(4 * MiB, 31).copy()
         mr = eng.register(buf, remote="r")
         ctl.put(bytes(mr.descriptor))
@@ -541,7 +543,9 @@ async def test_reads_with_efa_modes_forced(provider: str, peers: list[Peer]) -> 
     p = Peer(efa_source, provider)
     peers.append(p)
     desc = afabric.MrDesc.from_bytes(await p.get())
-    async with afabric.Engine(provider, force_efa_modes=True) as eng:
+    with testing.force_efa_modes():
+        eng = afabric.Engine(provider)
+    async with eng:
         assert eng.caps & _native.CAP_MR_LOCAL and eng.caps & _native.CAP_PROV_KEY
         dst = np.zeros(4 * MiB, np.uint8)
         mr = eng.register(dst, remote=False)
