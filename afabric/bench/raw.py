@@ -7,10 +7,9 @@ inside :class:`afabric.Engine` has this one file to follow:
 - :class:`RawLoop`: the shim's raw C loops (``afs_bench_write``, ``afs_bench_read``,
   ``afs_bench_paged``) on a registered region and an imported descriptor. They drive the
   submit path that ``Engine.write``/``read``/``write_paged`` use, from C, with no Python
-  per operation: the ``raw``
-  column of ``afabric bench p2p`` and its raw latency. Requests they post reach the
-  worker's completion path through its one hook for this (``afs_done_hook``,
-  shim/internal.h), never the completion ring.
+  per operation: the ``raw`` column of ``afabric bench p2p`` and its raw latency. Requests
+  they post reach the worker's completion path through its one hook for this
+  (``afs_done_hook``, shim/internal.h), never the completion ring.
 - :func:`record_first_posts`: the time the worker first posted each triggered write
   (``afabric bench trigger``: bump-to-post latency).
 """
