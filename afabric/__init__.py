@@ -11,6 +11,7 @@ from .engine import Engine
 from .groups import PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import MemoryRegion
+from .messages import TAG_MAX, Message
 from .pages import Pages
 from .provider import ProviderSpec
 from .timing import OpTiming
@@ -20,10 +21,12 @@ from .watcher import UvmWatcher
 __version__ = "0.1.0"
 
 __all__ = [
+    "TAG_MAX",
     "Address",
     "Engine",
     "LengthFrom",
     "MemoryRegion",
+    "Message",
     "MrDesc",
     "OpTiming",
     "Pages",

@@ -71,7 +71,7 @@ SIGTERM_CHILD = """
             await a.write(src, mr.descriptor, 4096, imm=imm)
             await b.expect_imm(imm, 1)
             await a.send(b.address, b"x")
-            assert await b.recv() == b"x"
+            assert await b.recv_bytes() == b"x"
 
     asyncio.run(main())
     os.kill(os.getpid(), signal.SIGTERM)
@@ -164,7 +164,7 @@ async def test_unreceived_messages_bounded(provider: str, peers: list[Peer]) -> 
         received = 0
         with contextlib.suppress(asyncio.TimeoutError):
             while True:
-                assert len(await asyncio.wait_for(eng.recv(), 5.0)) == size
+                assert len(await asyncio.wait_for(eng.recv_bytes(), 5.0)) == size
                 received += 1
         stats_end = eng.stats()
     grown = after.heap_mib - before.heap_mib

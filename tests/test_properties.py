@@ -216,4 +216,4 @@ async def test_message_sizes_are_checked() -> None:
                 assert n > limit
                 continue
             assert n <= limit
-            assert len(await asyncio.wait_for(b.recv(), 10)) == n
+            assert len(await asyncio.wait_for(b.recv_bytes(), 10)) == n
