@@ -473,6 +473,7 @@ class MessagingMixin:
             "messages_expired": self._expired,
             "messages_refused": self._refused,
             "large_in_progress": len(self._partials),
+            "large_bytes_arrived": sum(p.got for p in self._partials.values()),
             "large_waiting": len(self._pending_rts),
             "bytes_reserved": self._reserved,
             "max_queued_bytes": self._max_queued_bytes,
