@@ -14,6 +14,7 @@ from .memory import MemoryRegion
 from .messages import TAG_MAX, Message
 from .pages import Pages
 from .provider import ProviderSpec
+from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger, imm_count
 from .watcher import UvmWatcher
@@ -24,10 +25,12 @@ __all__ = [
     "TAG_MAX",
     "Address",
     "Engine",
+    "EngineStats",
     "LengthFrom",
     "MemoryRegion",
     "Message",
     "MrDesc",
+    "NicStats",
     "OpTiming",
     "Pages",
     "PeerGroup",

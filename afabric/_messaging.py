@@ -9,6 +9,7 @@ import collections
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from . import _native, errors
 from . import messages as m
 from .address import Address
 from .memory import MemoryRegion
+from .stats import MessageStats
 
 if TYPE_CHECKING:
     from .engine import _Op
@@ -438,7 +440,7 @@ class MessagingMixin:
     def _sweep_soon(self) -> None:
         if self._sweeper is None and not self._closed:
             period = min(1.0, max(self.op_timeout / 4, 0.05)) if self.op_timeout else 1.0
-            self._sweeper = self._loop.call_later(period, self._sweep)
+            self._sweeper = self._loop.call_later(period, _sweep_ref, weakref.ref(self))
 
     def _sweep(self) -> None:
         """Frees large messages whose sender went quiet for op_timeout (a dead sender's
@@ -461,7 +463,7 @@ class MessagingMixin:
         if self._partials or self._asks:
             self._sweep_soon()
 
-    def _message_stats(self) -> dict[str, Any]:
+    def _message_stats(self) -> MessageStats:
         return {
             "messages_queued": self._n_queued + len(self._held_rx),
             "messages_held_back": self._held_back,  # found the queue at max_queued_messages
@@ -477,6 +479,7 @@ class MessagingMixin:
             "large_waiting": len(self._pending_rts),
             "bytes_reserved": self._reserved,
             "max_queued_bytes": self._max_queued_bytes,
+            "max_queued_messages": self._max_queued,
         }
 
     def _fail_messages(self, exc: errors.AfabricError) -> None:
@@ -492,6 +495,12 @@ class MessagingMixin:
             while q:
                 _fail(q.popleft(), exc)
         self._recv_waiters.clear()
+
+
+def _sweep_ref(ref: weakref.ref[MessagingMixin]) -> None:
+    eng = ref()  # weak: a pending sweep does not keep an engine alive
+    if eng is not None:
+        eng._sweep()
 
 
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:

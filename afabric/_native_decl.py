@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
 POLL_ADAPTIVE = 0

@@ -18,7 +18,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,7 @@ from .groups import PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
+from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger
 from .watcher import UvmWatcher
@@ -478,7 +479,7 @@ class Engine(MessagingMixin):
             )
         raise errors.UsageError(f"engine {self.name} belongs to another event loop (its own is not running)")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
         immediates in, completions, errors, "try again" retries, remote writes seen landing,
         and ``outstanding``: work requests still with the provider, the NIC's queue depth;
@@ -495,9 +496,8 @@ class Engine(MessagingMixin):
             "ops_in_flight": len(self._ops),
             "buffers_held": len(self._held),
             **self._message_stats(),
-            "max_queued_messages": self._max_queued,
             "max_imm_values": self._max_imm_values,
-            "nics": [self._n.stats(k) for k in range(self.nics)],
+            "nics": [cast(NicStats, self._n.stats(k)) for k in range(self.nics)],
         }
 
     def timings(self) -> list[OpTiming]:

@@ -20,7 +20,8 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 2u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE */
+#define AFS_ABI_VERSION 3u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+                              3: a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
