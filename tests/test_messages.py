@@ -320,3 +320,18 @@ async def test_stats_has_the_typed_keys(provider: str) -> None:
         native = {f[0] for f in _native.NicStats._fields_} | {"outstanding"}
         assert set(afabric.NicStats.__annotations__) == native
         assert all(set(n) == native for n in st["nics"])
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_reply_server_example_runs_as_written(provider: str) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "reply_server.py"
+    proc = subprocess.run(
+        [sys.executable, str(example), provider], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"server: answered {4 * 3} requests from 4 clients" in proc.stdout
+    assert proc.stdout.count("answers and the 8 MiB table") == 4
