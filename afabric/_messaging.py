@@ -86,8 +86,10 @@ class MessagingMixin:
         self._dropped = 0
         self._recv_waiters: dict[int, collections.deque[asyncio.Future[m.Message]]] = {}
         self._by_handle: dict[int, Address] = {}  # provider handle -> resolved peer
+        self._claims: dict[bytes, Address] = {}  # sender addresses seen in headers
         self._partials: dict[tuple[bytes, int], _Partial] = {}
-        self._pending_rts: collections.deque[tuple[Address, bool, int, int, int]] = collections.deque()
+        # announced large messages waiting for room: (sender, verified, tag, id, size, when)
+        self._pending_rts: collections.deque[tuple[Address, bool, int, int, int, float]] = collections.deque()
         self._asks: dict[int, _Ask] = {}
         self._reserved = 0  # bytes of large messages reserved: being reassembled or queued
         self._msg_tasks: set[asyncio.Task[None]] = set()
@@ -292,7 +294,12 @@ class MessagingMixin:
     def _sender(self, blob: bytes, src: int) -> tuple[Address, bool] | None:
         """The sender a frame claims, checked against the provider's: (address, verified),
         or None for a forgery (the provider names another resolved peer)."""
-        claimed = Address.from_bytes(blob)
+        claimed = self._claims.get(blob)
+        if claimed is None:  # decoded and checked once per address (not per fragment)
+            claimed = Address.from_bytes(blob)
+            if len(self._claims) >= 4096:
+                self._claims.clear()
+            self._claims[blob] = claimed
         if src in (_native.SRC_UNKNOWN, _native.SRC_UNRESOLVED):
             # not named (or not yet resolved here: a message polled before its sender was
             # resolved reports so too, which is why this is no proof of a forgery)
@@ -393,11 +400,14 @@ class MessagingMixin:
                 self._refused += 1
                 self._post(who, m.K_REFUSE, 0, b, self._max_queued_bytes)
             elif a <= m.TAG_MAX or a in m.RESERVED_TAGS:
-                self._pending_rts.append((who, verified, a, b, c))
+                self._pending_rts.append((who, verified, a, b, c, time.monotonic()))
                 self._grant_pending()
                 while len(self._pending_rts) > max(self._max_queued, 1):  # bounded: the newest wait
-                    self._pending_rts.pop()
+                    self._pending_rts.pop()  # its sender times out
                     self._dropped += 1
+                self._sweep_soon()
+            else:
+                self._malformed += 1
         elif kind in (m.K_CTS, m.K_REFUSE):
             ask = self._asks.get(b)
             if ask is not None and ask.peer == bytes(who) and not ask.future.done():
@@ -406,7 +416,7 @@ class MessagingMixin:
     def _grant_pending(self) -> None:
         """Reserve room for waiting large messages, oldest first, while the bounds allow."""
         while self._pending_rts:
-            who, verified, tag, msg_id, total = self._pending_rts[0]
+            who, verified, tag, msg_id, total, _ = self._pending_rts[0]
             fits = self._reserved + total <= self._max_queued_bytes
             room = bool(self._recv_waiters.get(tag)) or (
                 self._n_queued + len(self._partials) < self._max_queued
@@ -459,8 +469,14 @@ class MessagingMixin:
                     "large message from %s (%d of %d bytes) dropped: nothing arrived for %.1f s",
                     p.sender.short(), p.got, p.total, now - p.last,
                 )  # fmt: skip
+        # announcements older than that: their senders have given up (op_timeout) by now
+        # unless their own op_timeout is longer; granting them would only hold memory
+        stale = [r for r in self._pending_rts if now - r[5] > limit]
+        if stale:
+            self._pending_rts = collections.deque(r for r in self._pending_rts if now - r[5] <= limit)
+            self._expired += len(stale)
         self._grant_pending()
-        if self._partials or self._asks:
+        if self._partials or self._asks or self._pending_rts:
             self._sweep_soon()
 
     def _message_stats(self) -> MessageStats:
