@@ -29,14 +29,23 @@ _WINDOW = 32
 class _Partial:
     """A large message being reassembled: memory reserved when its RTS was granted."""
 
-    __slots__ = ("buf", "got", "last", "seen", "sender", "tag", "total", "verified")
+    __slots__ = ("buf", "got", "last", "seen", "sender", "tag", "total", "verified", "waiter")
 
-    def __init__(self, sender: Address, tag: int, total: int, verified: bool) -> None:
+    def __init__(
+        self,
+        sender: Address,
+        tag: int,
+        total: int,
+        verified: bool,
+        into: tuple[asyncio.Future[m.Message], memoryview] | None = None,
+    ) -> None:
         self.sender = sender
         self.tag = tag
         self.total = total
         self.verified = verified
-        self.buf = bytearray(total)
+        # straight into a waiting recv_into's buffer, or into memory of its own (reserved)
+        self.waiter = into[0] if into else None
+        self.buf: bytearray | memoryview = into[1][:total] if into else bytearray(total)
         self.got = 0
         self.seen: set[int] = set()
         self.last = time.monotonic()
@@ -87,6 +96,7 @@ class MessagingMixin:
         self._recv_waiters: dict[int, collections.deque[asyncio.Future[m.Message]]] = {}
         self._by_handle: dict[int, Address] = {}  # provider handle -> resolved peer
         self._claims: dict[bytes, Address] = {}  # sender addresses seen in headers
+        self._into: dict[asyncio.Future[m.Message], memoryview] = {}  # recv_into waiters' buffers
         self._partials: dict[tuple[bytes, int], _Partial] = {}
         # announced large messages waiting for room: (sender, verified, tag, id, size, when)
         self._pending_rts: collections.deque[tuple[Address, bool, int, int, int, float]] = collections.deque()
@@ -202,25 +212,33 @@ class MessagingMixin:
         ``.data``, ``.sender`` (reply to it) and ``.tag``. Messages of other tags stay
         queued for their own ``recv``. Cancelling never loses a message."""
         self._check_loop()
-        tag = m.check_tag(tag)
+        return await self._recv(m.check_tag(tag), None)
+
+    async def _recv(self, tag: int, into: memoryview | None) -> m.Message:
         got = self._take(tag)
         if got is not None:
             return got
         fut: asyncio.Future[m.Message] = self._loop.create_future()
         waiters = self._recv_waiters.setdefault(tag, collections.deque())
         waiters.append(fut)
+        if into is not None:
+            self._into[fut] = into
         self._grant_pending()  # a waiter makes room for a large message of this tag
         try:
             return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 msg = fut.result()  # delivered as the task was cancelled: keep it
+                if into is not None and isinstance(msg.data, memoryview):  # not in buf: it is the caller's
+                    msg = m.Message(bytes(msg.data), msg.sender, msg.tag, msg.verified)
                 self._inbox.setdefault(tag, collections.deque()).appendleft((msg, 0))
                 self._n_queued += 1
             raise
         finally:
+            self._into.pop(fut, None)
             if not fut.done() or fut.cancelled():
                 fut.cancel()
+                self._unbind(fut)
             q = self._recv_waiters.get(tag)
             if q is not None:
                 if fut in q:
@@ -234,10 +252,11 @@ class MessagingMixin:
         return msg.data if isinstance(msg.data, bytes) else bytes(msg.data)
 
     async def recv_into(self, buf: Any, *, tag: int = 0) -> m.Message:
-        """The next message with ``tag``, copied into ``buf`` (a writable buffer, or a host
+        """The next message with ``tag``, in ``buf`` (a writable buffer, or a host
         :class:`MemoryRegion`); the returned message's ``data`` is a memoryview of ``buf``
-        holding it. A message larger than ``buf`` raises ``MessageTooLarge`` and stays
-        queued for the next ``recv``."""
+        holding it. A large message announced while this waits is reassembled in ``buf``
+        itself; one that was already queued is copied there. A message larger than ``buf``
+        raises ``MessageTooLarge`` and stays queued for the next ``recv``."""
         if isinstance(buf, MemoryRegion):
             buf.check(self)  # type: ignore[arg-type]
             try:
@@ -255,7 +274,10 @@ class MessagingMixin:
                 ) from None
         if target.readonly:
             raise errors.InvalidArgument("recv_into needs a writable buffer")
-        msg = await self.recv(tag=tag)
+        self._check_loop()
+        msg = await self._recv(m.check_tag(tag), target)
+        if isinstance(msg.data, memoryview) and msg.data.obj is target.obj:
+            return msg  # a large message reassembled in place
         n = len(msg.data)
         if n > len(target):
             self._inbox.setdefault(msg.tag, collections.deque()).appendleft((msg, 0))
@@ -417,7 +439,9 @@ class MessagingMixin:
         """Reserve room for waiting large messages, oldest first, while the bounds allow."""
         while self._pending_rts:
             who, verified, tag, msg_id, total, _ = self._pending_rts[0]
-            fits = self._reserved + total <= self._max_queued_bytes
+            fits = self._reserved + total <= self._max_queued_bytes or any(
+                len(self._into.get(w, b"")) >= total for w in self._recv_waiters.get(tag, ())
+            )
             room = bool(self._recv_waiters.get(tag)) or (
                 self._n_queued + len(self._partials) < self._max_queued
             )
@@ -427,10 +451,33 @@ class MessagingMixin:
             key = (bytes(who), msg_id)
             if key in self._partials:
                 continue
-            self._partials[key] = _Partial(who, tag, total, verified)
-            self._reserved += total
+            into = self._bind(tag, total)
+            self._partials[key] = _Partial(who, tag, total, verified, into)
+            if into is None:
+                self._reserved += total
             self._post(who, m.K_CTS, 0, msg_id)
             self._sweep_soon()
+
+    def _bind(self, tag: int, total: int) -> tuple[asyncio.Future[m.Message], memoryview] | None:
+        """The oldest recv_into waiting on ``tag`` with room for ``total`` bytes: taken off
+        the waiters, the message is reassembled in its buffer."""
+        q = self._recv_waiters.get(tag)
+        for w in q or ():
+            target = self._into.get(w)
+            if target is not None and len(target) >= total and not w.done():
+                q.remove(w)  # type: ignore[union-attr]
+                return w, target
+        return None
+
+    def _unbind(self, fut: asyncio.Future[m.Message]) -> None:
+        """A recv_into whose buffer a large message was being reassembled in went away:
+        the message goes on in memory of its own (reserved; the bound may be exceeded)."""
+        for p in self._partials.values():
+            if p.waiter is fut:
+                p.waiter = None
+                p.buf = bytearray(p.buf)
+                self._reserved += p.total
+                return
 
     def _fragment(self, who: Address, msg_id: int, offset: int, body: memoryview) -> None:
         key = (bytes(who), msg_id)
@@ -445,7 +492,11 @@ class MessagingMixin:
         if p.got < p.total:
             return
         del self._partials[key]
-        self._enqueue(m.Message(memoryview(p.buf), p.sender, p.tag, p.verified), -1, p.total)
+        msg = m.Message(memoryview(p.buf), p.sender, p.tag, p.verified)
+        if p.waiter is not None and not p.waiter.done():
+            p.waiter.set_result(msg)  # in its recv_into's buffer
+            return
+        self._enqueue(msg, -1, p.total)
 
     def _sweep_soon(self) -> None:
         if self._sweeper is None and not self._closed:
@@ -463,7 +514,10 @@ class MessagingMixin:
         for key, p in list(self._partials.items()):
             if now - p.last > limit:
                 del self._partials[key]
-                self._reserved -= p.total
+                if p.waiter is None:
+                    self._reserved -= p.total
+                elif not p.waiter.done():  # its recv_into waits on for another message
+                    self._recv_waiters.setdefault(p.tag, collections.deque()).appendleft(p.waiter)
                 self._expired += 1
                 self.log.warning(
                     "large message from %s (%d of %d bytes) dropped: nothing arrived for %.1f s",
@@ -499,6 +553,9 @@ class MessagingMixin:
         }
 
     def _fail_messages(self, exc: errors.AfabricError) -> None:
+        for p in self._partials.values():
+            if p.waiter is not None:
+                _fail(p.waiter, exc)
         self._held_rx.clear()
         self._partials.clear()
         self._pending_rts.clear()

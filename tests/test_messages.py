@@ -229,6 +229,40 @@ async def test_recv_into(provider: str) -> None:
         b.deregister(mr)
 
 
+async def test_recv_into_waiting_reassembles_in_place(provider: str) -> None:
+    """A recv_into already waiting when a large message is announced gets it reassembled in
+    its own buffer (nothing reserved of max_queued_bytes); cancelled half-way, the message
+    goes on in memory of the engine's and reaches the next recv."""
+    async with afabric.Engine(provider) as a, afabric.Engine(provider) as b:
+        data = _pattern(32 * MiB, 4)
+        out = np.zeros(40 * MiB, dtype=np.uint8)
+        waiting = asyncio.ensure_future(b.recv_into(out, tag=2))
+        await asyncio.sleep(0)
+        await a.send(b.address, data.data, tag=2)
+        msg = await asyncio.wait_for(waiting, 30)
+        assert isinstance(msg.data, memoryview) and msg.data.obj is out
+        assert np.array_equal(out[: len(data)], data)
+        assert b.stats()["messages_expired"] == 0
+        # cancelled while its message arrives
+        out[:] = 0
+        waiting = asyncio.ensure_future(b.recv_into(out, tag=2))
+        await asyncio.sleep(0)
+        sending = asyncio.ensure_future(a.send(b.address, data.data, tag=2))
+        deadline = time.monotonic() + 30
+        while b.stats()["large_bytes_arrived"] < MiB:
+            assert time.monotonic() < deadline and not sending.done(), b.stats()
+            await asyncio.sleep(0.001)  # a counter: nothing to wait on
+        assert b.stats()["bytes_reserved"] == 0  # in the caller's buffer
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert b.stats()["bytes_reserved"] == len(data)  # now in the engine's own memory
+        await asyncio.wait_for(sending, 30)
+        msg = await asyncio.wait_for(b.recv(tag=2), 30)
+        assert np.array_equal(np.frombuffer(msg.data, dtype=np.uint8), data)
+        assert b.stats()["bytes_reserved"] == 0
+
+
 # ---- bounds ----
 
 
