@@ -102,6 +102,25 @@ async def test_a_forged_sender_is_dropped_where_the_provider_names_senders(provi
             await asyncio.wait_for(rx.recv(), 0.3)
 
 
+async def test_with_an_allow_list_every_sender_is_verified(provider: str) -> None:
+    """A listed peer's messages, small and large, arrive verified; an unlisted peer's
+    large message is never taken (its announcement is dropped: its send times out)."""
+    async with (
+        afabric.Engine(provider) as rx,
+        afabric.Engine(provider) as listed,
+        afabric.Engine(provider, op_timeout=1) as other,
+    ):
+        rx.allow_peers([listed.address])
+        await listed.send(rx.address, b"small")
+        await listed.send(rx.address, bytes(3 * MiB))
+        got = [await asyncio.wait_for(rx.recv(), 20) for _ in range(2)]
+        assert sorted(len(m.data) for m in got) == [5, 3 * MiB]
+        assert all(m.verified and m.sender == listed.address for m in got)
+        with pytest.raises(errors.OperationTimeout):
+            await other.send(rx.address, bytes(3 * MiB))
+        assert rx.stats()["nics"][0]["rejected"] >= 1 and rx.stats()["large_in_progress"] == 0
+
+
 # ---- tags ----
 
 
