@@ -128,7 +128,12 @@ class MessagingMixin:
             if not isinstance(peer, (bytes, bytearray, memoryview)):
                 raise errors.InvalidArgument(f"peer must be an Address, got {type(peer).__name__}")
             peer = Address.from_bytes(peer)
-        view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            try:
+                view = view.cast("B")
+            except TypeError:  # not C-contiguous: one copy
+                view = memoryview(view.tobytes())
         me = bytes(self.address)
         pid, inc = self._peer(peer)
         limit = m.max_message_of(peer) or self.max_message_size
