@@ -38,6 +38,8 @@ async def serve(conn: Connection, provider: str) -> None:
             if msg.sender not in greeted:
                 greeted.add(msg.sender)
                 await eng.send(msg.sender, table.data, tag=BULK)  # fragments: any size
+        st = eng.stats()  # afabric.EngineStats: typed keys
+        assert st["messages_forged"] == 0 and st["bytes_reserved"] == 0
         print(f"server: answered {CLIENTS * REQUESTS} requests from {len(greeted)} clients")
 
 
