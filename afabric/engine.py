@@ -487,8 +487,9 @@ class Engine(MessagingMixin):
         from a peer not on it / from a sender the provider could not name; ``imms_dropped``:
         immediates of a new value that found ``max_imm_values`` values in the table) plus the
         operations this engine is waiting on and the received-message queue
-        (``messages_queued``, ``messages_held_back``, ``backpressure``). Cheap: read it as
-        often as you like."""
+        (``messages_queued``, ``messages_held_back``, ``backpressure``, per tag, large
+        messages; :class:`afabric.EngineStats` lists and explains every key). Cheap: read
+        it as often as you like."""
         self._check_open()
         return {
             "provider": self.provider,
