@@ -331,14 +331,21 @@ class MessagingMixin:
             # not named (or not yet resolved here: a message polled before its sender was
             # resolved reports so too, which is why this is no proof of a forgery)
             return claimed, False
-        known = self._by_handle.get(src)
-        if known is None:  # resolved in the shim only (a descriptor's owner, the allow-list)
-            try:
-                self._peer(claimed)
-            except errors.AfabricError:
-                return None
-            known = self._by_handle.get(src)
-        return (claimed, True) if known == claimed else None
+        if self._by_handle.get(src) == claimed:
+            return claimed, True
+        # Not the peer last seen at that handle: resolved in the shim only (a descriptor's
+        # owner, the allow-list), or a restarted engine at the same NIC address (the
+        # provider's address vector gives it the old handle). It is the sender if the
+        # address it claims resolves to the handle the provider names; else a forgery.
+        try:
+            pid, _ = self._peer(claimed)
+            handle = self._n.peer_handle(pid)
+        except errors.AfabricError:
+            return None
+        if handle != src:
+            return None
+        self._by_handle[src] = claimed
+        return claimed, True
 
     def _deliver(self, payload: bytes, slot: int = -1, src: int = _native.SRC_UNKNOWN) -> None:
         try:

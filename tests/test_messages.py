@@ -388,3 +388,61 @@ def test_reply_server_example_runs_as_written(provider: str) -> None:
     assert proc.returncode == 0, proc.stderr
     assert f"server: answered {4 * 3} requests from 4 clients" in proc.stdout
     assert proc.stdout.count("answers and the 8 MiB table") == 4
+
+
+async def hello_from(ctl: Ctl, rx_b: bytes) -> str:
+    """Sends one message to rx, waits for its answer; returns its own address."""
+    rx = afabric.Address.from_bytes(rx_b)
+    async with afabric.Engine("tcp") as eng:
+        await eng.send(rx, b"hello")
+        reply = await asyncio.wait_for(eng.recv(), 30)
+        assert reply.data == b"re:hello"
+        ctl.put(bytes(eng.address))
+        await ctl.get()  # killed here (the first) or told to stop
+        return str(eng.address)
+
+
+async def test_a_peer_restarted_at_the_same_address_is_not_taken_for_a_forger(peers: list[Peer]) -> None:
+    """tcp on a fixed port: a restarted client has the same NIC address (and, in the
+    provider's address vector, possibly the old one's handle) but a new incarnation. Its
+    messages are its own, verified once resolved, never dropped as forged."""
+    from .test_faults import fixed_port_env, free_port
+
+    env = fixed_port_env(free_port())
+    async with afabric.Engine("tcp") as rx:
+
+        async def serve_one() -> afabric.Message:
+            msg = await asyncio.wait_for(rx.recv(), 15)
+            await rx.send(msg.sender, b"re:" + bytes(msg.data))
+            return msg
+
+        first = Peer(hello_from_env, bytes(rx.address), env)
+        peers.append(first)
+        m1 = await serve_one()
+        assert afabric.Address.from_bytes(await first.get()) == m1.sender
+        first.kill()
+        for _ in range(8):  # the port may take a moment to be free again
+            second = Peer(hello_from_env, bytes(rx.address), env)
+            peers.append(second)
+            try:
+                m2 = await serve_one()
+                break
+            except asyncio.TimeoutError:
+                second.kill()
+        else:
+            pytest.fail("the restarted client never got through")
+        new = afabric.Address.from_bytes(await second.get())
+        assert m2.sender == new and bytes(new)[16:-4] == bytes(m1.sender)[16:-4]
+        assert rx.stats()["messages_forged"] == 0
+        # now resolved: the provider names it, and its header agrees
+        await rx.send(new, b"again?")
+        second.put("stop")
+        assert await second.result() == str(new)
+        assert rx.stats()["messages_forged"] == 0
+
+
+async def hello_from_env(ctl: Ctl, rx_b: bytes, env: dict[str, str]) -> str:
+    import os
+
+    os.environ.update(env)
+    return await hello_from(ctl, rx_b)
