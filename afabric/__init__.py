@@ -11,8 +11,10 @@ from .engine import Engine
 from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import MemoryRegion
+from .messages import TAG_MAX, Message
 from .pages import Pages
 from .provider import ProviderSpec
+from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger, imm_count
 from .watcher import UvmWatcher
@@ -20,12 +22,16 @@ from .watcher import UvmWatcher
 __version__ = "0.1.0"
 
 __all__ = [
+    "TAG_MAX",
     "Address",
     "Engine",
+    "EngineStats",
     "GatherSource",
     "LengthFrom",
     "MemoryRegion",
+    "Message",
     "MrDesc",
+    "NicStats",
     "OpTiming",
     "Pages",
     "PeerGroup",

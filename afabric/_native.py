@@ -257,7 +257,7 @@ class Event:
     kind: int
     id: int
     status: int
-    payload: bytes | None  # RECV: the message
+    payload: bytes | None  # RECV: the message (id: its sender's peer handle or SRC_*)
     text: str | None  # DONE with an error: the provider's/shim's error text
     release_later: bool  # DONE of a failed op whose buffers the provider still holds
     a: int = 0  # WATCH: the old value; DONE: when its first work request was posted (ns)
@@ -377,6 +377,13 @@ class NativeEngine:
         out = ctypes.c_uint64()
         rc = self._s.f.afs_peer_resolve(self._handle(), address, len(address), out)
         self._s.check(rc, "resolving peer", self.provider)
+        return out.value
+
+    def peer_handle(self, peer_id: int) -> int:
+        """The provider's handle of a resolved peer (what RECV events carry as ``id``)."""
+        out = ctypes.c_uint64()
+        rc = self._s.f.afs_peer_handle(self._handle(), peer_id, out)
+        self._s.check(rc, "peer handle", self.provider)
         return out.value
 
     def write(
@@ -588,7 +595,7 @@ class NativeEngine:
                 if kind == C_RECV:
                     keep = room is not None and room <= 0
                     payload = ctypes.string_at(c.data, c.len)
-                    out.append(Event(kind, 0, 0, payload, None, False, slot=c.slot if keep else -1))
+                    out.append(Event(kind, c.id, 0, payload, None, False, slot=c.slot if keep else -1))
                     if not keep:
                         release.append(c.slot)
                     if room is not None:

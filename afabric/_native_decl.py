@@ -23,6 +23,8 @@ TRIG_NONE = 0
 TRIG_WATCHER = 1
 TRIG_IMM = 2
 NO_IMM = -1
+SRC_UNKNOWN = 0xffffffffffffffff
+SRC_UNRESOLVED = 0xfffffffffffffffe
 ALLOW_ON = 0x1
 ALLOW_UNKNOWN = 0x2
 C_DONE = 1
@@ -314,6 +316,7 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
             ctypes.POINTER(ctypes.c_uint64),
         ],
     ),
+    "afs_peer_handle": (ctypes.c_int32, [EngineHandle, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
     "afs_allow_peers": (
         ctypes.c_int32,
         [

@@ -18,18 +18,20 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from . import _native, errors, registry, testing
+from ._messaging import MessagingMixin
 from .address import Address
 from .descriptor import MrDesc
 from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
+from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger
 from .watcher import UvmWatcher
@@ -193,7 +195,7 @@ def _track(eng: Engine) -> None:
     _LIVE.add(eng)
 
 
-class Engine:
+class Engine(MessagingMixin):
     """One endpoint: a provider, its NIC domain(s), a worker thread and a completion ring.
 
     Create it inside a running event loop and close it with ``await eng.aclose()`` or
@@ -223,6 +225,7 @@ class Engine:
         allow_peers: Sequence[Address | bytes] | None = None,
         max_queued_messages: int = 1024,
         max_imm_values: int = 65536,
+        max_queued_bytes: int = 1 << 30,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         self._forked = False
@@ -244,13 +247,14 @@ class Engine:
             raise errors.InvalidArgument("op_timeout must be a number of seconds >= 0 (0 = never)")
         # checked here: ctypes would silently truncate these into the config's 32-bit fields
         _bounded(spin_us, "spin_us", 0, 10_000_000)
-        _bounded(max_message_size, "max_message_size", 64, 64 << 20)
+        _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
         _bounded(rx_depth, "rx_depth", 1, 65535)
         _bounded(tx_depth, "tx_depth", 1, 65535)
         # received messages nobody took with recv() yet (beyond: back-pressure), and distinct
         # immediate values counted (beyond: new values dropped); README, API
         _bounded(max_queued_messages, "max_queued_messages", 0, 1 << 24)
         _bounded(max_imm_values, "max_imm_values", 1, 1 << 24)
+        _bounded(max_queued_bytes, "max_queued_bytes", 0, 1 << 40)  # large messages held (_messaging)
         if cpu is not None:
             _bounded(cpu, "cpu", 0, 1 << 20)
         spec, why = registry.resolve(provider)
@@ -277,6 +281,7 @@ class Engine:
             max_imm_values=max_imm_values,
         )
         self._max_queued = max_queued_messages
+        self._init_messages(max_queued_bytes)
         self._max_imm_values = max_imm_values
         self._n = _native.NativeEngine(cfg, spec.name)
         try:
@@ -310,12 +315,6 @@ class Engine:
         self._ops: dict[int, _Op] = {}
         self._held: dict[int, tuple[Any, ...]] = {}
         self._regions: dict[int, MemoryRegion] = {}  # registered: held until deregister/close
-        self._inbox: collections.deque[bytes] = collections.deque()
-        # messages beyond max_queued_messages: their receive buffers stay out of the
-        # provider's hands until recv() catches up, which holds the senders back
-        self._held_rx: collections.deque[tuple[bytes, int]] = collections.deque()
-        self._held_back = 0  # messages that found the queue full (stats)
-        self._dropped = 0
         # libfabric 1.17's tcp;ofi_rxm crashes (NULL msg_ep in its rendezvous read) when a
         # withheld receive is finally posted and matches a rendezvous message (> its 16 KiB
         # eager size) whose sender has gone meanwhile (every run: 600 x 64 KiB, sender exits,
@@ -325,7 +324,6 @@ class Engine:
         rndv = "ofi_rxm" in self.fabric_provider and self.max_message_size > eager
         self.queue_overflow: str = "drop" if rndv else "backpressure"
         """What a message that finds max_queued_messages queued meets (README, API)."""
-        self._recv_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self._remotes: dict[bytes, int] = {}
         # A descriptor keeps the remote id it was imported as (MrDesc._rid) with this token;
         # a new token (allow_peers, an eviction) makes every such shortcut stale at once.
@@ -438,6 +436,7 @@ class Engine:
         self._regions = {}
         self._recv_waiters.clear()
         self._inbox.clear()
+        self._held_rx.clear()
 
     def _fail_all(self, exc: errors.AfabricError) -> None:
         watchers, self._watchers = self._watchers, {}
@@ -445,16 +444,11 @@ class Engine:
             watcher._engine_closed()
         ops, self._ops = self._ops, {}
         self._held.clear()
-        self._held_rx.clear()
         for op in ops.values():
             if not op.future.done() and not op.future.get_loop().is_closed():
                 op.future.set_exception(exc)
                 op.future.exception()  # mark retrieved: nobody may await it any more
-        while self._recv_waiters:
-            w = self._recv_waiters.popleft()
-            if not w.done() and not w.get_loop().is_closed():
-                w.set_exception(exc)
-                w.exception()
+        self._fail_messages(exc)
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
@@ -497,7 +491,7 @@ class Engine:
             )
         raise errors.UsageError(f"engine {self.name} belongs to another event loop (its own is not running)")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
         immediates in, completions, errors, "try again" retries, remote writes seen landing,
         and ``outstanding``: work requests still with the provider, the NIC's queue depth;
@@ -505,21 +499,18 @@ class Engine:
         from a peer not on it / from a sender the provider could not name; ``imms_dropped``:
         immediates of a new value that found ``max_imm_values`` values in the table) plus the
         operations this engine is waiting on and the received-message queue
-        (``messages_queued``, ``messages_held_back``, ``backpressure``). Cheap: read it as
-        often as you like."""
+        (``messages_queued``, ``messages_held_back``, ``backpressure``, per tag, large
+        messages; :class:`afabric.EngineStats` lists and explains every key). Cheap: read
+        it as often as you like."""
         self._check_open()
         return {
             "provider": self.provider,
             "fabric_provider": self.fabric_provider,
             "ops_in_flight": len(self._ops),
             "buffers_held": len(self._held),
-            "messages_queued": len(self._inbox) + len(self._held_rx),
-            "messages_held_back": self._held_back,  # found the queue at max_queued_messages
-            "messages_dropped": self._dropped,  # ... and were dropped (queue_overflow "drop")
-            "backpressure": bool(self._held_rx),  # receive buffers withheld from the provider now
-            "max_queued_messages": self._max_queued,
+            **self._message_stats(),
             "max_imm_values": self._max_imm_values,
-            "nics": [self._n.stats(k) for k in range(self.nics)],
+            "nics": [cast(NicStats, self._n.stats(k)) for k in range(self.nics)],
         }
 
     def timings(self) -> list[OpTiming]:
@@ -680,6 +671,7 @@ class Engine:
         if pid is None:
             pid = self._n.resolve_peer(blob)
             self._peers[blob] = pid
+            self._by_handle[self._n.peer_handle(pid)] = address  # a message's sender (_messaging)
         return pid, address.incarnation
 
     # ---- operations ----
@@ -1027,35 +1019,6 @@ class Engine:
             )
         return when.native()
 
-    async def send(self, peer: Address, data: bytes | bytearray | memoryview) -> None:
-        """Two-sided send of at most :attr:`max_message_size` bytes (else MessageTooLarge)."""
-        self._check_loop()
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise errors.InvalidType(
-                f"send takes bytes, bytearray or memoryview, got {type(data).__name__}"
-                + (" (encode text first, e.g. data.encode())" if isinstance(data, str) else "")
-            )
-        payload = bytes(data)
-        pid, inc = self._peer(peer)
-        op = self._n.send("send", pid, payload)
-        await self._wait(op, "send", inc, (), "send")
-
-    async def recv(self) -> bytes:
-        """The next message from any peer."""
-        self._check_loop()
-        if self._inbox:
-            msg = self._inbox.popleft()
-            if self._held_rx:
-                self._refill()
-            return msg
-        if self._held_rx:  # max_queued_messages=0: straight from a withheld buffer
-            msg, slot = self._held_rx.popleft()
-            self._n.release_recv([slot])
-            return msg
-        fut: asyncio.Future[bytes] = self._loop.create_future()
-        self._recv_waiters.append(fut)
-        return await fut
-
     def alloc_imm(self) -> int:
         """A fresh immediate value for one logical operation (never 0; wraps after 2**32-1)."""
         self._check_open()
@@ -1102,7 +1065,7 @@ class Engine:
         """Reader callback: drain the ring and resolve futures (on the loop's thread)."""
         if self._closed:
             return
-        room = self._max_queued + len(self._recv_waiters) - len(self._inbox) - len(self._held_rx)
+        room = self._recv_room()
         for ev in self._n.drain(room):
             if ev.kind == _native.C_DONE:
                 self._done(ev)
@@ -1113,7 +1076,7 @@ class Engine:
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_RECV:
-                self._deliver(ev.payload or b"", ev.slot)
+                self._deliver(ev.payload or b"", ev.slot, ev.id)
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:
                 self.log.warning(
                     "%d immediate(s) of new values dropped so far: the counter table holds "
@@ -1137,48 +1100,6 @@ class Engine:
             op.future.set_result(None)
         else:
             op.future.set_exception(self._n.error(ev.status, op.label(), ev.text))
-
-    def _deliver(self, payload: bytes, slot: int = -1) -> None:
-        while self._recv_waiters:
-            w = self._recv_waiters.popleft()
-            if not w.done():
-                w.set_result(payload)
-                if slot >= 0:
-                    self._n.release_recv([slot])
-                return
-        if slot < 0:
-            self._inbox.append(payload)
-            return
-        self._held_back += 1
-        if self.queue_overflow == "drop":
-            self._n.release_recv([slot])
-            self._dropped += 1
-            if self._dropped & (self._dropped - 1) == 0:  # the first, then at powers of two
-                self.log.warning(
-                    "%d received message(s) dropped so far: %d queued, not taken with recv() "
-                    "(max_queued_messages; %s cannot hold its senders back safely)",
-                    self._dropped, len(self._inbox), self.fabric_provider,
-                )  # fmt: skip
-            return
-        # the queue is full: keep the receive buffer from the provider (back-pressure)
-        if not self._held_rx:
-            self.log.warning(
-                "%d received messages not taken with recv(): receive buffers are withheld, "
-                "senders are held back until recv() catches up", len(self._inbox),
-            )  # fmt: skip
-        self._held_rx.append((payload, slot))
-
-    def _refill(self) -> None:
-        """recv() made room: withheld messages join the queue, their buffers go back."""
-        slots: list[int] = []
-        while self._held_rx and len(self._inbox) < self._max_queued:
-            msg, slot = self._held_rx.popleft()
-            self._inbox.append(msg)
-            slots.append(slot)
-        if slots:
-            self._n.release_recv(slots)
-        if not self._held_rx:
-            self.log.info("received-message queue below max_queued_messages again")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

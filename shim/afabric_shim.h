@@ -22,7 +22,8 @@
 
 #define AFS_ABI_VERSION 3u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
-                              afs_nic_stats.reads/read_bytes */
+                              afs_nic_stats.reads/read_bytes;
+                              a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -164,7 +165,7 @@ enum afs_completion_kind {
 #define AFS_TRIG_IMM 2u     /* when `trig_b` arrivals of immediate `trig_a` were counted (consumed) */
 
 typedef struct afs_completion {
-    uint64_t id;
+    uint64_t id; /* RECV: the sender's afs_peer_handle, or AFS_SRC_UNRESOLVED / AFS_SRC_UNKNOWN */
     int32_t status;
     uint32_t kind;
     uint64_t data; /* RECV: address of the message; DONE with error: char* text or 0 */
@@ -174,6 +175,9 @@ typedef struct afs_completion {
 } afs_completion;
 
 #define AFS_NO_IMM (-1)
+/* A RECV's sender as the provider reports it: not a peer this engine resolved / cannot tell. */
+#define AFS_SRC_UNKNOWN 0xffffffffffffffffu
+#define AFS_SRC_UNRESOLVED 0xfffffffffffffffeu
 
 AFS_API uint32_t afs_abi_version(void);
 AFS_API int32_t afs_error_count(void);
@@ -204,6 +208,9 @@ AFS_API int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t
 AFS_API int32_t afs_remote_release(afs_engine *eng, uint64_t remote_id);
 AFS_API int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len,
                                  uint64_t *peer_id);
+/* The provider's handle of a resolved peer on the engine's first NIC: what a RECV
+ * completion's `id` holds when the provider names the message's sender. */
+AFS_API int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle);
 /* The allow-list (allow.c): with AFS_ALLOW_ON, only the `count` peers whose addresses are
  * concatenated in `blobs` (lengths in `lens`) may be resolved, written to or sent to, and
  * only their messages and immediates are delivered; a message or immediate whose sender

@@ -130,7 +130,9 @@ int afs_allow_poll(afs_engine *eng, uint32_t nic, afp_event *ev, uint64_t *src, 
                    uint32_t *n)
 {
     afp_domain *dom = eng->nics[nic].dom;
-    if (eng->allow && AFP_HAS_OP(eng->ops, poll_from))
+    /* always with sources where the provider gives them: RECV completions carry the
+     * sender (afs_completion.id), which the facade checks messages' own headers against */
+    if (AFP_HAS_OP(eng->ops, poll_from))
         return eng->ops->poll_from(dom, ev, src, max, n);
     int rc = eng->ops->poll(dom, ev, max, n);
     for (uint32_t i = 0; i < *n; i++)

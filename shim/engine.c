@@ -697,6 +697,20 @@ int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len, uin
     return afs_find_or_resolve_peer(eng, &v, addr, len, peer_id);
 }
 
+int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!handle)
+        return afs_fail(AFS_EINVAL, "peer handle: NULL output");
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p)
+        return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
+    *handle = p->fi_addr[0];
+    return 0;
+}
+
 int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len, uint64_t *remote_id)
 {
     int rc = afs_engine_check_open(eng);

@@ -1029,7 +1029,10 @@ static void on_op_done(afs_engine *eng, const afp_event *ev, uint64_t now)
     check_xfer(eng, x);
 }
 
-static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev)
+_Static_assert(AFS_SRC_UNKNOWN == AFP_SRC_UNKNOWN && AFS_SRC_UNRESOLVED == AFP_SRC_UNRESOLVED,
+               "a RECV completion passes the provider's source on as it is");
+
+static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev, uint64_t src)
 {
     uint32_t slot = (uint32_t)(ev->ctx >> 16);
     if (ev->kind == AFP_EV_ERROR || ev->status) {
@@ -1039,6 +1042,7 @@ static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev)
     }
     afs_completion c = {0};
     c.kind = AFS_C_RECV;
+    c.id = src; /* AFP_SRC_* and AFS_SRC_* have the same values (afabric_shim.h) */
     c.data = (uint64_t)(uintptr_t)(eng->nics[nic].rx_buf + (uint64_t)slot * eng->cfg.max_msg_size);
     c.len = ev->len;
     c.slot = nic * eng->cfg.rx_depth + slot;
@@ -1077,7 +1081,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
             break;
         case AFP_EV_RECV:
             afs_count(&nn->st_recvs, 1);
-            on_recv(eng, nic, e);
+            on_recv(eng, nic, e, src[i]);
             break;
         case AFP_EV_WRITE_DONE:
         case AFP_EV_SEND_DONE:
@@ -1085,7 +1089,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
             break;
         case AFP_EV_ERROR:
             if (is_rx)
-                on_recv(eng, nic, e);
+                on_recv(eng, nic, e, src[i]);
             else
                 on_op_done(eng, e, now);
             break;

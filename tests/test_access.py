@@ -175,33 +175,36 @@ async def message_sink(ctl: Ctl, provider: str) -> list[int]:
     """Receives with the default maximum (64 KiB) and reports what it got."""
     async with afabric.Engine(provider) as eng:
         ctl.put(bytes(eng.address))
-        got = [len(await asyncio.wait_for(eng.recv(), 30))]
-        got.append(len(await asyncio.wait_for(eng.recv(), 30)))
+        got = [len(await asyncio.wait_for(eng.recv_bytes(), 30)) for _ in range(3)]
         got.append(int(eng.stats()["nics"][0]["errors"]))
         return got
 
 
 async def test_messages_bounded_by_the_receivers_maximum(provider: str, peers: list[Peer]) -> None:
-    """A sender refuses, before posting, a message larger than the receiver announced in
-    its address (MessageTooLarge). A message over the limit from a sender that did not
-    check (an address without the limit) is refused by the receiver's provider: counted as
-    a failed receive, never delivered, and the receiver goes on."""
+    """No frame larger than the receiver announced in its address is posted: the facade
+    sends a larger message in fragments (messages.py), and the shim refuses a frame over
+    the limit before posting (MessageTooLarge). A frame over the limit from a sender that
+    did not check (an address without the limit) is refused by the receiver's provider:
+    counted as a failed receive, never delivered, and the receiver goes on."""
     sink = Peer(message_sink, provider)
     peers.append(sink)
     addr_b = await sink.get()
     addr = afabric.Address.from_bytes(addr_b)
     async with afabric.Engine(provider, max_message_size=1 << 20, op_timeout=OP_TIMEOUT) as eng:
+        pid, _ = eng._peer(addr)
         with pytest.raises(errors.MessageTooLarge, match="peer's maximum"):
-            await eng.send(addr, bytes(65537))
-        await eng.send(addr, bytes(65536))  # exactly the receiver's maximum
+            eng._n.send("send", pid, bytes(65537))  # the shim's own check, under the facade
+        await eng.send(addr, bytes(65537))  # over the receiver's maximum: fragments
+        await eng.send(addr, bytes(65536))  # so is its maximum itself (the header adds to it)
         if provider == "shm":
             # shm (1.17 and 2.5.1) stops delivering after an oversize message: the
             # sender-side check above is all that protects there (README, known limitations)
             await eng.send(addr, b"x")
-            assert await sink.result() == [65536, 1, 0]
+            assert await sink.result() == [65537, 65536, 1, 0]
             return
         unchecked = afabric.Address.from_bytes(address_without_limit(addr_b))
         with contextlib.suppress(errors.TransportError):  # tcp: transmit-complete, no error
             await eng.send(unchecked, bytes(100_000))
         await eng.send(addr, b"x")
-        assert await sink.result() == [65536, 1, 1], "the oversize message was delivered or not counted"
+        got = await sink.result()
+        assert got == [65537, 65536, 1, 1], "the oversize message was delivered or not counted"

@@ -67,13 +67,13 @@ async def counters_reach(eng: afabric.Engine, want: dict[str, int], timeout: flo
 
 
 async def drain_messages(eng: afabric.Engine, n: int) -> list[bytes]:
-    return [await asyncio.wait_for(eng.recv(), 20) for _ in range(n)]
+    return [await asyncio.wait_for(eng.recv_bytes(), 20) for _ in range(n)]
 
 
 async def nothing_more(eng: afabric.Engine) -> None:
     """No further message reaches Python (a short wait; a dropped one never will)."""
     with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(eng.recv(), 0.5)
+        await asyncio.wait_for(eng.recv_bytes(), 0.5)
 
 
 def exact_imm_sources(eng: afabric.Engine) -> bool:
@@ -188,7 +188,7 @@ async def target(ctl: Ctl, provider: str) -> bool:
         cmd = await ctl.get()
         while True:
             try:
-                msgs.append(await asyncio.wait_for(eng.recv(), 0.5))
+                msgs.append(await asyncio.wait_for(eng.recv_bytes(), 0.5))
             except asyncio.TimeoutError:
                 break
         ctl.put((msgs, bytes(buf[:8])))

@@ -34,7 +34,7 @@ async def efa_target(ctl: Ctl, provider: str) -> int:
         assert np.array_equal(contig, src)
         perm = np.random.default_rng(4).permutation(PAGES)
         assert np.array_equal(paged.reshape(PAGES, PAGE)[perm], src[: PAGES * PAGE].reshape(PAGES, PAGE))
-        msg = await eng.recv()
+        msg = await eng.recv_bytes()
         assert msg == b"after the burst"
         return CHUNKS + PAGES
 

@@ -25,6 +25,7 @@ from afabric.kvcache import (
     wire,
 )
 from afabric.kvcache.views import gather_layer, store_layer
+from afabric.messages import TAG_KVCACHE
 
 from .conftest import libfabric_version
 from .procs import Ctl, Peer
@@ -349,11 +350,11 @@ async def test_malformed_requests_are_refused_and_others_unaffected(provider: st
             # a cancel that overtakes its (valid) request: the request is dropped when it comes
             sends += [wire.encode_cancel(me, 109), *wire.encode_request(me, req(109, [[0, 0, 5]]), 65536)]
             for m in sends:
-                await rogue.send(addr, m)
+                await rogue.send(addr, m, tag=TAG_KVCACHE)
             # the parseable bad requests are answered with a refusal each
             refused: dict[int, str] = {}
             while set(refused) < set(bad_requests) | {108, 109}:
-                m = wire.parse(await asyncio.wait_for(rogue.recv(), 30))
+                m = wire.parse(await asyncio.wait_for(rogue.recv_bytes(tag=TAG_KVCACHE), 30))
                 if isinstance(m, wire.Confirm):
                     want = wire.CANCELLED if m.request_id == 109 else wire.REJECTED
                     assert m.status == want and m.arrivals == 0, m

@@ -147,7 +147,7 @@ async def test_receives_keep_flowing_under_a_write_flood(provider: str) -> None:
 
         async def one_message(i: int) -> None:
             await b.send(a.address, b"m%d" % i)
-            assert await asyncio.wait_for(a.recv(), 30) == b"m%d" % i
+            assert await asyncio.wait_for(a.recv_bytes(), 30) == b"m%d" % i
 
         for i in range(300):  # each message crosses while paged writes fill a's queue
             await asyncio.gather(

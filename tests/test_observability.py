@@ -24,7 +24,7 @@ async def test_stage_timestamps_are_ordered_and_complete(provider: str) -> None:
         )  # fmt: skip
         await a.scatter(src, [afabric.ScatterTarget(dst.descriptor, 64, 0, i * 64) for i in range(8)])
         await a.send(b.address, b"ping")
-        assert await b.recv() == b"ping"
+        assert await b.recv_bytes() == b"ping"
         t1 = time.monotonic_ns()
         got = a.timings()
         assert [t.kind for t in got] == ["write", "paged", "scatter", "send"]

@@ -137,6 +137,6 @@ async def test_write_with_immediate_and_send_recv(pair: tuple[afabric.Engine, af
 
     # two-sided, both ways
     await a.send(afabric.Address.from_bytes(bytes(b.address)), b"ping from a")
-    assert await b.recv() == b"ping from a"
+    assert await b.recv_bytes() == b"ping from a"
     await b.send(a.address, b"pong from b")
-    assert await a.recv() == b"pong from b"
+    assert await a.recv_bytes() == b"pong from b"

@@ -205,15 +205,17 @@ async def test_paged_and_scatter_arguments_are_checked(kind: str) -> None:
 
 
 async def test_message_sizes_are_checked() -> None:
-    """Around the smaller of the two engines' limits: MessageTooLarge before posting above
-    it, delivery of exactly the bytes sent at or below it."""
-    async with afabric.Engine("tcp", max_message_size=1 << 20) as a, afabric.Engine("tcp") as b:
+    """Around the smaller of the two engines' message sizes and up to the receiver's
+    max_queued_bytes: delivery of exactly the bytes sent (in fragments above one receive
+    buffer); above max_queued_bytes MessageTooLarge, before any fragment is sent."""
+    big = 1 << 26
+    async with (
+        afabric.Engine("tcp", max_message_size=1 << 20) as a,
+        afabric.Engine("tcp", max_queued_bytes=big) as b,
+    ):
         limit = min(a.max_message_size, b.max_message_size)
-        for n in (0, 1, limit - 1, limit, limit + 1, 2 * limit, 1 << 26):
-            try:
-                await a.send(b.address, bytes(n))
-            except errors.MessageTooLarge:
-                assert n > limit
-                continue
-            assert n <= limit
-            assert len(await asyncio.wait_for(b.recv(), 10)) == n
+        for n in (0, 1, limit - 1, limit, limit + 1, 2 * limit, big):
+            await a.send(b.address, bytes(n))
+            assert len(await asyncio.wait_for(b.recv_bytes(), 10)) == n
+        with pytest.raises(errors.MessageTooLarge, match="at most"):
+            await a.send(b.address, bytes(big + 1))

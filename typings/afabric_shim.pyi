@@ -153,6 +153,10 @@ class ShimLib:
         """int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len, uint64_t *peer_id);"""
 
     @staticmethod
+    def afs_peer_handle(eng: EngineHandle, peer_id: int, handle: _Ref[c_uint64]) -> int:
+        """int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle);"""
+
+    @staticmethod
     def afs_allow_peers(eng: EngineHandle, blobs: bytes, lens: _Ref[c_uint32], count: int, flags: int) -> int:
         """int32_t afs_allow_peers(afs_engine *eng, const uint8_t *blobs, const uint32_t *lens, uint32_t
             count, uint32_t flags);"""

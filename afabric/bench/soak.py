@@ -94,7 +94,7 @@ def _target(conn: Connection, provider: str) -> None:
                     await eng.expect_imm(imm, arrivals, timeout=STALL_S)
                     for k in range(messages):
                         where = f"message {k + 1} of {messages}"
-                        body = await asyncio.wait_for(eng.recv(), STALL_S)
+                        body = await asyncio.wait_for(eng.recv_bytes(), STALL_S)
                         reply_to = Address.from_bytes(body[:-8])
                         await eng.send(reply_to, body[-8:])
                 except Exception as e:
@@ -139,7 +139,7 @@ async def _round(
     failures = sum(1 for r in results if isinstance(r, BaseException))
     for k in range(4 * len(addrs)):
         try:
-            await asyncio.wait_for(eng.recv(), STALL_S)
+            await asyncio.wait_for(eng.recv_bytes(), STALL_S)
         except TimeoutError:
             raise TimeoutError(f"reply {k + 1} of {4 * len(addrs)} never came: {eng.stats()}") from None
     bad = sum([int(str(await get(c))) for c in pipes])

@@ -14,6 +14,7 @@ from typing import TypeVar
 from ..address import Address
 from ..engine import Engine
 from ..errors import AfabricError, EngineClosed, InvalidArgument
+from ..messages import TAG_KVCACHE
 from . import wire
 from .errors import ProtocolError
 
@@ -45,7 +46,7 @@ class Peers:
 
     async def send(self, peer: bytes, msg: bytes) -> None:
         """Send now and wait (raises the engine's error)."""
-        await self.eng.send(Address.from_bytes(peer), msg)
+        await self.eng.send(Address.from_bytes(peer), msg, tag=TAG_KVCACHE)
 
     def post(self, peer: bytes, msg: bytes, what: str) -> asyncio.Task[None]:
         """Send in the background; a failure is logged and counted, not raised."""
@@ -104,7 +105,7 @@ async def receive_messages(
     ``bad`` (and nowhere else); a good one marks its sender alive, then goes to ``handle``."""
     while True:
         try:
-            msg = await eng.recv()
+            msg = await eng.recv_bytes(tag=TAG_KVCACHE)
         except EngineClosed:
             return
         try:

@@ -79,7 +79,7 @@ async def server(ctl: Ctl) -> str:
             elif kind == "echo":
                 _, rounds = req
                 for _ in range(rounds):
-                    msg = await e1.recv()
+                    msg = await e1.recv_bytes()
                     n = int.from_bytes(msg[:2], "little")
                     await e1.send(afabric.Address.from_bytes(msg[2 : 2 + n]), msg[2 + n :][::-1])
                 ctl.put("ok")
@@ -181,7 +181,7 @@ async def test_send_recv(srv: tuple[Peer, Any]) -> None:
         me = bytes(eng.address)
         for body in (b"", b"x" * 100, bytes(range(256)) * 15):
             await eng.send(afabric.Address.from_bytes(a1), len(me).to_bytes(2, "little") + me + body)
-            assert await eng.recv() == body[::-1]
+            assert await eng.recv_bytes() == body[::-1]
         assert await p.get() == "ok"
 
 
@@ -277,7 +277,7 @@ async def test_allow_list_names_senders_by_queue_pair() -> None:
         await asyncio.gather(*(b.write(mb, desc, 8, imm=9) for _ in range(5)))
         await asyncio.gather(*(a.send(rx.address, b"a") for _ in range(3)))
         await asyncio.gather(*(a.write(ma, desc, 8, imm=7) for _ in range(3)))
-        assert [await asyncio.wait_for(rx.recv(), 30) for _ in range(3)] == [b"a"] * 3
+        assert [await asyncio.wait_for(rx.recv_bytes(), 30) for _ in range(3)] == [b"a"] * 3
         await rx.expect_imm(7, 3, timeout=30)
         nic = rx.stats()["nics"][0]
         for _ in range(600):  # b's were sent first, but may be polled later
