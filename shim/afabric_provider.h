@@ -165,8 +165,9 @@ enum afp_event_kind {
     AFP_EV_RECV = 3,       /* ctx = the receive's ctx, len, status */
     AFP_EV_IMM = 4,        /* imm; ctx = the receive consumed when IMM_NEEDS_RECV, else 0 */
     AFP_EV_ERROR = 5,      /* ctx of the failed operation (write/send/recv), status, errtext */
-    AFP_EV_ACTIVITY = 6    /* len remote writes landed without an event of their own: tells an
-                              adaptive worker that it is still making progress as a target */
+    AFP_EV_ACTIVITY = 6    /* len remote writes landed without an event of their own, or 0: data
+                              moved for an operation in flight; tells an adaptive worker that
+                              it is still making progress (as a target, or mid-transfer) */
 };
 
 typedef struct afp_event {
