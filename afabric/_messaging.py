@@ -15,12 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import _native, errors
 from . import messages as m
+from ._ops import _Op
 from .address import Address
 from .memory import MemoryRegion
 from .stats import MessageStats
-
-if TYPE_CHECKING:
-    from .engine import _Op
 
 # Fragments of one large message in flight at once (the receiver's rx_depth defaults to 128).
 _WINDOW = 32
@@ -189,7 +187,6 @@ class MessagingMixin:
                 fut.add_done_callback(_consume)
 
     def _track_send(self, op_id: int, inc: int) -> asyncio.Future[None]:
-        from .engine import _Op
 
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op_id] = _Op(fut, "send (fragment)", inc, (), "send")

@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from . import _native, errors, registry, testing
 from ._messaging import MessagingMixin
+from ._ops import _Op
 from .address import Address
 from .descriptor import MrDesc
 from .groups import GatherSource, PeerGroup, ScatterTarget
@@ -143,25 +144,6 @@ def _imm(value: Any) -> int:
     if v < 0 or v > IMM_MAX:
         raise errors.ImmediateOutOfRange(f"immediate {v} outside 0..{IMM_MAX}")
     return v
-
-
-class _Op:
-    """An operation in flight: its future, how to name it in errors, what it keeps alive."""
-
-    __slots__ = ("future", "kind", "peer", "refs", "verb")
-
-    def __init__(
-        self, future: asyncio.Future[None], verb: str, peer: int, refs: tuple[Any, ...], kind: str
-    ) -> None:
-        self.future = future
-        self.verb = verb
-        self.peer = peer
-        self.refs = refs
-        self.kind = kind
-
-    def label(self) -> str:
-        where = "from" if self.kind == "read" else "to"
-        return f"{self.verb} {where} peer {self.peer:016x}" if self.peer else self.verb
 
 
 def _on_ready(ref: weakref.ref[Engine]) -> None:

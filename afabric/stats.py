@@ -10,13 +10,15 @@ class NicStats(TypedDict):
 
     writes: int  # write work requests posted
     write_bytes: int  # bytes they carried
+    reads: int  # read work requests posted (``completions`` counts them too)
+    read_bytes: int  # bytes they asked for
     sends: int
     recvs: int
     imms: int  # immediates that arrived
     errors: int  # failed work requests, receives included (e.g. an oversize message)
     retries: int  # posts the provider answered with "try again"
     landed: int  # remote writes seen landing here (where the provider counts them)
-    completions: int  # write and send work requests completed (with or without error)
+    completions: int  # write, read and send work requests completed (with or without error)
     rejected: int  # messages/immediates dropped: sender not on the allow-list
     rejected_unknown: int  # dropped while a list is set: the provider cannot name the sender
     imms_dropped: int  # immediates of a new value dropped: the table held max_imm_values
