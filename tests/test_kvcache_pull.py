@@ -104,7 +104,9 @@ async def test_pull_cancel_before_and_after(provider: str, peers: list[Peer]) ->
             assert e.state == State.RELEASED
             a = await dec.submit(addr, 40, payload=seed_bytes(1), mode="pull")
             b = await dec.submit(addr, 30, payload=seed_bytes(2), mode="pull")
-            await asyncio.sleep(0.3)  # A computing, B queued
+            with pytest.raises(afabric.errors.OperationTimeout):  # A computing, B queued
+                await a.wait(timeout=0.3)
+            assert a.state == State.PENDING  # a timeout does not end the request
             await a.cancel()
             await b.cancel()
             assert a.state == b.state == State.RELEASED and not dec.requests
