@@ -343,3 +343,72 @@ def _with(template: bytes, sender: bytes, rid: int) -> bytes:
     return wire.encode_ready(
         sender, rid, m.staging_pages, m.first_page, m.cache_desc, m.tail_desc, m.tail_offset
     )
+
+
+_PUSH_ONLY_CHECK = """
+import asyncio, numpy as np, afabric
+from afabric.kvcache import Decoder, KvCacheLayout, Prefiller, RequestRejected
+from afabric.kvcache.views import gather_layer, store_layer
+async def main():
+    lay = KvCacheLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype="float16", tokens_per_page=8,
+                        num_pages=16, tail_bytes=64, tail_slots=4)
+    async with afabric.Engine("tcp") as a, afabric.Engine("tcp") as b:
+        cache, staging = np.zeros(lay.shape(), np.float16), np.zeros(lay.shape(), np.float16)
+        async with Decoder(a, lay, cache=cache) as dec, Prefiller(b, lay, cache=staging) as pf:
+            assert not pf.pull, "pull mode on a provider without reads"
+            async def serve():
+                async for job in pf.jobs():
+                    async with job:
+                        for l in range(lay.num_layers):
+                            kv = np.full((2, 1, job.num_tokens, 16), l + 1, np.float16)
+                            store_layer(staging, l, job.first_page, kv)
+                            job.layer_done()
+                        job.tail[:] = 5
+                        job.tail_done()
+            server = asyncio.ensure_future(serve())
+            r = await dec.submit(b.address, 20)
+            await r.wait(timeout=30)
+            for l in range(lay.num_layers):
+                assert (gather_layer(cache, l, r.pages, 20) == l + 1).all()
+            r.release()
+            p = await dec.submit(b.address, 20, mode="pull")
+            try:
+                await p.wait(timeout=30)
+                raise SystemExit("a pull request served without reads")
+            except RequestRejected as e:
+                print("pull:", e)
+            server.cancel()
+asyncio.run(main())
+print("ok")
+"""
+
+
+def test_a_provider_without_reads_still_serves_push(tmp_path: Any) -> None:
+    """On a provider library from before reads (ABI minor 3) a Prefiller still starts (its
+    staging cache registered without remote read), serves push requests, and refuses
+    pull requests with a reason (RequestRejected on the decoder)."""
+    import os
+    import subprocess
+    import sys
+
+    import afabric_ofi
+    import build_native as bn
+
+    from .test_read import _MINOR3_SHIM
+
+    try:
+        cc = list(bn.compiler())
+    except bn.BuildError as e:
+        pytest.skip(str(e))
+    src = tmp_path / "minor3.c"
+    src.write_text(_MINOR3_SHIM)
+    lib = tmp_path / "libminor3.so"
+    cmd = [*cc, "-std=c11", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
+           f"-I{bn.SHIM_DIR}", str(src), "-o", str(lib), "-ldl"]  # fmt: skip
+    built = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert built.returncode == 0, built.stderr
+    env = dict(os.environ, AFABRIC_OFI_LIB=str(lib), AFABRIC_TEST_REAL_OFI=afabric_ofi.library_path())
+    proc = subprocess.run([sys.executable, "-c", _PUSH_ONLY_CHECK], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    assert "does not serve pull requests" in proc.stdout, proc.stdout

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import Engine
-from ..errors import AfabricError, InvalidArgument, UsageError
+from ..errors import AfabricError, InvalidArgument, RegistrationError, UsageError
 from ..memory import MemoryRegion
 from ..pages import Pages
 from . import plan, wire
@@ -231,17 +231,31 @@ class Prefiller(Side):
     def start(self) -> None:
         if self._mr is not None:
             return
-        access = "r" if self.pull else False
-        self._mr = self.eng.register(self.cache, remote=access)
+        self._mr = self._register(self.cache)
         if self._mr.length < self.layout.total_bytes:
             raise InvalidArgument(
                 f"staging cache of {self._mr.length} bytes, the layout needs {self.layout.total_bytes}"
             )
         if self.layout.tail_bytes:
-            self._tail_mr = self.eng.register(self.tail_buffer, remote=access)
+            self._tail_mr = self._register(self.tail_buffer)
         self.watcher = self.eng.uvm_watcher(self.device)
         self._bump = Bumper(self.watcher)
         self._start_loops()
+
+    def _register(self, buf: Any) -> MemoryRegion:
+        """Readable by peers when serving pulls; where the provider cannot register memory
+        for remote reads (a provider library from before reads), pull mode is turned off
+        and push requests are served as before."""
+        if self.pull:
+            try:
+                return self.eng.register(buf, remote="r")
+            except RegistrationError as e:
+                self.log.info("staging cache not readable by peers (%s): pull requests are refused", e)
+                self.pull = False
+                if self._mr is not None:  # the cache is registered readable, the tail not
+                    self.eng.deregister(self._mr)
+                    self._mr = self.eng.register(self.cache, remote=False)
+        return self.eng.register(buf, remote=False)
 
     async def aclose(self) -> None:
         """Stop every job (disarming what has not fired), wait (bounded) for fired writes."""
