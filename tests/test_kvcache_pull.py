@@ -356,6 +356,17 @@ async def test_bad_ready_messages(provider: str, peers: list[Peer]) -> None:
                     assert painted(cache, r.pages), "a refused READY was read"
             assert dec.bad_messages >= 2 * len(cases) - 1
 
+            # cancelled while a read is in flight (of a region that is gone: it fails within
+            # op_timeout): cancel() returns, and the pages are free, only once it has ended
+            r, rid = await request()
+            await ksend(rogue, dec.eng.address, _with(cases[-1][0], me, rid))
+            await until(lambda: any(k.reading is not None for k in r.ranks), 20, "the read posted")
+            t0 = time.monotonic()
+            await r.cancel()
+            assert all(k.reading is not None and k.reading.done() for k in r.ranks), "freed mid-read"
+            assert r.state == State.RELEASED and not dec.requests and time.monotonic() - t0 < 15
+            assert dec.allocator.free_pages == lay.num_pages
+
 
 def _with(template: bytes, sender: bytes, rid: int) -> bytes:
     """A READY like ``template`` from ``sender`` for request ``rid``."""
