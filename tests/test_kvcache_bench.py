@@ -26,7 +26,10 @@ def test_bench_kvcache_quick(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["bench"] == "kvcache" and doc["provider"] == "shm" and doc["page_bytes"] == 32768
-    assert [r["tokens"] for r in doc["rows"]] == [1024, 4096]
+    assert doc["modes"] == ["push", "pull"]  # --mode both, the default: a row per mode
+    assert [(r["tokens"], r["mode"]) for r in doc["rows"]] == [
+        (1024, "push"), (1024, "pull"), (4096, "push"), (4096, "pull"),
+    ]  # fmt: skip
     for r in doc["rows"]:
         assert r["pages"] == r["tokens"] // 128
         for key in ("compute_per_layer_ms", "transfer_per_layer_ms", "ttft_local_ms", "ttft_disagg_ms"):
@@ -36,3 +39,4 @@ def test_bench_kvcache_quick(tmp_path: Path) -> None:
         assert r["ttft_disagg_ms"] >= r["compute_per_layer_ms"] * doc["model"]["layers"] * 0.99
         assert set(r["samples"]) == {"local", "disagg", "transfer", "exposed", "compute"}
     assert "TTFT disagg" in proc.stdout and "disagg/local" in proc.stdout
+    assert " push " in proc.stdout and " pull " in proc.stdout

@@ -5,6 +5,7 @@ encoded or raises ProtocolError, never anything else) and of the page bookkeepin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import random
 import struct
@@ -116,6 +117,109 @@ def test_small_messages_round_trip(rid: int, status: int, arrivals: int, reason:
         "utf-8", errors="replace"
     )
     assert wire.parse(wire.encode_heartbeat(me, role, rid)) == wire.Heartbeat(me, role, rid)
+    assert wire.parse(wire.encode_release(me, rid)) == wire.Release(me, rid)
+
+
+@PROPS
+@given(
+    rid=st.integers(0, 2**64 - 1),
+    pages=st.integers(1, 2**32 - 1),
+    first=st.integers(0, 2**32 - 1),
+    tail=st.booleans(),
+    offset=st.integers(0, 2**64 - 1),
+)
+def test_ready_round_trips(rid: int, pages: int, first: int, tail: bool, offset: int) -> None:
+    me, cache, tail_desc = _blobs()
+    first %= pages
+    offset = offset if tail else 0
+    m = wire.parse(wire.encode_ready(me, rid, pages, first, cache, tail_desc if tail else b"", offset))
+    assert m == wire.Ready(me, rid, pages, first, tail, offset, cache, tail_desc if tail else b"")
+
+
+def test_pull_flag_round_trips_and_old_versions_are_refused() -> None:
+    segs = np.array([[0, 10, 4]], dtype=np.int64)
+    req = _request(segs, 60)
+    assert not _roundtrip(req).pull
+    assert _roundtrip(dataclasses.replace(req, pull=True)).pull
+    for msg in _valid_messages():
+        old = _reframe(msg[5], msg[wire.HEADER_SIZE :], version=1)
+        with pytest.raises(ProtocolError, match="version 1"):
+            wire.parse(old)
+
+
+def test_malformed_ready_is_refused() -> None:
+    me, cache, tail = _blobs()
+    good = wire.parse(wire.encode_ready(me, 1, 8, 0, cache, tail, 0))
+    assert isinstance(good, wire.Ready)
+    fixed = struct.Struct("<QIIIQ")
+
+    def ready(
+        pages: int, first: int, flags: int, offset: int, cdesc: bytes, tdesc: bytes, cut: int = 0,
+        extra: bytes = b"",
+    ) -> bytes:  # fmt: skip
+        body = fixed.pack(1, pages, first, flags, offset)
+        body += struct.pack("<I", len(cdesc)) + cdesc + struct.pack("<I", len(tdesc)) + tdesc
+        body = body[: len(body) - cut] + extra
+        return _reframe(wire.READY, struct.pack("<H", len(me)) + me + body)
+
+    assert wire.parse(ready(8, 0, wire.FLAG_TAIL, 0, cache, tail)) == good
+    for bad, why in [
+        (ready(0, 0, 0, 0, cache, b""), "staging pages"),
+        (ready(8, 8, 0, 0, cache, b""), "staging pages"),
+        (ready(8, 0, 4, 0, cache, b""), "unknown flags"),
+        (ready(8, 0, 0, 0, b"", b""), "cache descriptor of 0"),
+        (ready(8, 0, 0, 0, cache, tail), "tail descriptor"),  # a tail without its flag
+        (ready(8, 0, wire.FLAG_TAIL, 0, cache, b""), "tail descriptor"),  # the flag without one
+        (ready(8, 0, 0, 64, cache, b""), "tail offset without"),
+        (ready(8, 0, 0, 0, cache, b"", cut=1), "truncated"),
+        (ready(8, 0, 0, 0, cache, b"", extra=b"x"), "unexpected bytes"),
+    ]:
+        with pytest.raises(ProtocolError, match=why):
+            wire.parse(bad)
+
+
+def test_check_ready_accepts_only_readable_regions_that_fit() -> None:
+    me = _blobs()[0]
+    cache, tail, wonly = _pull_descs()
+    n = 5  # the request's pages; the staging region is LAYOUT's 256 pages (a tail of 128 B)
+
+    def check(m: bytes, want_tail: bool = True) -> None:
+        r = wire.parse(m)
+        assert isinstance(r, wire.Ready)
+        wire.check_ready(r, LAYOUT, n, want_tail)
+
+    check(wire.encode_ready(me, 1, 256, 251, cache, tail, LAYOUT.tail_region_bytes - 128))
+    check(wire.encode_ready(me, 1, 256, 0, cache), want_tail=False)
+    for m, want_tail, why in [
+        (wire.encode_ready(me, 1, 256, 252, cache, tail), True, "past its"),
+        (wire.encode_ready(me, 1, 257, 0, cache, tail), True, "do not fit"),
+        (wire.encode_ready(me, 1, 256, 0, cache, tail, LAYOUT.tail_region_bytes - 127), True, "overruns"),
+        (wire.encode_ready(me, 1, 256, 0, cache), True, "no tail, one asked"),
+        (wire.encode_ready(me, 1, 256, 0, cache, tail), False, "a tail, none asked"),
+        (wire.encode_ready(me, 1, 256, 0, b"\0" * 40, tail), True, "bad descriptor"),
+    ]:
+        with pytest.raises(ProtocolError, match=why):
+            check(m, want_tail)
+    with pytest.raises(ProtocolError, match="does not let peers read"):
+        check(wire.encode_ready(me, 1, 256, 0, wonly, tail))
+
+
+@functools.lru_cache(maxsize=1)
+def _pull_descs() -> tuple[bytes, bytes, bytes]:
+    """A staging cache and tail registered as a prefiller serving pulls does (remote="r"),
+    and a write-only cache region."""
+
+    async def make() -> tuple[bytes, bytes, bytes]:
+        async with afabric.Engine("tcp") as eng:
+            out = [
+                eng.register(np.zeros(n, dtype=np.uint8), remote=access).descriptor
+                for n, access in [
+                    (LAYOUT.total_bytes, "r"), (LAYOUT.tail_region_bytes, "r"), (LAYOUT.total_bytes, "w"),
+                ]
+            ]  # fmt: skip
+            return bytes(out[0] or b""), bytes(out[1] or b""), bytes(out[2] or b"")
+
+    return asyncio.run(make())
 
 
 # ---- the parser never raises anything but ProtocolError ----
@@ -129,6 +233,9 @@ def _valid_messages() -> list[bytes]:
         wire.encode_cancel(me, 3),
         wire.encode_confirm(me, 3, wire.CANCELLED, 17, "why"),
         wire.encode_heartbeat(me, wire.DECODER, 5),
+        wire.encode_ready(me, 3, 64, 9, _blobs()[1], _blobs()[2], 256),
+        wire.encode_ready(me, 4, 64, 9, _blobs()[1]),
+        wire.encode_release(me, 3),
     ]
 
 
@@ -184,7 +291,7 @@ def test_mutated_messages_parse_to_themselves_or_fail_cleanly(
     except ProtocolError:
         return
     # accepted: then it is a well-formed message of its kind (a flipped request id, say)
-    assert isinstance(m, (wire.Fragment, wire.Cancel, wire.Confirm, wire.Heartbeat))
+    assert isinstance(m, (wire.Fragment, wire.Cancel, wire.Confirm, wire.Heartbeat, wire.Ready, wire.Release))
 
 
 @PROPS

@@ -14,7 +14,11 @@ prompt length, in the same run:
 - ``transfer``: the same request with the model's compute skipped (every layer signalled
   at once): the transfer alone, back to back;
 
-and reports the per-layer compute and transfer times, both TTFTs and their ratio, the
+each in both transfer modes of ``afabric.kvcache`` (``--mode``): ``push`` (the prefiller's
+writes, armed per layer, overlap the compute) and ``pull`` (the prefiller holds the computed
+pages and the decoder reads them all after the last layer, as vLLM's NIXL connector does:
+nothing overlaps, but the prefiller needs no access to the decoder's memory); it
+reports the per-layer compute and transfer times, both TTFTs and their ratio, the
 *exposed* transfer (decoder's completion minus the prefiller's end of compute, both on
 CLOCK_MONOTONIC of one host), its share of the disaggregated TTFT (goal: under 5% at 32K
 tokens) and the fraction of transfer time hidden behind compute. Pages are 32 KiB (128
@@ -68,6 +72,7 @@ GPU_MODEL = ModelShape(layers=8, hidden=4096, heads=32, kv_heads=8, ffn=14336)  
 @dataclass
 class Row:
     tokens: int
+    mode: str
     pages: int
     kv_bytes_per_layer: int
     compute_per_layer_ms: float = 0.0
@@ -112,6 +117,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick", action="store_true", help="1K and 4K tokens, 2 layers, one run each (smoke run)"
     )
+    p.add_argument(
+        "--mode", choices=("push", "pull", "both"), default="both",
+        help="kvcache transfer mode: push (prefiller writes per layer), pull (decoder reads when all "
+        "computed), or both (a row each; default)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", default=None, help=harness.JSON_HELP)
     p.add_argument(
         "--loop", choices=("asyncio", "uvloop"), default=harness.default_loop(), help=harness.LOOP_HELP
@@ -316,10 +326,10 @@ async def _measure(
         ) as dec, _close_on_cancel(eng, halt):
             peer = Address.from_bytes(prefiller)
 
-            async def remote(tokens: int, mode: bytes) -> tuple[float, float, float]:
+            async def remote(tokens: int, what: bytes, mode: str = "push") -> tuple[float, float, float]:
                 """(TTFT, exposed: landed - prefiller's end of compute, prefiller's compute)."""
                 t0 = time.monotonic()
-                r = await dec.submit(peer, tokens, payload=mode)
+                r = await dec.submit(peer, tokens, payload=what, mode=mode)
                 await r.wait(timeout=600)
                 t1 = time.monotonic()
                 r.release()
@@ -329,24 +339,29 @@ async def _measure(
             def local(tokens: int) -> float:
                 return _local_prefill(model, lay, cache, dec, kv_dtype, halt, tokens)
 
-            await remote(min(args.token_list), b"compute")  # warm up: connections, kernels
+            for mode in args.modes:  # warm up: connections, kernels
+                await remote(min(args.token_list), b"compute", mode)
             await aloop.run_in_executor(None, local, min(args.token_list))
             for tokens in args.token_list:
                 kvb = 2 * shape.kv_heads * tokens * HEAD_DIM * 2
-                row = Row(tokens, lay.pages_for(tokens), kvb)
-                s: dict[str, list[float]] = {
-                    k: [] for k in ("local", "disagg", "transfer", "exposed", "compute")
+                s: dict[str, dict[str, list[float]]] = {
+                    m: {k: [] for k in ("local", "disagg", "transfer", "exposed", "compute")}
+                    for m in args.modes
                 }
                 for rep in range(args.repeat):
                     bar.step(f"{tokens} tokens, run {rep + 1}/{args.repeat}")
-                    s["local"].append(await aloop.run_in_executor(None, local, tokens))
-                    ttft, exposed, busy = await remote(tokens, b"compute")
-                    s["disagg"].append(ttft)
-                    s["exposed"].append(max(0.0, exposed))
-                    s["compute"].append(busy)
-                    s["transfer"].append((await remote(tokens, b"transfer"))[0])
+                    base = await aloop.run_in_executor(None, local, tokens)  # one baseline for all modes
+                    for mode in args.modes:
+                        s[mode]["local"].append(base)
+                        ttft, exposed, busy = await remote(tokens, b"compute", mode)
+                        s[mode]["disagg"].append(ttft)
+                        s[mode]["exposed"].append(max(0.0, exposed))
+                        s[mode]["compute"].append(busy)
+                        s[mode]["transfer"].append((await remote(tokens, b"transfer", mode))[0])
                     bar.advance()
-                rows.append(_summarize(row, shape.layers, s))
+                for mode in args.modes:
+                    row = Row(tokens, mode, lay.pages_for(tokens), kvb)
+                    rows.append(_summarize(row, shape.layers, s[mode]))
     return rows, fabric
 
 
@@ -370,24 +385,24 @@ def _summarize(row: Row, layers: int, s: dict[str, list[float]]) -> Row:
 def render(rows: list[Row], header: str) -> str:
     out = [header, ""]
     out.append(
-        f"{'tokens':>7} {'pages':>6} {'KV/layer':>9} {'compute/layer':>14} {'transfer/layer':>15} "
-        f"{'TTFT local':>11} {'TTFT disagg':>12} {'disagg/local':>13} {'exposed':>9} {'of TTFT':>8} "
+        f"{'tokens':>7} {'mode':>5} {'pages':>6} {'KV/layer':>9} {'compute/layer':>14} "
+        f"{'transfer/layer':>15} {'TTFT local':>11} {'TTFT disagg':>12} {'disagg/local':>13} "
+        f"{'exposed':>9} {'of TTFT':>8} "
         f"{'hidden':>7} {'GB/s':>7}"
     )
     for r in rows:
         out.append(
-            f"{r.tokens:>7} {r.pages:>6} {r.kv_bytes_per_layer / 2**20:>7.1f}Mi "
+            f"{r.tokens:>7} {r.mode:>5} {r.pages:>6} {r.kv_bytes_per_layer / 2**20:>7.1f}Mi "
             f"{r.compute_per_layer_ms:>11.2f} ms "
             f"{r.transfer_per_layer_ms:>12.2f} ms {r.ttft_local_ms:>8.1f} ms {r.ttft_disagg_ms:>9.1f} ms "
             f"{r.disagg_over_local:>12.2f}x {r.exposed_ms:>6.1f} ms {r.exposed_pct_of_ttft:>7.1f}% "
             f"{100 * r.hidden_fraction:>6.1f}% {r.transfer_gbps:>7.2f}"
         )
-    goal = [r for r in rows if r.tokens == GOAL_TOKENS]
-    if goal:
-        met = "met" if goal[0].exposed_pct_of_ttft < GOAL_EXPOSED_PCT else "NOT met"
+    for g in [r for r in rows if r.tokens == GOAL_TOKENS]:
+        met = "met" if g.exposed_pct_of_ttft < GOAL_EXPOSED_PCT else "NOT met"
         out.append(
-            f"\ngoal: exposed transfer under {GOAL_EXPOSED_PCT:g}% of TTFT at {GOAL_TOKENS} tokens: {met} "
-            f"({goal[0].exposed_pct_of_ttft:.2f}%)"
+            f"\ngoal ({g.mode}): exposed transfer under {GOAL_EXPOSED_PCT:g}% of TTFT at {GOAL_TOKENS} "
+            f"tokens: {met} ({g.exposed_pct_of_ttft:.2f}%)"
         )
     return "\n".join(out)
 
@@ -410,6 +425,8 @@ def main(args: argparse.Namespace) -> int:
     hidden = getattr(args, "hidden", None) or base.hidden
     shape = ModelShape(layers, hidden, base.heads, base.kv_heads, max(base.ffn * hidden // base.hidden, 1))
     args.repeat = max(1, int(getattr(args, "repeat", None) or (1 if quick else 3)))
+    mode = getattr(args, "mode", None) or "both"
+    args.modes = ["push", "pull"] if mode == "both" else [mode]
     # one 32 KiB page per write on GPUs: the nvlink provider's copy kernel moves a page per
     # warp (many small units in parallel); larger writes are fewer work requests elsewhere
     args.max_write = getattr(args, "max_write", None) or (32 << 10 if device == "cuda" else 2 << 20)
@@ -428,7 +445,7 @@ def main(args: argparse.Namespace) -> int:
     async def run() -> tuple[list[Row], str]:
         async with harness.watch(child):  # a prefill process that dies fails the run at once
             addr = await child.arecv(300)
-            with Progress(len(args.token_list) * args.repeat) as bar:
+            with Progress(len(args.token_list) * args.repeat) as bar:  # a step: every mode once
                 return await _measure(args, child.conn, addr, shape, bar)
 
     try:
@@ -448,7 +465,8 @@ def main(args: argparse.Namespace) -> int:
         f"medians of {args.repeat} run(s)\n"
         "TTFT local: the decoder computes the prefill itself (baseline, same run); TTFT disagg: submit -> "
         "every page and the tail landed; exposed: landed - end of compute; hidden: 1 - exposed / "
-        "transfer alone"
+        "transfer alone\nmode push: the prefiller writes each layer as it is computed; pull: it holds "
+        "the pages, the decoder reads them after the last layer (READY, reads, RELEASE)"
     )
     print(render(rows, header))
     if getattr(args, "json", None):
@@ -467,6 +485,7 @@ def main(args: argparse.Namespace) -> int:
             "page_bytes": TOKENS_PER_PAGE * HEAD_DIM * 2,
             "repeat": args.repeat,
             "max_write": args.max_write,
+            "modes": args.modes,
             "rows": [asdict(r) for r in rows],
             "goal": {"exposed_pct_under": GOAL_EXPOSED_PCT, "tokens": GOAL_TOKENS},
         }

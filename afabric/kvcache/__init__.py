@@ -4,7 +4,8 @@ by prefillers, while the next layer is still computing.
 :class:`Decoder` owns the paged cache and asks; :class:`Prefiller` computes and writes,
 each layer's paged writes armed on a watcher that the model bumps (see the modules'
 docstrings for the protocol: :mod:`.wire`, cancellation and liveness in :mod:`.decoder`
-and :mod:`.prefiller`).
+and :mod:`.prefiller`). Per request the decoder may instead *pull* (``submit(...,
+mode="pull")``): the prefiller holds the computed pages and the decoder reads them.
 """
 
 from .allocator import PageAllocator

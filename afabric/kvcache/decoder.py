@@ -12,6 +12,13 @@ land: each prefiller that was asked confirms (``CONFIRM``, after all its writes 
 request completed or were disarmed, with the number of immediates they delivered; the
 decoder then waits for exactly those to be counted here), or is declared dead after
 ``peer_timeout`` seconds without a message (a dead process writes nothing more).
+
+Pull mode (``submit(..., mode="pull")``): the prefillers write nothing; each computes its
+share into its staging pages, holds them and sends ``READY`` with where they are; the
+decoder reads them into the request's pages (``read_paged``, one call per layer and run
+length, plus the tail) and then sends ``RELEASE`` so the prefiller may reuse them (also
+after a failed read, and ``CANCEL`` when the request ends early). The pages of a pulled
+request are freed once none of its reads is still in flight.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ..address import Address
+from ..descriptor import MrDesc
 from ..engine import Engine
 from ..errors import AfabricError, InvalidArgument, OperationTimeout, UsageError
 from ..memory import MemoryRegion
+from ..pages import Pages
 from . import plan, wire
 from .allocator import PageAllocator
-from .errors import CacheFull, RequestCancelled, RequestFailed, RequestRejected
+from .errors import CacheFull, ProtocolError, RequestCancelled, RequestFailed, RequestRejected
 from .layout import KvCacheLayout
 from .peers import Side
 
@@ -50,19 +59,45 @@ class State(enum.Enum):
 class _Rank:
     """One prefiller's part of a request."""
 
-    __slots__ = ("address", "arrivals", "confirm", "dead", "expected")
+    __slots__ = (
+        "address", "arrivals", "confirm", "dead", "expected", "pull", "reading", "released", "share", "tail",
+    )  # fmt: skip
 
-    def __init__(self, address: bytes, expected: int) -> None:
+    def __init__(
+        self, address: bytes, expected: int, pull: bool = False, share: Any = None, tail: bool = False
+    ) -> None:
         self.address = address
         self.expected = expected  # immediates its writes deliver when all succeed
         self.confirm: wire.Confirm | None = None
         self.dead = False
-        self.arrivals: int | None = None  # delivered, once known
+        self.arrivals: int | None = 0 if pull else None  # delivered, once known (pull: none)
+        self.pull = pull
+        self.share = share  # pull: its segments (pos, dst, count)
+        self.tail = tail  # pull: it holds the tail
+        self.reading: asyncio.Task[None] | None = None  # pull: the reads of its pages
+        self.released = False  # pull: RELEASE (or CANCEL) sent after READY
 
     @property
     def quiet(self) -> bool:
-        """No write from it can still be posted."""
+        """Nothing from it can still land in the request's pages (push: no write of it can
+        still be posted; pull: none of its reads is in flight)."""
+        if self.pull:
+            return self.reading is None or self.reading.done()
         return self.dead or self.confirm is not None
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more is expected from it (push: quiet; pull: its pages were released,
+        or it confirmed an end, or it is dead)."""
+        if self.pull:
+            return self.dead or self.released or self.confirm is not None
+        return self.quiet
+
+
+def _pull_mode(mode: str) -> bool:
+    if mode not in ("push", "pull"):
+        raise InvalidArgument(f"mode must be 'push' or 'pull', got {mode!r}")
+    return mode == "pull"
 
 
 class DecodeRequest:
@@ -90,6 +125,7 @@ class DecodeRequest:
         self._expect: asyncio.Task[None] | None = None
         self._quiesced = asyncio.Event()  # all ranks quiet: safe to free after draining
         self._closing: asyncio.Task[None] | None = None
+        self.mode = "pull" if ranks and ranks[0].pull else "push"
 
     def __repr__(self) -> str:
         return f"<DecodeRequest {self.request_id} {self.num_tokens} tokens {self.state.value}>"
@@ -215,13 +251,18 @@ class Decoder(Side):
         prefillers: Address | bytes | Sequence[Address | bytes],
         num_tokens: int,
         payload: bytes = b"",
+        *,
+        mode: str = "push",
     ) -> DecodeRequest:
         """Allocate pages for ``num_tokens`` and ask ``prefillers`` to fill them (several:
         replicas of one cache, each writing a random, balanced share of the pages; one of
         them, at random, writes the tail). ``payload`` goes along (e.g. the token ids).
+        ``mode``: ``"push"`` (the prefillers write each layer as it is computed) or
+        ``"pull"`` (they hold the computed pages; this side reads them, then releases them).
         Raises :class:`CacheFull` when pages or tail slots run out (nothing is sent)."""
         if self._mr is None:
             raise UsageError("start the decoder first (async with Decoder(...))")
+        pull = _pull_mode(mode)
         addrs = self._addresses(prefillers)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise InvalidArgument(f"num_tokens must be a positive int, got {num_tokens!r}")
@@ -242,16 +283,16 @@ class Decoder(Side):
             for i, (a, s) in enumerate(zip(addrs, plan.split_among(segs, len(addrs), self._rng), strict=True))
         ]
         work = [(a, s, t) for a, s, t in work if s.size or t]
-        ranks = [_Rank(a, plan.arrivals(self.layout, s) + (1 if t else 0)) for a, s, t in work]
+        ranks = [self._rank(a, s, t, pull) for a, s, t in work]
         self._next_id += 1
         rid = self._next_id
         imm = self.eng.alloc_imm()
         total = sum(r.expected for r in ranks)
         req = DecodeRequest(self, rid, num_tokens, pages, tail_slot, imm, total, ranks)
         req.payload = bytes(payload)
+        req.mode = "pull" if pull else "push"
         self._requests[rid] = req
-        req._expect = asyncio.ensure_future(self.eng.expect_imm(imm, total))
-        req._expect.add_done_callback(functools.partial(self._landed, req))
+        self._expect_writes(req)
         me = bytes(self.eng.address)
         try:
             messages = [
@@ -260,7 +301,8 @@ class Decoder(Side):
             ]
         except BaseException:
             self._requests.pop(rid, None)
-            req._expect.cancel()
+            if req._expect is not None:
+                req._expect.cancel()
             self.allocator.free(pages)
             if tail_slot is not None:
                 self._free_tails.append(tail_slot)
@@ -281,14 +323,26 @@ class Decoder(Side):
                 break
         return req
 
+    def _expect_writes(self, req: DecodeRequest) -> None:
+        """Push: one expectation counts every write's immediate (pull: reads are awaited)."""
+        if req.mode == "push":
+            req._expect = asyncio.ensure_future(self.eng.expect_imm(req.imm, req.expected))
+            req._expect.add_done_callback(functools.partial(self._landed, req))
+
+    def _rank(self, addr: bytes, share: npt.NDArray[np.int64], tail: bool, pull: bool) -> _Rank:
+        if pull:
+            return _Rank(addr, 0, True, share, tail)
+        return _Rank(addr, plan.arrivals(self.layout, share) + (1 if tail else 0))
+
     def _message(self, req: DecodeRequest, share: npt.NDArray[np.int64], with_tail: bool) -> wire.Request:
+        pull = req.mode == "pull"
         assert self._mr is not None and self._mr.descriptor is not None
         tail_desc = self._tail_mr.descriptor if with_tail and self._tail_mr is not None else None
         return wire.Request(
             req.request_id, self._fingerprint, self.layout.num_pages, req.num_tokens, req.imm, with_tail,
             (req.tail_slot or 0) * self.layout.tail_bytes if with_tail else 0,
             bytes(self._mr.descriptor), bytes(tail_desc) if tail_desc is not None else b"",
-            share, bytes(req.payload),
+            share, bytes(req.payload), pull,
         )  # fmt: skip
 
     def _addresses(self, prefillers: Address | bytes | Sequence[Address | bytes]) -> list[bytes]:
@@ -343,7 +397,8 @@ class Decoder(Side):
             req._landed.exception()  # nobody need await it
         if state != State.DONE:
             for r in req.ranks:
-                if not r.quiet:
+                if not r.settled:
+                    r.released = r.pull
                     self.peers.post(
                         r.address, wire.encode_cancel(bytes(self.eng.address), req.request_id), "cancel"
                     )
@@ -411,6 +466,8 @@ class Decoder(Side):
     def _handle(self, m: wire.Message) -> None:
         if isinstance(m, wire.Confirm):
             self._on_confirm(m)
+        elif isinstance(m, wire.Ready):
+            self._on_ready(m)
         elif not isinstance(m, wire.Heartbeat):
             self._bad(f"a decoder does not take {type(m).__name__} messages")
 
@@ -449,7 +506,7 @@ class Decoder(Side):
         live: set[bytes] = set()
         for req in list(self._requests.values()):
             for r in req.ranks:
-                if r.quiet or (req.state == State.DONE and req._quiesced.is_set()):
+                if r.settled or (req.state == State.DONE and req._quiesced.is_set()):
                     continue
                 if self.peers.silent_for(r.address, req.sent_at) > self.peer_timeout:
                     r.dead = True
@@ -465,3 +522,80 @@ class Decoder(Side):
                 else:
                     live.add(r.address)
         self.peers.beat(live)
+
+    # ---- pull mode ----
+
+    def _on_ready(self, m: wire.Ready) -> None:
+        req = self._requests.get(m.request_id)
+        rank = next((r for r in req.ranks if r.address == m.sender), None) if req else None
+        ended = rank is not None and rank.pull and req is not None and req.state != State.PENDING
+        if req is None or (ended and rank is not None and not rank.released):
+            # a request that ended before its pages were ready: let the prefiller reuse them
+            if rank is not None:
+                rank.released = True
+            self._release_pages(m.sender, m.request_id)
+            return
+        if rank is None or not rank.pull:
+            self._bad(f"ready for request {m.request_id} from a peer that was not asked to hold it")
+            return
+        if rank.reading is not None or rank.released:
+            self._bad(f"ready for request {m.request_id} twice")
+            return
+        try:
+            src, tail = wire.check_ready(m, self.layout, self.layout.pages_for(req.num_tokens), rank.tail)
+        except ProtocolError as e:
+            self._bad(str(e))
+            rank.released = True
+            self._release_pages(m.sender, m.request_id)
+            self._finish(req, State.FAILED, RequestFailed(f"request {m.request_id}: bad ready: {e}"))
+            self._start_quiesce(req)
+            return
+        rank.reading = asyncio.ensure_future(self._pull(req, rank, m, src, tail))
+        rank.reading.add_done_callback(functools.partial(self._pulled, req, rank))
+
+    def _release_pages(self, prefiller: bytes, rid: int) -> None:
+        self.peers.post(prefiller, wire.encode_release(bytes(self.eng.address), rid), "release")
+
+    async def _pull(
+        self, req: DecodeRequest, rank: _Rank, m: wire.Ready, src: MrDesc, tail: MrDesc | None
+    ) -> None:
+        """Read this rank's share (every layer, then the tail) into the request's pages;
+        waits for every read it posted, then raises the first failure."""
+        assert self._mr is not None
+        lay = self.layout
+        bb = lay.block_bytes
+        staging = lay.with_pages(m.staging_pages)
+        reads: list[Any] = []
+        for layer in range(lay.num_layers):
+            for pr in plan.layer_writes(staging, lay, layer, rank.share, m.first_page):
+                reads.append(self.eng.read_paged(
+                    self._mr, src, page_len=pr.page_len, src_pages=Pages(pr.src_idx, bb),
+                    dst_pages=Pages(pr.dst_idx, bb),
+                ))  # fmt: skip
+        if tail is not None and self._tail_mr is not None and req.tail_slot is not None:
+            reads.append(self.eng.read(
+                self._tail_mr, tail, lay.tail_bytes, src_offset=m.tail_offset,
+                dst_offset=req.tail_slot * lay.tail_bytes,
+            ))  # fmt: skip
+        results = await asyncio.gather(*reads, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def _pulled(self, req: DecodeRequest, rank: _Rank, t: asyncio.Task[None]) -> None:
+        if not rank.released:
+            rank.released = True
+            self._release_pages(rank.address, req.request_id)
+        exc = BaseException("cancelled") if t.cancelled() else t.exception()
+        if exc is not None:
+            self._finish(req, State.FAILED, RequestFailed(
+                f"request {req.request_id}: reading from a prefiller failed: {type(exc).__name__}: {exc}"
+            ))  # fmt: skip
+            self._start_quiesce(req)
+        elif req.state == State.PENDING and all(
+            r.reading is not None and r.reading.done() and not r.reading.cancelled()
+            and r.reading.exception() is None for r in req.ranks
+        ):  # fmt: skip
+            req.done_at = time.monotonic()
+            self._finish(req, State.DONE, None)
+        self._check_quiet(req)

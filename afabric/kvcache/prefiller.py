@@ -11,6 +11,12 @@ Cancelling (the decoder's ``CANCEL``, a failed write, a dead decoder) stops the 
 bumps, disarms the writes of the layers not bumped yet — the clock cannot reach their
 values before the disarm is queued, because the next job starts only after that — lets
 the fired ones finish, and then confirms to the decoder how many immediates landed.
+
+Pull mode (a request with ``FLAG_PULL``): nothing is armed; once the model signalled every
+step, the job is *held*: its staging pages (and tail slot) stay the decoder's, a ``READY``
+tells it where they are (the staging cache is registered ``remote="r"``), and they are
+reused only after the decoder's ``RELEASE`` or ``CANCEL``, or once the decoder is declared
+dead (``peer_timeout`` without a message).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import Engine
-from ..errors import AfabricError, InvalidArgument, UsageError
+from ..errors import AfabricError, InvalidArgument, RegistrationError, UsageError
 from ..memory import MemoryRegion
 from ..pages import Pages
 from . import plan, wire
@@ -52,6 +58,7 @@ class JobState(enum.Enum):
     QUEUED = "queued"  # has pages, waiting for the model
     COMPUTING = "computing"
     WRITING = "writing"  # computed; fired writes finishing
+    HELD = "held"  # pull mode: computed; the pages wait for the decoder to read and release them
     FINISHED = "finished"
 
 
@@ -170,7 +177,12 @@ class Prefiller(Side):
     page count; ``cache`` (``layout.total_bytes``) and ``tail`` (``layout.tail_region_bytes``)
     are its staging buffers (host memory when omitted; a CUDA tensor on ``device``, which
     then also bumps the layer clock from its stream). Use as ``async with``; the prefiller
-    consumes every message its engine receives."""
+    consumes every message its engine receives.
+
+    ``pull``: serve pull-mode requests, which registers the staging buffers ``remote="r"``
+    (any peer given their descriptor — the decoders of pull requests — may read all of
+    them); with ``pull=False`` they are not remotely accessible and pull requests are
+    refused."""
 
     def __init__(
         self,
@@ -183,6 +195,7 @@ class Prefiller(Side):
         heartbeat_interval: float = 0.5,
         peer_timeout: float = 10.0,
         max_waiting: int = 4096,
+        pull: bool = True,
     ) -> None:
         if not isinstance(layout, KvCacheLayout):
             raise InvalidArgument("layout must be a KvCacheLayout")
@@ -194,6 +207,7 @@ class Prefiller(Side):
         self.cache = cache if cache is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
         self.tail_buffer = tail if tail is not None else np.zeros(layout.tail_region_bytes, dtype=np.uint8)
         self.max_waiting = max_waiting
+        self.pull = pull
         self.max_tokens = layout.num_pages * layout.tokens_per_page
         self.allocator = PageAllocator(layout.num_pages)
         self._free_tails = list(range(layout.tail_slots - 1, -1, -1)) if layout.tail_bytes else []
@@ -217,22 +231,39 @@ class Prefiller(Side):
     def start(self) -> None:
         if self._mr is not None:
             return
-        self._mr = self.eng.register(self.cache, remote=False)
+        self._mr = self._register(self.cache)
         if self._mr.length < self.layout.total_bytes:
             raise InvalidArgument(
                 f"staging cache of {self._mr.length} bytes, the layout needs {self.layout.total_bytes}"
             )
         if self.layout.tail_bytes:
-            self._tail_mr = self.eng.register(self.tail_buffer, remote=False)
+            self._tail_mr = self._register(self.tail_buffer)
         self.watcher = self.eng.uvm_watcher(self.device)
         self._bump = Bumper(self.watcher)
         self._start_loops()
+
+    def _register(self, buf: Any) -> MemoryRegion:
+        """Readable by peers when serving pulls; where the provider cannot register memory
+        for remote reads (a provider library from before reads), pull mode is turned off
+        and push requests are served as before."""
+        if self.pull:
+            try:
+                return self.eng.register(buf, remote="r")
+            except RegistrationError as e:
+                self.log.info("staging cache not readable by peers (%s): pull requests are refused", e)
+                self.pull = False
+                if self._mr is not None:  # the cache is registered readable, the tail not
+                    self.eng.deregister(self._mr)
+                    self._mr = self.eng.register(self.cache, remote=False)
+        return self.eng.register(buf, remote=False)
 
     async def aclose(self) -> None:
         """Stop every job (disarming what has not fired), wait (bounded) for fired writes."""
         for job in list(self._jobs.values()):
             if job.state in (JobState.WAITING, JobState.QUEUED):
                 self._drop_unstarted(job, wire.CANCELLED, "prefiller closing")
+            elif job.state == JobState.HELD:
+                self._unhold(job, wire.CANCELLED, "prefiller closing")
             else:
                 job._stop("prefiller closing")
         writes = [s.task for j in self._jobs.values() for s in j._writes if not s.task.done()]
@@ -296,6 +327,8 @@ class Prefiller(Side):
 
     def _arm(self, job: PrefillJob) -> None:
         assert self._mr is not None
+        if job.request.pull:
+            return  # the decoder reads the pages once they are all computed
         lay, req, imm = self.layout, job.request, job.request.imm
         bb = lay.block_bytes
         desc = job.checked.cache
@@ -350,6 +383,9 @@ class Prefiller(Side):
     def _maybe_finish(self, job: PrefillJob) -> None:
         if job.state != JobState.WRITING or not all(s.task.done() for s in job._writes):
             return
+        if job.request.pull:
+            self._pull_computed(job)
+            return
         job.state = JobState.FINISHED
         arrivals: int = 0
         for s in job._writes:
@@ -373,6 +409,53 @@ class Prefiller(Side):
         self._remember(job.key, status, arrivals, reason)
         if status != wire.DONE or job.cancel_requested:
             self._confirm(job.key, status, arrivals, reason, job.decoder_dead)
+
+    def _pull_computed(self, job: PrefillJob) -> None:
+        """A pull job left the model: hold its pages and tell the decoder, or (stopped)
+        give them back at once (nothing was shown to the decoder)."""
+        if job._stopped:
+            job.state = JobState.FINISHED
+            status = wire.CANCELLED if job.cancel_requested else wire.FAILED
+            self.stats[wire.STATUS_NAMES[status]] += 1
+            reason = "cancelled" if job.cancel_requested else job.failure or "failed"
+            self._release(job)
+            self._remember(job.key, status, 0, reason)
+            self._confirm(job.key, status, 0, reason, job.decoder_dead)
+            return
+        assert self._mr is not None and self._mr.descriptor is not None
+        job.state = JobState.HELD
+        self.stats["ready"] += 1
+        tail = b""
+        offset = 0
+        if job.request.write_tail and self._tail_mr is not None and self._tail_mr.descriptor is not None:
+            assert job.tail_slot is not None
+            tail, offset = bytes(self._tail_mr.descriptor), job.tail_slot * self.layout.tail_bytes
+        msg = wire.encode_ready(
+            bytes(self.eng.address), job.request_id, self.layout.num_pages, job.first_page,
+            bytes(self._mr.descriptor), tail, offset,
+        )  # fmt: skip
+        task = asyncio.ensure_future(self.peers.send(job.decoder, msg))
+        task.add_done_callback(functools.partial(self._ready_sent, job))
+
+    def _ready_sent(self, job: PrefillJob, t: asyncio.Task[None]) -> None:
+        err = None if t.cancelled() else t.exception()
+        if (t.cancelled() or err is not None) and job.state == JobState.HELD:
+            self.peers.send_failures += 1
+            self._unhold(job, wire.FAILED, f"sending ready failed: {err or 'cancelled'}")
+
+    def _unhold(self, job: PrefillJob, status: int, reason: str) -> None:
+        """A held pull job ends: its pages are free again (released by the decoder, or the
+        decoder cancelled or is dead, or this side is closing)."""
+        if job.state != JobState.HELD:
+            return
+        job.state = JobState.FINISHED
+        self.stats[wire.STATUS_NAMES[status]] += 1
+        if status == wire.DONE:
+            self.stats["pages_read"] += job.request.pages
+        self._release(job)
+        self._remember(job.key, status, 0, reason)
+        if status != wire.DONE:
+            self._confirm(job.key, status, 0, reason, job.decoder_dead)
 
     def _release(self, job: PrefillJob) -> None:
         self._jobs.pop(job.key, None)
@@ -436,6 +519,12 @@ class Prefiller(Side):
             self._on_fragment(m)
         elif isinstance(m, wire.Cancel):
             self._on_cancel((m.sender, m.request_id))
+        elif isinstance(m, wire.Release):
+            job = self._jobs.get((m.sender, m.request_id))
+            if job is not None and job.state == JobState.HELD:
+                self._unhold(job, wire.DONE, "")
+            elif job is not None:  # only a READY's pages can be released
+                self._bad(f"release of request {m.request_id}, which is {job.state.value}")
         elif not isinstance(m, wire.Heartbeat):
             self._bad(f"a prefiller does not take {type(m).__name__} messages")
 
@@ -469,6 +558,8 @@ class Prefiller(Side):
             checked = wire.check_request(
                 req, self.layout, max_write=self.eng.max_write_size, max_tokens=self.max_tokens
             )
+            if req.pull and not self.pull:
+                raise ProtocolError(f"request {f.request_id}: this prefiller does not serve pull requests")
             if len(self._waiting) >= self.max_waiting:
                 raise ProtocolError(f"request {f.request_id}: {self.max_waiting} requests already waiting")
         except ProtocolError as e:
@@ -526,6 +617,8 @@ class Prefiller(Side):
         job.cancel_requested = True
         if job.state in (JobState.WAITING, JobState.QUEUED):
             self._drop_unstarted(job, wire.CANCELLED, "cancelled")
+        elif job.state == JobState.HELD:
+            self._unhold(job, wire.CANCELLED, "cancelled")
         else:
             job._stop("cancelled by the decoder")
             self._maybe_finish(job)
@@ -552,6 +645,8 @@ class Prefiller(Side):
                 job.decoder_dead = True
                 if job.state in (JobState.WAITING, JobState.QUEUED):
                     self._drop_unstarted(job, wire.FAILED, "decoder dead")
+                elif job.state == JobState.HELD:
+                    self._unhold(job, wire.FAILED, "decoder dead")
                 else:
                     job._stop("decoder dead")
                     self._maybe_finish(job)

@@ -1,6 +1,6 @@
 """The KV-cache control messages and their strict parser.
 
-Four kinds travel with ``Engine.send``/``recv`` between decoders and prefillers:
+Six kinds travel with ``Engine.send``/``recv`` between decoders and prefillers:
 
 - ``REQUEST`` (decoder -> prefiller), in fragments that fit the engine's message size: where
   to write (cache and tail descriptors, page segments), the immediate to count, the prompt's
@@ -9,7 +9,16 @@ Four kinds travel with ``Engine.send``/``recv`` between decoders and prefillers:
 - ``CONFIRM`` (prefiller -> decoder): no write of this request can still be posted, and how
   many immediates its writes delivered (so the decoder can wait for exactly those to land);
   also the answer to a request that was refused;
-- ``HEARTBEAT`` (both ways): the sender is alive.
+- ``HEARTBEAT`` (both ways): the sender is alive;
+- ``READY`` (prefiller -> decoder, pull mode: a request with ``FLAG_PULL``): the request's
+  pages are computed and held in the prefiller's staging cache: its descriptor (registered
+  ``remote="r"``), the staging page count, where the request's run starts, and the tail's
+  descriptor and offset; the decoder reads them;
+- ``RELEASE`` (decoder -> prefiller, pull mode): the decoder has read (or gave up on) the
+  request's pages; the prefiller may reuse them.
+
+Version 2 added ``READY``, ``RELEASE`` and ``FLAG_PULL``; a message of another version is
+refused.
 
 Every message is ``header | body``: magic ``AFKV``, version, kind, a reserved zero, the body
 length and a CRC-32 of everything else; the body starts with the sender's address (``recv``
@@ -35,9 +44,12 @@ from .errors import ProtocolError
 from .layout import KvCacheLayout
 
 MAGIC = b"AFKV"
-VERSION = 1
-REQUEST, CANCEL, CONFIRM, HEARTBEAT = 1, 2, 3, 4
-KINDS = {REQUEST: "request", CANCEL: "cancel", CONFIRM: "confirm", HEARTBEAT: "heartbeat"}
+VERSION = 2
+REQUEST, CANCEL, CONFIRM, HEARTBEAT, READY, RELEASE = 1, 2, 3, 4, 5, 6
+KINDS = {
+    REQUEST: "request", CANCEL: "cancel", CONFIRM: "confirm", HEARTBEAT: "heartbeat", READY: "ready",
+    RELEASE: "release",
+}  # fmt: skip
 
 # CONFIRM statuses
 DONE, CANCELLED, FAILED, REJECTED, UNKNOWN = 0, 1, 2, 3, 4
@@ -52,16 +64,19 @@ ARRIVALS_UNKNOWN = (1 << 64) - 1  # some write failed: how many of its pages lan
 
 DECODER, PREFILLER = 0, 1
 
-FLAG_TAIL = 1  # this prefiller writes the tail
+FLAG_TAIL = 1  # this prefiller writes the tail (pull: holds it for the decoder to read)
+FLAG_PULL = 2  # pull mode: compute, hold the pages, send READY; the decoder reads them
 
 MAX_BLOB = 64 << 20  # a request (segments + payload) of at most 64 MiB
 MAX_REASON = 1024
 MAX_ADDRESS = 4096
+MAX_DESC = 1 << 16
 
 _HEADER = struct.Struct("<4sBBHII")  # magic, version, kind, reserved, body length, crc32
 _FRAG = struct.Struct("<QIIII")  # request id, blob length, fragment size, fragment index, blob crc
 _CONFIRM = struct.Struct("<QBQH")  # request id, status, arrivals, reason length
 _HEARTBEAT = struct.Struct("<BQ")  # role, sequence
+_READY = struct.Struct("<QIIIQ")  # request id, staging pages, first page, flags, tail offset
 _REQ_FIXED = struct.Struct("<16sIIIIQ")  # fingerprint, cache pages, tokens, imm, flags, tail offset
 SEGMENT_DTYPE = np.dtype("<u4")
 
@@ -85,13 +100,14 @@ class Request:
     tail_desc: bytes
     segments: npt.NDArray[np.int64]
     payload: bytes = b""
+    pull: bool = False
 
     def blob(self) -> bytes:
         segs = np.ascontiguousarray(self.segments, dtype=SEGMENT_DTYPE).reshape(-1, 3)
         return b"".join((
             _REQ_FIXED.pack(
                 self.fingerprint, self.num_pages, self.num_tokens, self.imm,
-                FLAG_TAIL if self.write_tail else 0, self.tail_offset,
+                (FLAG_TAIL if self.write_tail else 0) | (FLAG_PULL if self.pull else 0), self.tail_offset,
             ),
             _lp32(self.cache_desc), _lp32(self.tail_desc),
             struct.pack("<I", segs.shape[0]), segs.tobytes(),
@@ -141,7 +157,29 @@ class Heartbeat:
     seq: int
 
 
-Message = Fragment | Cancel | Confirm | Heartbeat
+@dataclass(frozen=True)
+class Ready:
+    """Pull mode: the request's prompt pages are pages ``first_page ..`` of the prefiller's
+    staging cache (``staging_pages`` pages in the layout's order, region ``cache_desc``);
+    with ``has_tail``, its tail is at ``tail_offset`` of region ``tail_desc``."""
+
+    sender: bytes
+    request_id: int
+    staging_pages: int
+    first_page: int
+    has_tail: bool
+    tail_offset: int
+    cache_desc: bytes
+    tail_desc: bytes
+
+
+@dataclass(frozen=True)
+class Release:
+    sender: bytes
+    request_id: int
+
+
+Message = Fragment | Cancel | Confirm | Heartbeat | Ready | Release
 
 
 def _lp32(b: bytes) -> bytes:
@@ -185,6 +223,19 @@ def encode_confirm(sender: bytes, request_id: int, status: int, arrivals: int, r
 
 def encode_heartbeat(sender: bytes, role: int, seq: int) -> bytes:
     return _frame(HEARTBEAT, sender, _HEARTBEAT.pack(role, seq))
+
+
+def encode_ready(
+    sender: bytes, request_id: int, staging_pages: int, first_page: int, cache_desc: bytes,
+    tail_desc: bytes = b"", tail_offset: int = 0,
+) -> bytes:  # fmt: skip
+    flags = FLAG_TAIL if tail_desc else 0
+    fixed = _READY.pack(request_id, staging_pages, first_page, flags, tail_offset)
+    return _frame(READY, sender, fixed + _lp32(cache_desc) + _lp32(tail_desc))
+
+
+def encode_release(sender: bytes, request_id: int) -> bytes:
+    return _frame(RELEASE, sender, struct.pack("<Q", request_id))
 
 
 # ---- parsing ----
@@ -260,10 +311,12 @@ def parse(msg: bytes) -> Message:
     kind, r, sender = _open(msg)
     if kind == REQUEST:
         return _parse_fragment(r, sender)
-    if kind == CANCEL:
+    if kind in (CANCEL, RELEASE):
         (rid,) = struct.unpack("<Q", r.take(8, "request id"))
         r.end()
-        return Cancel(sender, int(rid))
+        return Cancel(sender, int(rid)) if kind == CANCEL else Release(sender, int(rid))
+    if kind == READY:
+        return _parse_ready(r, sender)
     if kind == CONFIRM:
         rid, status, arrivals, rlen = r.unpack(_CONFIRM, "confirm fields")
         assert isinstance(rid, int) and isinstance(status, int) and isinstance(arrivals, int)
@@ -281,6 +334,28 @@ def parse(msg: bytes) -> Message:
         raise ProtocolError(f"heartbeat: unknown role {role}")
     r.end()
     return Heartbeat(sender, role, seq)
+
+
+def _parse_ready(r: _Reader, sender: bytes) -> Ready:
+    rid, pages, first, flags, tail_offset = r.unpack(_READY, "ready fields")
+    assert isinstance(rid, int) and isinstance(pages, int) and isinstance(first, int)
+    assert isinstance(flags, int) and isinstance(tail_offset, int)
+    if flags & ~FLAG_TAIL:
+        raise ProtocolError(f"ready: unknown flags {flags:#x}")
+    if pages < 1 or first >= pages:
+        raise ProtocolError(f"ready: first page {first} of {pages} staging pages")
+    clen = r.u32("cache descriptor length")
+    if not 1 <= clen <= MAX_DESC:
+        raise ProtocolError(f"ready: cache descriptor of {clen} bytes")
+    cache_desc = r.take(clen, "cache descriptor")
+    tlen = r.u32("tail descriptor length")
+    if tlen > MAX_DESC or bool(tlen) != bool(flags & FLAG_TAIL):
+        raise ProtocolError(f"ready: tail descriptor of {tlen} bytes with flags {flags:#x}")
+    tail_desc = r.take(tlen, "tail descriptor")
+    if not tlen and tail_offset:
+        raise ProtocolError("ready: a tail offset without a tail")
+    r.end()
+    return Ready(sender, rid, pages, first, bool(tlen), tail_offset, cache_desc, tail_desc)
 
 
 def _parse_fragment(r: _Reader, sender: bytes) -> Fragment:
@@ -309,7 +384,7 @@ def parse_request(request_id: int, blob: bytes) -> Request:
     assert isinstance(fp, bytes) and isinstance(tokens, int) and isinstance(imm, int)
     assert isinstance(pages, int)
     assert isinstance(flags, int) and isinstance(tail_offset, int)
-    if flags & ~FLAG_TAIL:
+    if flags & ~(FLAG_TAIL | FLAG_PULL):
         raise ProtocolError(f"request {request_id}: unknown flags {flags:#x}")
     cache_desc = r.take(r.u32("cache descriptor length"), "cache descriptor")
     tail_desc = r.take(r.u32("tail descriptor length"), "tail descriptor")
@@ -320,7 +395,7 @@ def parse_request(request_id: int, blob: bytes) -> Request:
     r.end()
     return Request(
         request_id, fp, pages, tokens, imm, bool(flags & FLAG_TAIL), tail_offset, cache_desc, tail_desc,
-        segments, payload,
+        segments, payload, bool(flags & FLAG_PULL),
     )  # fmt: skip
 
 
@@ -400,3 +475,34 @@ def _check_segments(
         s, e = starts[order], (starts + n)[order]
         if s.size > 1 and bool((s[1:] < e[:-1]).any()):
             raise ProtocolError(f"{where}: segments overlap in the {name}")
+
+
+def check_ready(
+    m: Ready, layout: KvCacheLayout, prompt_pages: int, want_tail: bool
+) -> tuple[MrDesc, MrDesc | None]:
+    """What a decoder checks before reading a prefiller's pages: the descriptors decode and
+    allow reads, the staging region holds ``staging_pages`` pages of ``layout``'s geometry,
+    the request's run lies inside it, the tail (exactly when this prefiller holds it) fits
+    its region."""
+    where = f"ready {m.request_id}"
+    if m.has_tail != want_tail:
+        got, asked = ("a", "none") if m.has_tail else ("no", "one")
+        raise ProtocolError(f"{where}: {got} tail, {asked} asked")
+    try:
+        cache = MrDesc.from_bytes(m.cache_desc)
+        tail = MrDesc.from_bytes(m.tail_desc) if m.has_tail else None
+    except AfabricError as e:
+        raise ProtocolError(f"{where}: bad descriptor: {e}") from None
+    for d in (cache, tail):
+        if d is not None and d.access and "r" not in d.access:
+            raise ProtocolError(f"{where}: a region the prefiller does not let peers read")
+    need = layout.with_pages(m.staging_pages).total_bytes
+    if cache.length < need:
+        raise ProtocolError(
+            f"{where}: {m.staging_pages} staging pages do not fit a {cache.length}-byte region"
+        )
+    if m.first_page + prompt_pages > m.staging_pages:
+        raise ProtocolError(f"{where}: pages {m.first_page}+{prompt_pages} past its {m.staging_pages} pages")
+    if tail is not None and m.tail_offset + layout.tail_bytes > tail.length:
+        raise ProtocolError(f"{where}: tail at {m.tail_offset} overruns its {tail.length}-byte region")
+    return cache, tail
