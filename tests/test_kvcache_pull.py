@@ -16,6 +16,7 @@ import pytest
 import afabric
 from afabric.kvcache import KvCacheLayout, RequestCancelled, RequestFailed, State, wire
 from afabric.kvcache.views import gather_layer
+from afabric.messages import TAG_KVCACHE
 
 from .procs import Ctl, Peer
 from .test_kvcache import (
@@ -33,26 +34,15 @@ from .test_kvcache import (
     until,
 )
 
-try:  # kvcache messages travel on their own tag where the engine has tags
-    from afabric.messages import TAG_KVCACHE  # type: ignore[import-not-found,unused-ignore]
-except ImportError:
-    TAG_KVCACHE = None
-
 
 async def ksend(eng: afabric.Engine, addr: Any, msg: bytes) -> None:
     """Send a hand-made kvcache message as Decoder and Prefiller do."""
-    if TAG_KVCACHE is None:
-        await eng.send(addr, msg)
-    else:
-        await eng.send(addr, msg, tag=TAG_KVCACHE)  # type: ignore[call-arg,unused-ignore]
+    await eng.send(addr, msg, tag=TAG_KVCACHE)
 
 
 async def krecv(eng: afabric.Engine) -> bytes:
     """The next kvcache message's bytes."""
-    if TAG_KVCACHE is None:
-        return await eng.recv()
-    out: bytes = await eng.recv_bytes(tag=TAG_KVCACHE)  # type: ignore[attr-defined,unused-ignore]
-    return out
+    return await eng.recv_bytes(tag=TAG_KVCACHE)
 
 
 def seed_bytes(seed: int) -> bytes:
