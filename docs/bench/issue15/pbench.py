@@ -1,9 +1,11 @@
 """Device bench: afabric raw C loop and Python lanes, against one buffer (as fi_rma_bw does:
 every write to offset 0) and across a 128 MiB span (as `afabric bench p2p` does), plus the
-awaited 8 B write latency. Usage: pbench.py PROV POLLING SIZES REGIONS [lat]"""
+awaited 8 B write latency. Usage: pbench.py PROV POLLING SIZES REGIONS [lat]
+(the target polls as $TPOLL says when set, else as POLLING)."""
 
 import asyncio
 import multiprocessing as mp
+import os
 import sys
 import time
 from typing import Any
@@ -43,7 +45,7 @@ async def py_lanes(eng: Any, mr: Any, desc: Any, size: int, lanes: int, iters: i
 async def main(prov: str, polling: str, sizes: list[int], regions: list[str], lat: bool) -> None:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    p = ctx.Process(target=target, args=(b, prov, polling), daemon=True)
+    p = ctx.Process(target=target, args=(b, prov, os.environ.get("TPOLL", polling)), daemon=True)
     p.start()
     desc = MrDesc.from_bytes(a.recv())
     eng = Engine(prov, polling=polling)
@@ -60,7 +62,7 @@ async def main(prov: str, polling: str, sizes: list[int], regions: list[str], la
             raw = sorted(size * iters / loop.write(size, lanes, iters) for _ in range(3))[1]
             pyi = min(iters, 20000)
             py = sorted([await py_lanes(eng, mr, desc, size, lanes, pyi, span) for _ in range(3)])[1]
-            row = f"ROW {prov} {polling} {size} {region} W={lanes}"
+            row = f"ROW {prov} {polling}/{os.environ.get('TPOLL', polling)} {size} {region} W={lanes}"
             print(f"{row} raw_GBps={raw:.2f} py_GBps={py:.2f}", flush=True)
             if mr is not big:
                 eng.deregister(mr)
@@ -86,6 +88,11 @@ async def main(prov: str, polling: str, sizes: list[int], regions: list[str], la
 
 if __name__ == "__main__":
     asyncio.run(
-        main(sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")], sys.argv[4].split(","),
-             len(sys.argv) > 5)
+        main(
+            sys.argv[1],
+            sys.argv[2],
+            [int(x) for x in sys.argv[3].split(",")],
+            sys.argv[4].split(","),
+            len(sys.argv) > 5,
+        )
     )
