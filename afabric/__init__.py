@@ -12,6 +12,7 @@ from .groups import PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import MemoryRegion
 from .pages import Pages
+from .peers import PeerEvent
 from .provider import ProviderSpec
 from .timing import OpTiming
 from .triggers import Trigger, imm_count
@@ -27,6 +28,7 @@ __all__ = [
     "MrDesc",
     "OpTiming",
     "Pages",
+    "PeerEvent",
     "PeerGroup",
     "ProviderSpec",
     "ScatterTarget",

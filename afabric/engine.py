@@ -17,7 +17,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -30,6 +30,7 @@ from .groups import PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
+from .peers import PeerEvent, PeerHub
 from .timing import OpTiming
 from .triggers import Trigger
 from .watcher import UvmWatcher
@@ -328,6 +329,7 @@ class Engine:
         """The allow-list (:meth:`allow_peers`); None: every peer."""
         self._next_imm = 0
         self._watchers: dict[int, UvmWatcher] = {}
+        self._peer_hub = PeerHub()
         self._timings_dropped = 0
         self._first_posts: collections.deque[tuple[int, int]] | None = None  # benchmarks
         self._created_at = traceback.format_stack() if self._loop.get_debug() else None
@@ -428,6 +430,7 @@ class Engine:
         self._inbox.clear()
 
     def _fail_all(self, exc: errors.AfabricError) -> None:
+        self._peer_hub.close()
         watchers, self._watchers = self._watchers, {}
         for watcher in watchers.values():
             watcher._engine_closed()
@@ -929,6 +932,12 @@ class Engine:
         op = self._n.send("send", pid, payload)
         await self._wait(op, "send", inc, (), "send")
 
+    def peer_events(self) -> AsyncIterator[PeerEvent]:
+        """``async for ev in eng.peer_events()``: first the state of every peer resolved so
+        far, then each change (:class:`afabric.PeerEvent`: "up" when first resolved, "down"
+        once its process is gone), until the engine closes. Nothing needs to be posted."""
+        return self._peer_hub.iterate(self._closed)
+
     async def recv(self) -> bytes:
         """The next message from any peer."""
         self._check_loop()
@@ -1001,6 +1010,8 @@ class Engine:
                     w._observed(ev.a, ev.b)
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
+            elif ev.kind == _native.C_PEER:
+                self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.a, bool(ev.b))
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"", ev.slot)
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:

@@ -143,7 +143,10 @@ enum afs_completion_kind {
     AFS_C_RELEASE = 2, /* id's buffers are no longer touched (after a failed DONE) */
     AFS_C_RECV = 3,    /* message: data/len valid until released with afs_recv_release(slot) */
     AFS_C_WATCH = 4,   /* watcher `id` changed from `data` to `len` */
-    AFS_C_NOTICE = 5   /* something was dropped: id AFS_NOTICE_*, data = how many so far */
+    AFS_C_NOTICE = 5,  /* something was dropped: id AFS_NOTICE_*, data = how many so far */
+    AFS_C_PEER = 6     /* peer `id` resolved (status 0) or its process gone (AFS_EPEER): data =
+                          its address (len bytes, free with afs_text_free), slot = its pid or 0,
+                          reserved = 1 when its process is watched (same host) */
 };
 
 #define AFS_NOTICE_IMMS_DROPPED 1u /* immediates of new values dropped: the table was full */

@@ -41,6 +41,9 @@ static int peer_current(afs_engine *eng, uint64_t peer_id)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
     uint64_t later = p ? atomic_load(&p->superseded_by) : 0;
+    if (!later && p && atomic_load(&p->down)) /* peers.c: its process is gone */
+        return afs_fail(AFS_EPEER, "peer %016llx: its process has exited",
+                        (unsigned long long)p->incarnation);
     return later ? afs_restarted_error(p->incarnation, later) : 0;
 }
 
