@@ -33,6 +33,7 @@ SUITE = [
     "tests/test_groups.py",
     "tests/test_multinic.py",
     "tests/test_efa_modes.py",
+    "tests/test_peers.py",
     "-k",
     "not uvloop",
 ]
