@@ -64,6 +64,7 @@ class Config(ctypes.Structure):
     op_timeout_ns: int
     nics: int
     max_imm_values: int
+    peer_stop_ms: int
     _fields_ = [
         ("size", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
@@ -81,6 +82,7 @@ class Config(ctypes.Structure):
         ("op_timeout_ns", ctypes.c_uint64),
         ("nics", ctypes.c_uint32),
         ("max_imm_values", ctypes.c_uint32),
+        ("peer_stop_ms", ctypes.c_uint32),
     ]
 
 

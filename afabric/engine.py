@@ -30,7 +30,7 @@ from .groups import PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
-from .peers import PeerEvent, PeerHub
+from .peers import PeerEvent, PeerHub, stop_ms
 from .timing import OpTiming
 from .triggers import Trigger
 from .watcher import UvmWatcher
@@ -214,6 +214,7 @@ class Engine:
         allow_peers: Sequence[Address | bytes] | None = None,
         max_queued_messages: int = 1024,
         max_imm_values: int = 65536,
+        peer_stop_timeout: float | None = None,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         self._forked = False
@@ -267,6 +268,7 @@ class Engine:
             timing=timing,
             max_imm_values=max_imm_values,
         )
+        cfg.peer_stop_ms = stop_ms(peer_stop_timeout)
         self._max_queued = max_queued_messages
         self._max_imm_values = max_imm_values
         self._n = _native.NativeEngine(cfg, spec.name)
@@ -1011,7 +1013,7 @@ class Engine:
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_PEER:
-                self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.a, bool(ev.b))
+                self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.a, ev.b)
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"", ev.slot)
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:

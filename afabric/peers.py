@@ -3,9 +3,10 @@
 A peer is an engine this one has resolved: an :class:`~afabric.Address` it wrote or sent to,
 made a peer group of, or the owner of a descriptor it imported. Each is reported ``"up"``
 once when first resolved, and ``"down"`` once its process is gone (same-host peers: the
-shim watches the process through a pidfd, see shim/peers.c). Down is final for that address
-(a restarted peer is a new engine, with a new address). What is kept is one state per
-resolved peer, so it is bounded by the peers the engine knows.
+shim watches the process through a pidfd, see shim/peers.c). Down because the process
+exited is final for that address (a restarted peer is a new engine, with a new address);
+with ``peer_stop_timeout`` a stopped process is reported down, then up when it runs again.
+What is kept is one state per resolved peer, so it is bounded by the peers the engine knows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
+from . import errors
 from .address import Address
+
+
+def stop_ms(timeout: float | None) -> int:
+    """``Engine(peer_stop_timeout=)`` in ms for the shim: None = off (0)."""
+    if timeout is None:
+        return 0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.001 <= timeout <= 3600:
+        raise errors.InvalidArgument(f"peer_stop_timeout must be None or 0.001..3600 s, got {timeout!r}")
+    return max(1, round(timeout * 1000))
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,9 @@ class PeerEvent:
     watched: bool
     """Whether the peer's process is watched (same host): only then is "down" reported
     without an operation failing first."""
+    reason: Literal["resolved", "exited", "stopped", "resumed"]
+    """Why: "up" when first resolved or when a stopped peer runs again, "down" when its
+    process exited (final) or has been stopped for ``peer_stop_timeout``."""
 
 
 class PeerHub:
@@ -38,13 +52,20 @@ class PeerHub:
         self._state: dict[bytes, PeerEvent] = {}
         self._subs: list[asyncio.Queue[PeerEvent | None]] = []
 
-    def publish(self, blob: bytes, down: bool, pid: int, watched: bool) -> None:
+    def publish(self, blob: bytes, down: bool, pid: int, flags: int) -> None:
+        """A PEER record: `flags` 1 its process is watched, 2 down because stopped."""
         if not blob:
             return
         prev = self._state.get(blob)
-        if prev is not None and (prev.kind == "down" or not down):
-            return  # one "up", then at most one "down", per address
-        ev = PeerEvent("down" if down else "up", Address.from_bytes(blob), pid or None, watched)
+        if down:
+            reason: Literal["resolved", "exited", "stopped", "resumed"] = "stopped" if flags & 2 else "exited"
+        else:
+            reason = "resolved" if prev is None else "resumed"
+        if prev is not None and (prev.reason == "exited" or (prev.kind == "up") == (not down)):
+            return  # exited is final; otherwise states alternate
+        ev = PeerEvent(
+            "down" if down else "up", Address.from_bytes(blob), pid or None, bool(flags & 1), reason
+        )
         self._state[blob] = ev
         for q in self._subs:
             q.put_nowait(ev)

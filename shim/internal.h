@@ -133,6 +133,8 @@ typedef struct afs_proc_id {
 } afs_proc_id;
 int afs_proc_self(afs_proc_id *out);
 typedef struct afs_live afs_live;
+#define AFS_PEER_EXITED 1  /* afs_peer_entry.down: for good */
+#define AFS_PEER_STOPPED 2 /* until the process runs again (afs_config.peer_stop_ms) */
 void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who);
 void afs_live_destroy(afs_engine *eng);
 
@@ -205,7 +207,7 @@ typedef struct afs_peer_entry {
     uint64_t fi_addr[AFS_MAX_NICS];
     uint64_t incarnation;
     _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
-    _Atomic int32_t down;           /* its process is gone (peers.c): AFS_EPEER, else 0 */
+    _Atomic int32_t down;           /* peers.c: AFS_PEER_EXITED or AFS_PEER_STOPPED, else 0 */
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];

@@ -19,6 +19,11 @@
  * the worker an AFS_REQ_PEER request: the worker fails every operation in flight to that
  * peer at once and reports a peer-down record (AFS_C_PEER). Resolving a peer reports it up.
  * The worker never waits for this thread, nor this thread for the worker's provider.
+ *
+ * A peer that is alive but stopped (SIGSTOP) does not progress: with afs_config.peer_stop_ms
+ * the thread also reads each watched process's state from /proc (every peer_stop_ms / 4, at
+ * least 10 ms apart) and reports one stopped for peer_stop_ms down the same way, until it
+ * runs again (then up: operations to it are accepted again). Off by default.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -47,6 +52,8 @@ typedef struct afs_watch {
     uint64_t peer_id;
     int pidfd;
     uint32_t pid;
+    uint64_t stopped_since; /* ns, 0: running (peer_stop_ms) */
+    bool stopped_down;      /* reported down because stopped */
 } afs_watch;
 
 struct afs_live {
@@ -68,29 +75,36 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
     return h;
 }
 
-/* Start time of `pid` (field 22 of /proc/<pid>/stat), or 0 if it cannot be read. */
-static uint64_t proc_start(uint32_t pid)
+/* State (field 3) and start time (field 22) of `pid` from /proc/<pid>/stat; 0 if unreadable. */
+static int proc_stat(uint32_t pid, char *state, uint64_t *start)
 {
     char path[64], buf[1024];
     snprintf(path, sizeof(path), "/proc/%u/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return 0;
+        return AFS_EIO;
     ssize_t n = read(fd, buf, sizeof(buf) - 1);
     close(fd);
     if (n <= 0)
-        return 0;
+        return AFS_EIO;
     buf[n] = '\0';
     char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
-    if (!p)
-        return 0;
-    unsigned long long start = 0;
+    unsigned long long st = 0;
     /* after ")": state(3) ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
      * utime stime cutime cstime priority nice threads itrealvalue starttime(22) */
-    if (sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
-                      "%*d %*d %llu", &start) != 1)
-        return 0;
-    return start;
+    if (!p || sscanf(p + 1, " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d "
+                            "%*d %*d %*d %llu", state, &st) != 2)
+        return AFS_EIO;
+    *start = st;
+    return 0;
+}
+
+/* Start time of `pid`, or 0 if it cannot be read. */
+static uint64_t proc_start(uint32_t pid)
+{
+    char state;
+    uint64_t start = 0;
+    return proc_stat(pid, &state, &start) == 0 ? start : 0;
 }
 
 int afs_proc_self(afs_proc_id *out)
@@ -117,7 +131,7 @@ int afs_proc_self(afs_proc_id *out)
 
 /* The worker learns of a peer going up or down through its queue, like any request. */
 static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint32_t pid,
-                        bool watched)
+                        uint32_t flags)
 {
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PEER);
     if (!x)
@@ -125,18 +139,59 @@ static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint3
     x->target_id = peer_id;
     x->status = status;
     x->count = pid;
-    x->imm = watched;
+    x->imm = flags; /* 1: watched; 2: down because stopped (AFS_C_PEER's reserved) */
     afs_submit(eng, x);
 }
 
-static void mark_down(afs_engine *eng, uint64_t peer_id, uint32_t pid)
+/* Exited: down for good (from running or stopped). Stopped: down until `mark_up`. */
+static void mark_down(afs_engine *eng, uint64_t peer_id, uint32_t pid, int32_t why)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
     if (!p)
         return;
-    int32_t was = 0;
-    if (atomic_compare_exchange_strong(&p->down, &was, AFS_EPEER))
-        tell_worker(eng, peer_id, AFS_EPEER, pid, true);
+    int32_t was = atomic_load(&p->down);
+    while (was != AFS_PEER_EXITED && was != why) {
+        if (atomic_compare_exchange_weak(&p->down, &was, why)) {
+            tell_worker(eng, peer_id, AFS_EPEER, pid, why == AFS_PEER_STOPPED ? 3u : 1u);
+            return;
+        }
+    }
+}
+
+static void mark_up(afs_engine *eng, uint64_t peer_id, uint32_t pid)
+{
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    int32_t was = AFS_PEER_STOPPED;
+    if (p && atomic_compare_exchange_strong(&p->down, &was, 0))
+        tell_worker(eng, peer_id, 0, pid, 1u);
+}
+
+/* peer_stop_ms: every watched peer's state, read from /proc. One stopped (T: SIGSTOP, or t:
+ * stopped by a tracer) for that long is down until it runs again. */
+static void check_stopped(afs_engine *eng, afs_live *l, uint64_t now)
+{
+    uint64_t limit = (uint64_t)eng->cfg.peer_stop_ms * 1000000ull;
+    pthread_mutex_lock(&l->lock);
+    for (size_t k = 0; k < l->n; k++) {
+        afs_watch *w = &l->w[k];
+        char state = 'R';
+        uint64_t start;
+        if (proc_stat(w->pid, &state, &start) != 0)
+            continue; /* exiting: the pidfd says so */
+        if (state != 'T' && state != 't') {
+            w->stopped_since = 0;
+            if (w->stopped_down) {
+                w->stopped_down = false;
+                mark_up(eng, w->peer_id, w->pid);
+            }
+        } else if (!w->stopped_since) {
+            w->stopped_since = now;
+        } else if (!w->stopped_down && now - w->stopped_since >= limit) {
+            w->stopped_down = true;
+            mark_down(eng, w->peer_id, w->pid, AFS_PEER_STOPPED);
+        }
+    }
+    pthread_mutex_unlock(&l->lock);
 }
 
 static void *live_main(void *arg)
@@ -144,8 +199,20 @@ static void *live_main(void *arg)
     afs_engine *eng = arg;
     afs_live *l = eng->live;
     struct epoll_event ev[16];
+    /* with peer_stop_ms, states are read 4 times per period (at most every 10 ms) */
+    uint32_t tick_ms = eng->cfg.peer_stop_ms / 4 < 10 ? 10 : eng->cfg.peer_stop_ms / 4;
+    uint64_t next_tick = 0;
     for (;;) {
-        int n = epoll_wait(l->epfd, ev, 16, -1);
+        int timeout = -1;
+        if (eng->cfg.peer_stop_ms) {
+            uint64_t now = afs_now_ns();
+            if (now >= next_tick) {
+                check_stopped(eng, l, now);
+                next_tick = now + (uint64_t)tick_ms * 1000000ull;
+            }
+            timeout = (int)((next_tick - now + 999999ull) / 1000000ull);
+        }
+        int n = epoll_wait(l->epfd, ev, 16, timeout);
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0)
@@ -167,7 +234,7 @@ static void *live_main(void *arg)
             }
             pthread_mutex_unlock(&l->lock);
             if (pid)
-                mark_down(eng, key, pid);
+                mark_down(eng, key, pid, AFS_PEER_EXITED);
         }
     }
 }
@@ -238,7 +305,7 @@ static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
         rc = 0;
         goto out_unlock;
     }
-    l->w[l->n++] = (afs_watch){peer_id, pidfd, who->pid};
+    l->w[l->n++] = (afs_watch){peer_id, pidfd, who->pid, 0, false};
 out_unlock:
     pthread_mutex_unlock(&l->lock);
     if (rc != 1)
@@ -251,9 +318,9 @@ out_unlock:
 void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
 {
     int w = watch(eng, peer_id, who);
-    tell_worker(eng, peer_id, 0, who->pid, w != 0);
+    tell_worker(eng, peer_id, 0, who->pid, w != 0 ? 1u : 0u);
     if (w < 0)
-        mark_down(eng, peer_id, who->pid);
+        mark_down(eng, peer_id, who->pid, AFS_PEER_EXITED);
 }
 
 void afs_live_destroy(afs_engine *eng)

@@ -1134,8 +1134,8 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
         return;
     if (req->status) {
         char msg[96];
-        snprintf(msg, sizeof(msg), "peer process %llu has exited",
-                 (unsigned long long)req->count);
+        snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->count,
+                 req->imm & 2u ? "is stopped" : "has exited");
         afs_xfer *x = eng->active.head;
         while (x) {
             afs_xfer *next = x->next;
@@ -1158,7 +1158,7 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
     c.data = (uint64_t)(uintptr_t)addr;
     c.len = addr ? p->addr_len : 0;
     c.slot = (uint32_t)req->count; /* its pid, 0 if unknown */
-    c.reserved = req->imm;          /* whether its process is watched */
+    c.reserved = req->imm;          /* 1: its process is watched; 2: down because stopped */
     afs_ring_push(&eng->ring, &c);
 }
 

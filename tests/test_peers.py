@@ -9,7 +9,9 @@ Same-host peers are watched through their process (pidfd, shim/peers.c): the bou
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import signal
 import time
 
 import numpy as np
@@ -112,7 +114,7 @@ async def stream(
 
 def max_gap(stamps: list[float], start: float, end: float) -> float:
     points = [start, *sorted(t for t in stamps if start <= t <= end), end]
-    return max(b - a for a, b in zip(points, points[1:], strict=False))
+    return max(b - a for a, b in itertools.pairwise(points))
 
 
 @pytest.mark.timeout(120)
@@ -134,7 +136,8 @@ async def test_one_of_four_killed_mid_stream(provider: str, peers: list[Peer], s
         stamps: list[list[float]] = [[] for _ in clients]
         failures: list[list[tuple[float, BaseException]]] = [[] for _ in clients]
         tasks = [
-            asyncio.ensure_future(stream(eng, src, d, stop, stamps[i], failures[i])) for i, d in enumerate(descs)
+            asyncio.ensure_future(stream(eng, src, d, stop, stamps[i], failures[i]))
+            for i, d in enumerate(descs)
         ]
         await asyncio.sleep(1.0)
         t_kill = time.monotonic()
@@ -160,3 +163,46 @@ async def test_one_of_four_killed_mid_stream(provider: str, peers: list[Peer], s
         pytest.xfail(f"libfabric 1.17 shm stalls the endpoint: live gaps {gaps}, failures {failures[1:]}")
     assert not any(failures[1:]), failures[1:]
     assert max(gaps) < STALL_MAX, gaps
+
+
+async def test_stopped_peer_reported_down_then_up(provider: str, peers: list[Peer]) -> None:
+    """With peer_stop_timeout, a same-host peer stopped (SIGSTOP) that long is reported down
+    and operations to it fail with PeerUnreachable at once; when it runs again (SIGCONT) it is
+    reported up and the same engine writes to it again."""
+    victim = Peer(victim_target, provider, REGION)
+    peers.append(victim)
+    desc_b, addr_b, pid = await victim.get()
+    desc, addr = afabric.MrDesc.from_bytes(desc_b), afabric.Address.from_bytes(addr_b)
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT, peer_stop_timeout=0.3) as eng:
+        src = eng.register(np.ones(WRITE, np.uint8))
+        await eng.write(src, desc, WRITE)
+        events = eng.peer_events()
+        assert (await next_event(events, 10)).reason == "resolved"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            down = await next_event(events, 10)
+            took = time.monotonic() - t0
+            print(f"\n{provider}: stopped peer reported down after {took * 1e3:.0f} ms (timeout 300 ms)")
+            assert (down.kind, down.reason, down.address) == ("down", "stopped", addr)
+            assert 0.3 <= took < 0.3 + DOWN_WITHIN
+            with pytest.raises(errors.PeerUnreachable, match="stopped"):
+                await eng.write(src, desc, WRITE)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        up = await next_event(events, 10)
+        assert (up.kind, up.reason) == ("up", "resumed")
+        await asyncio.wait_for(eng.write(src, desc, WRITE), 10)
+        victim.put("stop")
+        assert await victim.result() is True
+
+
+def test_peer_stop_timeout_checked() -> None:
+    for bad in (0, -1, True, "1", 1e9):
+        with pytest.raises(errors.InvalidArgument, match="peer_stop_timeout"):
+            asyncio.run(_make(bad))
+
+
+async def _make(timeout: object) -> None:
+    async with afabric.Engine("tcp", peer_stop_timeout=timeout):  # type: ignore[arg-type]
+        pass
