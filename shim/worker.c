@@ -1136,9 +1136,9 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
         char msg[96];
         snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->count,
                  req->imm & 2u ? "is stopped" : "has exited");
-        afs_xfer *x = eng->active.head;
+        afs_xfer *x = eng->active.head, *next;
         while (x) {
-            afs_xfer *next = x->next;
+            next = x->next;
             if (!x->reported && goes_to(eng, x, p)) {
                 set_error(x, AFS_EPEER, "%s", msg);
                 x->total_wr = x->posted_wr;
@@ -1146,6 +1146,13 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
                 finish(eng, x);
             }
             x = next;
+        }
+        for (x = eng->armed.head; x; x = next) { /* triggered ones would post to it later */
+            next = x->next;
+            if (goes_to(eng, x, p)) {
+                set_error(x, AFS_EPEER, "%s", msg); /* first error wins over the cancel's */
+                cancel_waiting(eng, x->id);
+            }
         }
     }
     afs_completion c = {0};

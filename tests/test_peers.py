@@ -57,6 +57,14 @@ async def test_peer_down_event_without_posting(provider: str, peers: list[Peer],
         events = eng.peer_events()
         up = await next_event(events, 10)
         assert (up.kind, up.address, up.pid, up.watched) == ("up", addr, pid, True)
+        # a write armed on an immediate that never comes would post to it later: it fails too
+        src = eng.register(np.ones(WRITE, np.uint8))
+        armed = asyncio.ensure_future(
+            eng.write(
+                src, afabric.MrDesc.from_bytes(desc_b), WRITE, when=afabric.imm_count(eng.alloc_imm(), 1)
+            )
+        )
+        await asyncio.sleep(0.05)
         victim.kill()
         t0 = time.monotonic()
         down = await next_event(events, 10)
@@ -64,7 +72,8 @@ async def test_peer_down_event_without_posting(provider: str, peers: list[Peer],
         print(f"\n{provider}: peer-down event {took * 1e3:.1f} ms after SIGKILL")
         assert (down.kind, down.address) == ("down", addr)
         assert took < DOWN_WITHIN
-        src = eng.register(np.ones(WRITE, np.uint8))
+        with pytest.raises(errors.PeerUnreachable, match="exited"):
+            await asyncio.wait_for(armed, DOWN_WITHIN)
         t0 = time.monotonic()
         with pytest.raises(errors.PeerUnreachable, match="exited"):
             await eng.write(src, afabric.MrDesc.from_bytes(desc_b), WRITE)
