@@ -22,7 +22,7 @@ from afabric import registry
 
 from .rxe import guest
 
-GUEST_TESTS = 9  # tests in tests/rxe/guest_verbs.py; all must pass, none may be skipped
+GUEST_TESTS = 10  # tests in tests/rxe/guest_verbs.py; all must pass, none may be skipped
 
 _SCRIPT = """\
 set +e
