@@ -13,6 +13,7 @@ from .lengths import LengthFrom
 from .memory import MemoryRegion
 from .messages import TAG_MAX, Message
 from .pages import Pages
+from .peers import PeerEvent
 from .provider import ProviderSpec
 from .stats import EngineStats, NicStats
 from .timing import OpTiming
@@ -34,6 +35,7 @@ __all__ = [
     "NicStats",
     "OpTiming",
     "Pages",
+    "PeerEvent",
     "PeerGroup",
     "ProviderSpec",
     "ScatterTarget",

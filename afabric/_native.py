@@ -30,6 +30,7 @@ from ._native_decl import (
     ALLOW_UNKNOWN,
     C_DONE,
     C_NOTICE,
+    C_PEER,
     C_RECV,
     C_WATCH,
     CFG_FORCE_EFA_MODES,
@@ -260,8 +261,8 @@ class Event:
     payload: bytes | None  # RECV: the message (id: its sender's peer handle or SRC_*)
     text: str | None  # DONE with an error: the provider's/shim's error text
     release_later: bool  # DONE of a failed op whose buffers the provider still holds
-    a: int = 0  # WATCH: the old value; DONE: when its first work request was posted (ns)
-    b: int = 0  # WATCH: the new value
+    a: int = 0  # WATCH: the old value; DONE: when its first work request was posted (ns); PEER: pid
+    b: int = 0  # WATCH: the new value; PEER: 1 if its process is watched
     slot: int = -1  # RECV whose receive buffer the caller keeps (release_recv it later); -1: released
 
 
@@ -606,6 +607,8 @@ class NativeEngine:
                         text = ctypes.string_at(c.data).decode(errors="replace")
                         self._s.f.afs_text_free(c.data)
                     out.append(Event(kind, c.id, c.status, None, text, bool(c.slot), c.len))
+                elif kind == C_PEER:
+                    out.append(self._peer_event(c))
                 elif kind in (C_WATCH, C_NOTICE):
                     out.append(Event(kind, c.id, 0, None, None, False, c.data, c.len))
                 else:
@@ -617,6 +620,14 @@ class NativeEngine:
             rc = self._s.f.afs_recv_release(h, arr, len(release))
             self._s.check(rc, "releasing receive buffers", self.provider)
         return out
+
+    def _peer_event(self, c: Completion) -> Event:
+        """A PEER record: payload the peer's address, a its pid (0: unknown), b 1 if its
+        process is watched; the shim's copy of the address is freed here."""
+        blob = ctypes.string_at(c.data, c.len) if c.data else b""
+        if c.data:
+            self._s.f.afs_text_free(c.data)
+        return Event(C_PEER, c.id, c.status, blob, None, False, c.slot, c.reserved)
 
     def bench_write(self, mr_id: int, remote_id: int, length: int, window: int, iters: int) -> int:
         ns = ctypes.c_uint64()

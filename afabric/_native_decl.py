@@ -32,6 +32,7 @@ C_RELEASE = 2
 C_RECV = 3
 C_WATCH = 4
 C_NOTICE = 5
+C_PEER = 6
 CAP_IMM_NEEDS_RECV = 0x1
 CAP_DEVICE_MEM = 0x2
 CAP_MR_LOCAL = 0x4
@@ -67,6 +68,7 @@ class Config(ctypes.Structure):
     op_timeout_ns: int
     nics: int
     max_imm_values: int
+    peer_stop_ms: int
     _fields_ = [
         ("size", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
@@ -84,6 +86,7 @@ class Config(ctypes.Structure):
         ("op_timeout_ns", ctypes.c_uint64),
         ("nics", ctypes.c_uint32),
         ("max_imm_values", ctypes.c_uint32),
+        ("peer_stop_ms", ctypes.c_uint32),
     ]
 
 

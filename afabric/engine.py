@@ -17,7 +17,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn, cast
 
 import numpy as np
@@ -32,6 +32,7 @@ from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
+from .peers import PeerEvent, PeerHub, stop_ms
 from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger
@@ -208,6 +209,7 @@ class Engine(MessagingMixin):
         max_queued_messages: int = 1024,
         max_imm_values: int = 65536,
         max_queued_bytes: int = 1 << 30,
+        peer_stop_timeout: float | None = None,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         self._forked = False
@@ -262,6 +264,7 @@ class Engine(MessagingMixin):
             timing=timing,
             max_imm_values=max_imm_values,
         )
+        cfg.peer_stop_ms = stop_ms(peer_stop_timeout)
         self._max_queued = max_queued_messages
         self._init_messages(max_queued_bytes)
         self._max_imm_values = max_imm_values
@@ -318,6 +321,7 @@ class Engine(MessagingMixin):
         """The allow-list (:meth:`allow_peers`); None: every peer."""
         self._next_imm = 0
         self._watchers: dict[int, UvmWatcher] = {}
+        self._peer_hub = PeerHub()
         self._timings_dropped = 0
         self._first_posts: collections.deque[tuple[int, int]] | None = None  # benchmarks
         self._created_at = traceback.format_stack() if self._loop.get_debug() else None
@@ -421,6 +425,7 @@ class Engine(MessagingMixin):
         self._held_rx.clear()
 
     def _fail_all(self, exc: errors.AfabricError) -> None:
+        self._peer_hub.close()
         watchers, self._watchers = self._watchers, {}
         for watcher in watchers.values():
             watcher._engine_closed()
@@ -1001,6 +1006,12 @@ class Engine(MessagingMixin):
             )
         return when.native()
 
+    def peer_events(self) -> AsyncIterator[PeerEvent]:
+        """``async for ev in eng.peer_events()``: first the state of every peer resolved so
+        far, then each change (:class:`afabric.PeerEvent`: "up" when first resolved, "down"
+        once its process is gone), until the engine closes. Nothing needs to be posted."""
+        return self._peer_hub.iterate(self._closed)
+
     def alloc_imm(self) -> int:
         """A fresh immediate value for one logical operation (never 0; wraps after 2**32-1)."""
         self._check_open()
@@ -1057,6 +1068,8 @@ class Engine(MessagingMixin):
                     w._observed(ev.a, ev.b)
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
+            elif ev.kind == _native.C_PEER:
+                self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.a, ev.b)
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"", ev.slot, ev.id)
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:

@@ -83,6 +83,8 @@ typedef struct afs_config {
     uint32_t max_imm_values;    /* distinct immediate values the counter table keeps (0: 65,536);
                                    an arrival of a new value beyond that is dropped, counted
                                    (imms_dropped) and reported (AFS_C_NOTICE) */
+    uint32_t peer_stop_ms;      /* a same-host peer stopped (SIGSTOP) this long is reported down
+                                   until it runs again (0: never; shim/peers.c) */
 } afs_config;
 
 #define AFS_CFG_FORCE_EFA_MODES 0x1u /* testing hook (afabric.testing), not API */
@@ -154,7 +156,11 @@ enum afs_completion_kind {
     AFS_C_RELEASE = 2, /* id's buffers are no longer touched (after a failed DONE) */
     AFS_C_RECV = 3,    /* message: data/len valid until released with afs_recv_release(slot) */
     AFS_C_WATCH = 4,   /* watcher `id` changed from `data` to `len` */
-    AFS_C_NOTICE = 5   /* something was dropped: id AFS_NOTICE_*, data = how many so far */
+    AFS_C_NOTICE = 5,  /* something was dropped: id AFS_NOTICE_*, data = how many so far */
+    AFS_C_PEER = 6     /* peer `id` resolved (status 0) or its process gone (AFS_EPEER): data =
+                          its address (len bytes, free with afs_text_free), slot = its pid or 0,
+                          reserved: 1 its process is watched (same host), | 2 down because
+                          stopped (an "up" follows when it runs again) */
 };
 
 #define AFS_NOTICE_IMMS_DROPPED 1u /* immediates of new values dropped: the table was full */

@@ -41,6 +41,10 @@ static int peer_current(afs_engine *eng, uint64_t peer_id)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
     uint64_t later = p ? atomic_load(&p->superseded_by) : 0;
+    int32_t down = !later && p ? atomic_load(&p->down) : 0; /* peers.c */
+    if (down)
+        return afs_fail(AFS_EPEER, "peer %016llx: its process %s", (unsigned long long)p->incarnation,
+                        down == AFS_PEER_STOPPED ? "is stopped" : "has exited");
     return later ? afs_restarted_error(p->incarnation, later) : 0;
 }
 

@@ -5,7 +5,7 @@
  * provider, which checks the key and range of every remote access).
  *
  * Address:    "AFA1" u8 nics u8 name_len u16 max_msg u64 incarnation name[name_len]
- *             { u16 len, bytes[len] } x nics   u32 crc
+ *             { u16 len, bytes[len] } x nics   [ "L" u64 host u32 pid u64 start ]   u32 crc
  * Descriptor: "AFD2" u32 addr_len addr[addr_len] u64 base u64 length i32 device u32 nics
  *             u32 access { u64 remote_base, u64 key } x nics   u32 crc
  *             `access`: what peers may do, AFP_MR_REMOTE (write) | AFP_MR_REMOTE_READ (read),
@@ -14,7 +14,9 @@
  * All integers little-endian. `max_msg` is the largest message the engine receives, so that
  * senders refuse bigger ones before posting (libfabric 1.17's shm wedges on an oversize
  * message): below 32768 it is the size in bytes, else 0x8000 | size / 4096 (rounded down,
- * so never above the real limit); 0 means unknown (no check).
+ * so never above the real limit); 0 means unknown (no check). The optional "L" block says
+ * which process owns the engine (peers.c): a host id (boot id and pid namespace), its pid
+ * and its start time, so that a peer on the same host can watch that process (pidfd).
  */
 #include <string.h>
 
@@ -123,6 +125,13 @@ int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics, u
         put_u(&w, lens[i], 2);
         put(&w, addrs[i], lens[i]);
     }
+    afs_proc_id me;
+    if (afs_proc_self(&me) == 0) {
+        put(&w, "L", 1);
+        put_u(&w, me.host, 8);
+        put_u(&w, me.pid, 4);
+        put_u(&w, me.start, 8);
+    }
     put_crc(&w);
     if (w.overflow)
         return afs_fail(AFS_ERANGE, "address does not fit in %u bytes", cap);
@@ -161,6 +170,14 @@ static int addr_parse_body(rbuf *r, afs_addr_view *out)
         out->nic_addr[i] = take(r, l);
         out->nic_addr_len[i] = l;
         if (!out->nic_addr[i])
+            return afs_fail(AFS_EBADDESC, "address truncated");
+    }
+    if (r->pos < r->len && r->p[r->pos] == 'L') { /* the owner process (optional) */
+        (void)take(r, 1);
+        out->proc.host = get_u(r, 8);
+        out->proc.pid = (uint32_t)get_u(r, 4);
+        out->proc.start = get_u(r, 8);
+        if (r->bad)
             return afs_fail(AFS_EBADDESC, "address truncated");
     }
     return 0;

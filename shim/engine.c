@@ -398,6 +398,7 @@ int32_t afs_engine_destroy(afs_engine *eng)
         atomic_store(&eng->watch_stop, 1);
         pthread_join(eng->watch_thread, NULL);
     }
+    afs_live_destroy(eng); /* before the worker: it submits to the worker's queue */
     if (eng->worker_started) {
         atomic_store(&eng->stop, 1);
         uint64_t one = 1;
@@ -670,6 +671,7 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
         *peer_id = afs_slots_publish(&eng->peers, index);
+        afs_live_watch(eng, *peer_id, &v->proc); /* peers.c: reported up; watched if local */
         /* Earlier incarnations at these NIC addresses are dead: refuse their descriptors
          * from now on, before anything is posted (api.c load_remote, afs_send). */
         for (uint32_t i = 0; i < n_older; i++)

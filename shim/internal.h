@@ -126,11 +126,25 @@ void *afs_slots_lookup(afs_slots *s, uint64_t id);
 bool afs_slots_still(afs_slots *s, uint64_t id);
 void *afs_slots_at(afs_slots *s, uint32_t index); /* raw, NULL if never allocated */
 
+/* ---- peers.c: which process owns an engine, and watching it (same host) ---- */
+typedef struct afs_proc_id {
+    uint64_t host;  /* boot id and pid namespace, hashed; 0 = unknown */
+    uint64_t start; /* start time (clock ticks after boot): a reused pid has another */
+    uint32_t pid;
+} afs_proc_id;
+int afs_proc_self(afs_proc_id *out);
+typedef struct afs_live afs_live;
+#define AFS_PEER_EXITED 1  /* afs_peer_entry.down: for good */
+#define AFS_PEER_STOPPED 2 /* until the process runs again (afs_config.peer_stop_ms) */
+void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who);
+void afs_live_destroy(afs_engine *eng);
+
 /* ---- codec.c: address and descriptor blobs ---- */
 typedef struct afs_addr_view {
     uint64_t incarnation;
     uint32_t nics;
     uint32_t max_msg; /* largest message the engine receives (rounded down), 0 = unknown */
+    afs_proc_id proc; /* the owner process, zeroed when the address does not say */
     char provider[AFS_MAX_PROVNAME + 1];
     const uint8_t *nic_addr[AFS_MAX_NICS];
     uint32_t nic_addr_len[AFS_MAX_NICS];
@@ -196,6 +210,7 @@ typedef struct afs_peer_entry {
     uint64_t fi_addr[AFS_MAX_NICS];
     uint64_t incarnation;
     _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
+    _Atomic int32_t down;           /* peers.c: AFS_PEER_EXITED or AFS_PEER_STOPPED, else 0 */
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];
@@ -222,7 +237,8 @@ enum afs_req_kind {
     AFS_REQ_RECV_RELEASE,
     AFS_REQ_SCATTER, /* one write per target (a barrier is a scatter of zero-length writes) */
     AFS_REQ_WATCH,   /* the watcher thread saw a word change: (watcher, old, new) */
-    AFS_REQ_IMM_RETURN /* arrivals (imm, count) an expectation consumed after its withdrawal */
+    AFS_REQ_IMM_RETURN, /* arrivals (imm, count) an expectation consumed after its withdrawal */
+    AFS_REQ_PEER /* peers.c: peer target_id is up (status 0) or down: fail what goes to it */
 };
 
 /* One target of a scatter or barrier, resolved at submit time. */
@@ -395,6 +411,7 @@ struct afs_engine {
     void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;
+    afs_live *live; /* peers.c: same-host peers' processes watched (NULL: none yet) */
 };
 
 /* One-writer counter bump: a relaxed load and store, no locked instruction. */

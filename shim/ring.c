@@ -38,11 +38,12 @@ void afs_ring_destroy(afs_ring *r)
     uint64_t head = atomic_load(&r->head), tail = atomic_load(&r->tail);
     for (uint64_t i = head; i < tail; i++) {
         afs_completion *c = &r->slots[i & r->mask];
-        if (c->kind == AFS_C_DONE && c->data)
+        if ((c->kind == AFS_C_DONE || c->kind == AFS_C_PEER) && c->data)
             free((void *)(uintptr_t)c->data);
     }
     for (size_t i = 0; i < r->overflow_len; i++)
-        if (r->overflow[i].kind == AFS_C_DONE && r->overflow[i].data)
+        if ((r->overflow[i].kind == AFS_C_DONE || r->overflow[i].kind == AFS_C_PEER) &&
+            r->overflow[i].data)
             free((void *)(uintptr_t)r->overflow[i].data);
     free(r->overflow);
     free(r->slots);

@@ -933,6 +933,8 @@ static void release_rx(afs_engine *eng, afs_xfer *x)
     afs_xfer_free(x);
 }
 
+static void on_peer(afs_engine *eng, const afs_xfer *req); /* below, with the deadlines */
+
 /* Deadlines are stamped when the worker takes a request (one clock read per loop, not
  * one per operation on the caller's thread); the few microseconds a request waits in the
  * queue are well inside any sensible timeout. */
@@ -981,6 +983,10 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             break;
         case AFS_REQ_RECV_RELEASE:
             release_rx(eng, x);
+            break;
+        case AFS_REQ_PEER:
+            on_peer(eng, x);
+            afs_xfer_free(x);
             break;
         case AFS_REQ_IMM_RETURN: /* counted again, as if they had just arrived */
             imm_arrived_n(eng, 0, x->imm, x->count, true, now);
@@ -1101,6 +1107,71 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
         }
     }
     return n > 0;
+}
+
+/* ---- peers (peers.c): a peer's process is gone ---- */
+
+static bool goes_to(const afs_engine *eng, const afs_xfer *x, const afs_peer_entry *p)
+{
+    switch (x->kind) {
+    case AFS_REQ_WRITE:
+    case AFS_REQ_PAGED:
+        return x->fi_addr[0] == p->fi_addr[0];
+    case AFS_REQ_SEND:
+        return x->peer_fi_addr == p->fi_addr[0];
+    case AFS_REQ_SCATTER:
+        for (uint64_t i = 0; i < x->count; i++)
+            if (x->targets[i].nic < eng->nnics &&
+                x->targets[i].fi_addr == p->fi_addr[x->targets[i].nic])
+                return true;
+        return false;
+    default:
+        return false;
+    }
+}
+
+/* Fails every operation in flight to the peer at once (zombies until the provider lets go,
+ * as after a timeout), then reports the peer up or down (AFS_C_PEER, with its address). */
+static void on_peer(afs_engine *eng, const afs_xfer *req)
+{
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, req->target_id);
+    if (!p)
+        return;
+    if (req->status) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->count,
+                 req->imm & 2u ? "is stopped" : "has exited");
+        afs_xfer *x = eng->active.head, *next;
+        while (x) {
+            next = x->next;
+            if (!x->reported && goes_to(eng, x, p)) {
+                set_error(x, AFS_EPEER, "%s", msg);
+                x->total_wr = x->posted_wr;
+                x->imm_pending = false;
+                finish(eng, x);
+            }
+            x = next;
+        }
+        for (x = eng->armed.head; x; x = next) { /* triggered ones would post to it later */
+            next = x->next;
+            if (goes_to(eng, x, p)) {
+                set_error(x, AFS_EPEER, "%s", msg); /* first error wins over the cancel's */
+                cancel_waiting(eng, x->id);
+            }
+        }
+    }
+    afs_completion c = {0};
+    c.id = req->target_id;
+    c.kind = AFS_C_PEER;
+    c.status = req->status;
+    uint8_t *addr = malloc(p->addr_len ? p->addr_len : 1);
+    if (addr)
+        memcpy(addr, p->addr, p->addr_len);
+    c.data = (uint64_t)(uintptr_t)addr;
+    c.len = addr ? p->addr_len : 0;
+    c.slot = (uint32_t)req->count; /* its pid, 0 if unknown */
+    c.reserved = req->imm;          /* 1: its process is watched; 2: down because stopped */
+    afs_ring_push(&eng->ring, &c);
 }
 
 static void check_deadlines(afs_engine *eng, uint64_t now)

@@ -277,8 +277,9 @@ def fixed_port_env(port: int) -> dict[str, str]:
 
 
 def nic_part(addr: afabric.Address) -> bytes:
-    """An address without its header (magic, counts, incarnation) and checksum."""
-    return bytes(addr)[16:-4]
+    """An address without its header (magic, counts, incarnation), its owner process ("L",
+    host, pid, start time: 21 bytes, shim/codec.c) and checksum."""
+    return bytes(addr)[16:-25]
 
 
 async def write_through_reset(

@@ -35,6 +35,7 @@ SUITE = [
     "tests/test_efa_modes.py",
     "tests/test_read.py",  # 2.x tcp refuses a read of a "w" region (1.17's rxm does not)
     "tests/test_messages.py",
+    "tests/test_peers.py",
     "-k",
     "not uvloop",
 ]

@@ -24,7 +24,7 @@ from .rxe import guest
 
 C_TEST = Path(__file__).resolve().parent / "native" / "test_verbs.c"
 
-GUEST_TESTS = 11  # tests in tests/rxe/guest_verbs.py; all must pass, none may be skipped
+GUEST_TESTS = 12  # tests in tests/rxe/guest_verbs.py; all must pass, none may be skipped
 
 _SCRIPT = """\
 set +e

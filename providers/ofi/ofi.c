@@ -1458,6 +1458,12 @@ static int on_error(afp_domain *d, afp_event *ev)
 
     ev->kind = AFP_EV_ERROR;
     ev->status = map_errno(ee.err);
+    /* tcp;ofi_rxm (1.17) cancels what was in flight on a connection the peer's side reset
+     * (its process died): FI_ECANCELED with the socket's errno as prov_errno. */
+    int pe = ee.prov_errno < 0 ? -ee.prov_errno : ee.prov_errno;
+    if (ee.err == FI_ECANCELED && (pe == ENOTCONN || pe == ECONNRESET || pe == EPIPE ||
+                                   pe == ECONNREFUSED || pe == ECONNABORTED))
+        ev->status = AFP_EPEER;
     if (op) {
         ev->ctx = op->user_ctx;
         ev->op = op->kind;

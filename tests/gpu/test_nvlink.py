@@ -343,6 +343,46 @@ def test_killed_target_fails_futures_and_engine_lives_on() -> None:
     run_with_child(1, 16 * chunk, body)
 
 
+def test_killed_peer_reported_down_within_a_second() -> None:
+    """Peer-down (shim/peers.c: the peer's process watched through a pidfd, whatever the
+    provider): the engine yields a "down" event without posting anything, and writes in
+    flight to it all fail with PeerUnreachable within 1 s of the SIGKILL (op_timeout 20 s)."""
+    cp = _cp()
+    chunk = 256 * KiB
+
+    async def body(child: Child, hello: dict[str, Any]) -> None:
+        victim = afabric.MrDesc.from_bytes(bytes.fromhex(hello["desc"]))
+        addr = afabric.Address.from_bytes(bytes.fromhex(hello["addr"]))
+        loop = asyncio.get_running_loop()
+        src = on_gpu(cp, pattern(chunk, 2), 0)
+        async with afabric.Engine(PROVIDER, nic="cuda0", op_timeout=20.0) as eng:
+            mr = eng.register(src, remote=False)
+            await eng.write(mr, victim, chunk)
+            events = eng.peer_events()
+            up = await asyncio.wait_for(events.__anext__(), 10)
+            assert (up.kind, up.address, up.watched) == ("up", addr, True)
+            writes = [
+                asyncio.ensure_future(eng.write(mr, victim, chunk, dst_offset=(k % 16) * chunk))
+                for k in range(64)
+            ]
+            child.kill()
+            t0 = loop.time()
+            down = await asyncio.wait_for(events.__anext__(), 10)
+            took_event = loop.time() - t0
+            results = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 10)
+            took = loop.time() - t0
+            failed = [r for r in results if isinstance(r, BaseException)]
+            print(f"nvlink: down event {took_event * 1e3:.1f} ms, {len(failed)}/64 writes failed, "
+                  f"all settled {took * 1e3:.1f} ms after the kill")  # fmt: skip
+            assert (down.kind, down.reason) == ("down", "exited")
+            assert all(isinstance(r, errors.PeerUnreachable) for r in failed), failed[:3]
+            assert took < 1.0, took
+            with pytest.raises(errors.PeerUnreachable, match="exited"):
+                await eng.write(mr, victim, 64)
+
+    run_with_child(1, 16 * chunk, body)
+
+
 # ---- one process, two engines ----
 
 

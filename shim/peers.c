@@ -1,0 +1,344 @@
+/*
+ * Peer liveness: which process owns an engine, and watching the processes of same-host peers.
+ *
+ * A "peer" is an engine this one resolved (an Address it was given, or the owner of a
+ * descriptor it imported): one entry in eng->peers, so the state here is bounded by that
+ * table (one pidfd and one record per resolved same-host peer, freed when it goes down).
+ *
+ * Every address carries its owner's process: a host id (the kernel's boot id and the pid
+ * namespace, hashed), its pid and its start time (codec.c, the "L" block). A peer whose host
+ * id is ours lives on this host: its process is watched with a pidfd (pidfd_open, Linux
+ * 5.3), which becomes readable the moment the process exits, whatever killed it (SIGKILL,
+ * a crash, a clean exit). The start time guards against a reused pid: the pidfd is taken
+ * first, then /proc/<pid>/stat is read and must show the same start time (a pidfd pins its
+ * process, so a match means it is the right one).
+ *
+ * One thread per engine (started with the first watched peer) sleeps in epoll_wait on those
+ * pidfds and an eventfd that stops it. When a peer's process is gone it marks the peer down
+ * (api.c then refuses every new operation to it before posting, with AFS_EPEER) and hands
+ * the worker an AFS_REQ_PEER request: the worker fails every operation in flight to that
+ * peer at once and reports a peer-down record (AFS_C_PEER). Resolving a peer reports it up.
+ * The worker never waits for this thread, nor this thread for the worker's provider.
+ *
+ * A peer that is alive but stopped (SIGSTOP) does not progress: with afs_config.peer_stop_ms
+ * the thread also reads each watched process's state from /proc (every peer_stop_ms / 4, at
+ * least 10 ms apart) and reports one stopped for peer_stop_ms down the same way, until it
+ * runs again (then up: operations to it are accepted again). Off by default.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+#define STOP_KEY UINT64_MAX
+
+typedef struct afs_watch {
+    uint64_t peer_id;
+    int pidfd;
+    uint32_t pid;
+    uint64_t stopped_since; /* ns, 0: running (peer_stop_ms) */
+    bool stopped_down;      /* reported down because stopped */
+} afs_watch;
+
+struct afs_live {
+    int epfd, stop_fd;
+    pthread_t thread;
+    bool started;
+    pthread_mutex_t lock; /* the watch list: callers add, the thread removes */
+    afs_watch *w;
+    size_t n, cap;
+};
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
+/* State (field 3) and start time (field 22) of `pid` from /proc/<pid>/stat; 0 if unreadable. */
+static int proc_stat(uint32_t pid, char *state, uint64_t *start)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%u/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return AFS_EIO;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return AFS_EIO;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    unsigned long long st = 0;
+    /* after ")": state(3) ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+     * utime stime cutime cstime priority nice threads itrealvalue starttime(22) */
+    if (!p || sscanf(p + 1, " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d "
+                            "%*d %*d %*d %llu", state, &st) != 2)
+        return AFS_EIO;
+    *start = st;
+    return 0;
+}
+
+/* Start time of `pid`, or 0 if it cannot be read. */
+static uint64_t proc_start(uint32_t pid)
+{
+    char state;
+    uint64_t start = 0;
+    return proc_stat(pid, &state, &start) == 0 ? start : 0;
+}
+
+int afs_proc_self(afs_proc_id *out)
+{
+    memset(out, 0, sizeof(*out));
+    char boot[64] = {0};
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return AFS_EIO;
+    ssize_t n = read(fd, boot, sizeof(boot) - 1);
+    close(fd);
+    struct stat ns;
+    if (n <= 0 || stat("/proc/self/ns/pid", &ns) != 0)
+        return AFS_EIO;
+    uint64_t h = fnv1a(0xcbf29ce484222325ull, boot, (size_t)n);
+    uint64_t dev = (uint64_t)ns.st_dev, ino = (uint64_t)ns.st_ino;
+    h = fnv1a(h, &dev, sizeof(dev));
+    h = fnv1a(h, &ino, sizeof(ino));
+    out->pid = (uint32_t)getpid();
+    out->start = proc_start(out->pid);
+    out->host = out->start ? h | 1u : 0; /* never 0 when known */
+    return out->host ? 0 : AFS_EIO;
+}
+
+/* The worker learns of a peer going up or down through its queue, like any request. */
+static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint32_t pid,
+                        uint32_t flags)
+{
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PEER);
+    if (!x)
+        return; /* out of memory: the down flag still refuses new operations */
+    x->target_id = peer_id;
+    x->status = status;
+    x->count = pid;
+    x->imm = flags; /* 1: watched; 2: down because stopped (AFS_C_PEER's reserved) */
+    afs_submit(eng, x);
+}
+
+/* Exited: down for good (from running or stopped). Stopped: down until `mark_up`. */
+static void mark_down(afs_engine *eng, uint64_t peer_id, uint32_t pid, int32_t why)
+{
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p)
+        return;
+    int32_t was = atomic_load(&p->down);
+    while (was != AFS_PEER_EXITED && was != why) {
+        if (atomic_compare_exchange_weak(&p->down, &was, why)) {
+            tell_worker(eng, peer_id, AFS_EPEER, pid, why == AFS_PEER_STOPPED ? 3u : 1u);
+            return;
+        }
+    }
+}
+
+static void mark_up(afs_engine *eng, uint64_t peer_id, uint32_t pid)
+{
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    int32_t was = AFS_PEER_STOPPED;
+    if (p && atomic_compare_exchange_strong(&p->down, &was, 0))
+        tell_worker(eng, peer_id, 0, pid, 1u);
+}
+
+/* peer_stop_ms: every watched peer's state, read from /proc. One stopped (T: SIGSTOP, or t:
+ * stopped by a tracer) for that long is down until it runs again. */
+static void check_stopped(afs_engine *eng, afs_live *l, uint64_t now)
+{
+    uint64_t limit = (uint64_t)eng->cfg.peer_stop_ms * 1000000ull;
+    pthread_mutex_lock(&l->lock);
+    for (size_t k = 0; k < l->n; k++) {
+        afs_watch *w = &l->w[k];
+        char state = 'R';
+        uint64_t start;
+        if (proc_stat(w->pid, &state, &start) != 0)
+            continue; /* exiting: the pidfd says so */
+        if (state != 'T' && state != 't') {
+            w->stopped_since = 0;
+            if (w->stopped_down) {
+                w->stopped_down = false;
+                mark_up(eng, w->peer_id, w->pid);
+            }
+        } else if (!w->stopped_since) {
+            w->stopped_since = now;
+        } else if (!w->stopped_down && now - w->stopped_since >= limit) {
+            w->stopped_down = true;
+            mark_down(eng, w->peer_id, w->pid, AFS_PEER_STOPPED);
+        }
+    }
+    pthread_mutex_unlock(&l->lock);
+}
+
+static void *live_main(void *arg)
+{
+    afs_engine *eng = arg;
+    afs_live *l = eng->live;
+    struct epoll_event ev[16];
+    /* with peer_stop_ms, states are read 4 times per period (at most every 10 ms) */
+    uint32_t tick_ms = eng->cfg.peer_stop_ms / 4 < 10 ? 10 : eng->cfg.peer_stop_ms / 4;
+    uint64_t next_tick = 0;
+    for (;;) {
+        int timeout = -1;
+        if (eng->cfg.peer_stop_ms) {
+            uint64_t now = afs_now_ns();
+            if (now >= next_tick) {
+                check_stopped(eng, l, now);
+                next_tick = now + (uint64_t)tick_ms * 1000000ull;
+            }
+            timeout = (int)((next_tick - now + 999999ull) / 1000000ull);
+        }
+        int n = epoll_wait(l->epfd, ev, 16, timeout);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return NULL;
+        for (int i = 0; i < n; i++) {
+            uint64_t key = ev[i].data.u64;
+            if (key == STOP_KEY)
+                return NULL;
+            uint32_t pid = 0;
+            pthread_mutex_lock(&l->lock);
+            for (size_t k = 0; k < l->n; k++) {
+                if (l->w[k].peer_id != key)
+                    continue;
+                pid = l->w[k].pid;
+                (void)epoll_ctl(l->epfd, EPOLL_CTL_DEL, l->w[k].pidfd, NULL);
+                close(l->w[k].pidfd);
+                l->w[k] = l->w[--l->n];
+                break;
+            }
+            pthread_mutex_unlock(&l->lock);
+            if (pid)
+                mark_down(eng, key, pid, AFS_PEER_EXITED);
+        }
+    }
+}
+
+static int live_start(afs_engine *eng)
+{
+    afs_live *l = calloc(1, sizeof(*l));
+    if (!l)
+        return AFS_ENOMEM;
+    l->epfd = epoll_create1(EPOLL_CLOEXEC);
+    l->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    struct epoll_event e = {.events = EPOLLIN, .data.u64 = STOP_KEY};
+    if (l->epfd < 0 || l->stop_fd < 0 || epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->stop_fd, &e) != 0 ||
+        pthread_mutex_init(&l->lock, NULL) != 0)
+        goto out_fail;
+    eng->live = l;
+    if (pthread_create(&l->thread, NULL, live_main, eng) != 0) {
+        eng->live = NULL;
+        pthread_mutex_destroy(&l->lock);
+        goto out_fail;
+    }
+    l->started = true;
+    return 0;
+
+out_fail:
+    if (l->stop_fd >= 0)
+        close(l->stop_fd);
+    if (l->epfd >= 0)
+        close(l->epfd);
+    free(l);
+    return AFS_EIO;
+}
+
+/* Starts watching a same-host peer's process: 1 watched, 0 not (another host, unknown,
+ * this process, or no pidfd to be had), -1 its process is already gone. */
+static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
+{
+    afs_proc_id me;
+    if (!who->host || !who->pid || afs_proc_self(&me) != 0 || me.host != who->host ||
+        me.pid == who->pid)
+        return 0;
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)who->pid, 0);
+    if (pidfd < 0)
+        return errno == ESRCH ? -1 : 0; /* ENOSYS (kernel < 5.3), EMFILE: unwatched */
+    if (proc_start(who->pid) != who->start) { /* gone, and the pid given to another */
+        close(pidfd);
+        return -1;
+    }
+    if (!eng->live && live_start(eng) != 0) {
+        close(pidfd);
+        return 0;
+    }
+    afs_live *l = eng->live;
+    int rc = 1;
+    pthread_mutex_lock(&l->lock);
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 16;
+        afs_watch *w = realloc(l->w, cap * sizeof(*w));
+        if (!w) {
+            rc = 0;
+            goto out_unlock;
+        }
+        l->w = w;
+        l->cap = cap;
+    }
+    struct epoll_event e = {.events = EPOLLIN, .data.u64 = peer_id};
+    if (epoll_ctl(l->epfd, EPOLL_CTL_ADD, pidfd, &e) != 0) {
+        rc = 0;
+        goto out_unlock;
+    }
+    l->w[l->n++] = (afs_watch){peer_id, pidfd, who->pid, 0, false};
+out_unlock:
+    pthread_mutex_unlock(&l->lock);
+    if (rc != 1)
+        close(pidfd);
+    return rc;
+}
+
+/* Called once per newly resolved peer (under eng->peer_lock): reports it up and, when it
+ * lives on this host, watches its process; one already gone is reported down at once. */
+void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
+{
+    int w = watch(eng, peer_id, who);
+    tell_worker(eng, peer_id, 0, who->pid, w != 0 ? 1u : 0u);
+    if (w < 0)
+        mark_down(eng, peer_id, who->pid, AFS_PEER_EXITED);
+}
+
+void afs_live_destroy(afs_engine *eng)
+{
+    afs_live *l = eng->live;
+    if (!l)
+        return;
+    uint64_t one = 1;
+    ssize_t w = write(l->stop_fd, &one, sizeof(one));
+    (void)w;
+    if (l->started)
+        pthread_join(l->thread, NULL);
+    for (size_t k = 0; k < l->n; k++)
+        close(l->w[k].pidfd);
+    free(l->w);
+    pthread_mutex_destroy(&l->lock);
+    close(l->stop_fd);
+    close(l->epfd);
+    free(l);
+    eng->live = NULL;
+}

@@ -1,0 +1,285 @@
+"""Peer-down: a peer's process that is gone (SIGKILL) is noticed without anything posted
+(``eng.peer_events()``), every operation to it fails at once with ``PeerUnreachable``, and
+the engine's other peers are not disturbed (issue 18 item 5, issue 16 item 7).
+
+Same-host peers are watched through their process (pidfd, shim/peers.c): the bound here is
+1 s from the SIGKILL, not ``op_timeout`` (set to 20 s so that a timeout cannot pass for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import afabric
+from afabric import errors
+
+from .conftest import libfabric_version
+from .faults import victim_target
+from .procs import Ctl, Peer
+
+OP_TIMEOUT = 20.0  # far above every bound asserted here: a timeout cannot pass for a fast failure
+DOWN_WITHIN = 1.0  # s from the SIGKILL to every operation failed and the event seen
+STALL_MAX = 0.100  # s: the longest gap a live peer's stream may see when another dies
+REGION = 1 << 20
+WRITE = 64 * 1024
+WINDOW = 4  # writes in flight per peer
+
+
+def shm_wedges_on_death(provider: str) -> bool:
+    """libfabric 1.x shm stalls an endpoint's completions behind an operation to a dead
+    peer (README, known limitations); 2.x does not."""
+    return provider == "shm" and libfabric_version() < (2, 0)
+
+
+async def next_event(it: object, timeout: float) -> afabric.PeerEvent:
+    ev = await asyncio.wait_for(it.__anext__(), timeout)  # type: ignore[attr-defined]
+    assert isinstance(ev, afabric.PeerEvent)
+    return ev
+
+
+@pytest.mark.both_loops
+async def test_peer_down_event_without_posting(provider: str, peers: list[Peer], shm_cleanup: None) -> None:
+    """A peer only resolved (a peer group), never written to: its SIGKILL is reported as a
+    "down" event within 1 s; then a write and a send to it fail with PeerUnreachable before
+    anything is posted."""
+    victim = Peer(victim_target, provider, REGION)
+    peers.append(victim)
+    desc_b, addr_b, pid = await victim.get()
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT) as eng:
+        addr = afabric.Address.from_bytes(addr_b)
+        eng.peer_group([addr])
+        events = eng.peer_events()
+        up = await next_event(events, 10)
+        assert (up.kind, up.address, up.pid, up.watched) == ("up", addr, pid, True)
+        # a write armed on an immediate that never comes would post to it later: it fails too
+        src = eng.register(np.ones(WRITE, np.uint8))
+        armed = asyncio.ensure_future(
+            eng.write(
+                src, afabric.MrDesc.from_bytes(desc_b), WRITE, when=afabric.imm_count(eng.alloc_imm(), 1)
+            )
+        )
+        await asyncio.sleep(0.05)
+        victim.kill()
+        t0 = time.monotonic()
+        down = await next_event(events, 10)
+        took = time.monotonic() - t0
+        print(f"\n{provider}: peer-down event {took * 1e3:.1f} ms after SIGKILL")
+        assert (down.kind, down.address) == ("down", addr)
+        assert took < DOWN_WITHIN
+        with pytest.raises(errors.PeerUnreachable, match="exited"):
+            await asyncio.wait_for(armed, DOWN_WITHIN)
+        t0 = time.monotonic()
+        with pytest.raises(errors.PeerUnreachable, match="exited"):
+            await eng.write(src, afabric.MrDesc.from_bytes(desc_b), WRITE)
+        with pytest.raises(errors.PeerUnreachable, match="exited"):
+            await eng.send(addr, b"hello")
+        assert time.monotonic() - t0 < DOWN_WITHIN
+        assert eng.stats()["nics"][0]["writes"] == 0, "something was posted to the dead peer"
+        # a new subscriber learns the current state first
+        late = eng.peer_events()
+        assert (await next_event(late, 1)).kind == "down"
+
+
+async def test_subscriber_sees_close(provider: str) -> None:
+    """peer_events() ends when the engine closes; with no peer it yields nothing."""
+    eng = afabric.Engine(provider)
+    got: list[afabric.PeerEvent] = []
+
+    async def consume() -> None:
+        async for ev in eng.peer_events():
+            got.append(ev)
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)
+    await eng.aclose()
+    await asyncio.wait_for(task, 5)
+    assert got == []
+
+
+async def stream(
+    eng: afabric.Engine, src: afabric.MemoryRegion, desc: afabric.MrDesc, stop: asyncio.Event,
+    stamps: list[float], failures: list[tuple[float, BaseException]],
+) -> None:  # fmt: skip
+    """WINDOW writers to one peer until `stop`: each completion's time goes to `stamps`,
+    each failure (and its time) to `failures` (that writer then stops)."""
+
+    async def one(k: int) -> None:
+        while not stop.is_set():
+            try:
+                await eng.write(src, desc, WRITE, dst_offset=k * WRITE)
+            except errors.AfabricError as e:
+                failures.append((time.monotonic(), e))
+                return
+            stamps.append(time.monotonic())
+
+    await asyncio.gather(*(one(k) for k in range(WINDOW)))
+
+
+def max_gap(stamps: list[float], start: float, end: float) -> float:
+    points = [start, *sorted(t for t in stamps if start <= t <= end), end]
+    return max(b - a for a, b in itertools.pairwise(points))
+
+
+@pytest.mark.timeout(120)
+async def test_one_of_four_killed_mid_stream(provider: str, peers: list[Peer], shm_cleanup: None) -> None:
+    """One engine streams writes to 4 peer processes; one is SIGKILLed mid-stream. The
+    dead one's writes all fail with PeerUnreachable within 1 s; the 3 others see no failed
+    write and no gap longer than 100 ms between completions (libfabric 1.17's shm cannot
+    give that: its endpoint stalls behind the writes that were in flight to the dead peer,
+    see README, known limitations; xfail there once the dead peer's writes have failed)."""
+    clients = [Peer(victim_target, provider, REGION) for _ in range(4)]
+    peers.extend(clients)
+    got = [await c.get() for c in clients]
+    descs = [afabric.MrDesc.from_bytes(d) for d, _a, _p in got]
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT) as eng:
+        src = eng.register(np.ones(WINDOW * WRITE, np.uint8), remote=False)
+        for d in descs:
+            await eng.write(src, d, WRITE)  # connected
+        stop = asyncio.Event()
+        stamps: list[list[float]] = [[] for _ in clients]
+        failures: list[list[tuple[float, BaseException]]] = [[] for _ in clients]
+        tasks = [
+            asyncio.ensure_future(stream(eng, src, d, stop, stamps[i], failures[i]))
+            for i, d in enumerate(descs)
+        ]
+        await asyncio.sleep(1.0)
+        t_kill = time.monotonic()
+        clients[0].kill()
+        await asyncio.sleep(2.0)
+        t_end = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), OP_TIMEOUT + 15)
+    dead = failures[0]
+    fail_after = max((t for t, _ in dead), default=float("inf")) - t_kill
+    gaps = [max_gap(stamps[i], t_kill - 0.5, t_end) for i in (1, 2, 3)]
+    done = [len(s) for s in stamps]
+    print(
+        f"\n{provider} (libfabric {libfabric_version()}): writes completed per peer {done}; "
+        f"dead peer's {len(dead)} writes failed by {fail_after * 1e3:.0f} ms after the kill "
+        f"({sorted({type(e).__name__ for _, e in dead})}); live peers' longest gaps "
+        f"{[round(g * 1e3, 1) for g in gaps]} ms; live failures {[len(f) for f in failures[1:]]}"
+    )
+    assert len(dead) == WINDOW, "every writer to the dead peer must fail"
+    assert all(isinstance(e, errors.PeerUnreachable) for _, e in dead), dead
+    assert fail_after < DOWN_WITHIN
+    if shm_wedges_on_death(provider):
+        pytest.xfail(f"libfabric 1.17 shm stalls the endpoint: live gaps {gaps}, failures {failures[1:]}")
+    assert not any(failures[1:]), failures[1:]
+    assert max(gaps) < STALL_MAX, gaps
+
+
+async def test_stopped_peer_reported_down_then_up(provider: str, peers: list[Peer]) -> None:
+    """With peer_stop_timeout, a same-host peer stopped (SIGSTOP) that long is reported down
+    and operations to it fail with PeerUnreachable at once; when it runs again (SIGCONT) it is
+    reported up and the same engine writes to it again."""
+    victim = Peer(victim_target, provider, REGION)
+    peers.append(victim)
+    desc_b, addr_b, pid = await victim.get()
+    desc, addr = afabric.MrDesc.from_bytes(desc_b), afabric.Address.from_bytes(addr_b)
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT, peer_stop_timeout=0.3) as eng:
+        src = eng.register(np.ones(WRITE, np.uint8))
+        await eng.write(src, desc, WRITE)
+        events = eng.peer_events()
+        assert (await next_event(events, 10)).reason == "resolved"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            down = await next_event(events, 10)
+            took = time.monotonic() - t0
+            print(f"\n{provider}: stopped peer reported down after {took * 1e3:.0f} ms (timeout 300 ms)")
+            assert (down.kind, down.reason, down.address) == ("down", "stopped", addr)
+            assert 0.3 <= took < 0.3 + DOWN_WITHIN
+            with pytest.raises(errors.PeerUnreachable, match="stopped"):
+                await eng.write(src, desc, WRITE)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        up = await next_event(events, 10)
+        assert (up.kind, up.reason) == ("up", "resumed")
+        await asyncio.wait_for(eng.write(src, desc, WRITE), 10)
+        victim.put("stop")
+        assert await victim.result() is True
+
+
+def test_peer_stop_timeout_checked() -> None:
+    for bad in (0, -1, True, "1", 1e9):
+        with pytest.raises(errors.InvalidArgument, match="peer_stop_timeout"):
+            asyncio.run(_make(bad))
+
+
+async def _make(timeout: object) -> None:
+    async with afabric.Engine("tcp", peer_stop_timeout=timeout):  # type: ignore[arg-type]
+        pass
+
+
+async def writer_client(ctl: Ctl, provider: str, desc_b: bytes, slot: int) -> tuple[list[float], list[str]]:
+    """A client streaming writes into the server's region (its own slot) until told to stop;
+    returns its completion times and the errors it saw."""
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT) as eng:
+        desc = afabric.MrDesc.from_bytes(desc_b)
+        src = eng.register(np.ones(WINDOW * WRITE, np.uint8), remote=False)
+        await eng.write(src, desc, WRITE, dst_offset=slot * WINDOW * WRITE)
+        stamps: list[float] = []
+        errs: list[str] = []
+        stop = asyncio.Event()
+
+        async def one(k: int) -> None:
+            while not stop.is_set():
+                try:
+                    await eng.write(src, desc, WRITE, dst_offset=(slot * WINDOW + k) * WRITE)
+                except errors.AfabricError as e:
+                    errs.append(f"{type(e).__name__}: {e}")
+                    return
+                stamps.append(time.monotonic())
+
+        tasks = [asyncio.ensure_future(one(k)) for k in range(WINDOW)]
+        ctl.put(("writing", bytes(eng.address)))
+        assert await ctl.get(timeout=120) == "stop"
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), OP_TIMEOUT + 15)
+        return stamps, errs
+
+
+@pytest.mark.timeout(120)
+async def test_one_of_four_writers_killed(provider: str, peers: list[Peer], shm_cleanup: None) -> None:
+    """The other direction: 4 client processes stream writes into one server engine, one
+    client is SIGKILLed mid-stream. The server reports it down within 1 s, and the 3 other
+    clients see no failed write and no gap longer than 100 ms (on every libfabric: the
+    1.17 shm stall hits only the engine that had operations in flight to the dead peer)."""
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT) as srv:
+        region = srv.register(np.zeros(4 * WINDOW * WRITE, np.uint8))
+        desc_b = bytes(region.descriptor)
+        clients = [Peer(writer_client, provider, desc_b, i) for i in range(4)]
+        peers.extend(clients)
+        addrs = [afabric.Address.from_bytes((await c.get(timeout=60))[1]) for c in clients]
+        srv.peer_group(addrs)  # the server knows its clients (it never writes to them)
+        events = srv.peer_events()
+        assert {(await next_event(events, 10)).kind for _ in addrs} == {"up"}
+        await asyncio.sleep(1.0)
+        t_kill = time.monotonic()
+        clients[0].kill()
+        down = await next_event(events, 10)
+        took = time.monotonic() - t_kill
+        assert (down.kind, down.address) == ("down", addrs[0])
+        assert took < DOWN_WITHIN
+        await asyncio.sleep(2.0)
+        t_end = time.monotonic()
+        for c in clients[1:]:
+            c.put("stop")
+        results = [await c.result(timeout=OP_TIMEOUT + 30) for c in clients[1:]]
+    gaps = [max_gap(stamps, t_kill - 0.5, t_end) for stamps, _ in results]
+    errs = [e for _, es in results for e in es]
+    print(
+        f"\n{provider} (libfabric {libfabric_version()}): 4 writers, one killed (down event after "
+        f"{took * 1e3:.1f} ms); live writers' "
+        f"completions {[len(s) for s, _ in results]}, longest gaps {[round(g * 1e3, 1) for g in gaps]} ms, "
+        f"errors {errs[:3]}"
+    )
+    assert not errs, errs
+    assert max(gaps) < STALL_MAX, gaps
