@@ -1109,7 +1109,7 @@ class Engine:
             elif ev.kind == _native.C_WATCH:
                 w = self._watchers.get(ev.id)
                 if w is not None:
-                    w._observed(ev.a, ev.b)
+                    w._observed(ev.watch_old, ev.watch_new)
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_RECV:
@@ -1118,7 +1118,7 @@ class Engine:
                 self.log.warning(
                     "%d immediate(s) of new values dropped so far: the counter table holds "
                     "max_imm_values=%d distinct values (expect them before they arrive, or "
-                    "raise the limit)", ev.a, self._max_imm_values,
+                    "raise the limit)", ev.total, self._max_imm_values,
                 )  # fmt: skip
 
     def _done(self, ev: _native.Event) -> None:
@@ -1127,8 +1127,8 @@ class Engine:
             return
         if ev.release_later:
             self._held[ev.id] = op.refs
-        if self._first_posts is not None and ev.a:
-            self._first_posts.append((ev.id, ev.a))
+        if self._first_posts is not None and ev.first_post_ns:
+            self._first_posts.append((ev.id, ev.first_post_ns))
         if op.future.done():
             if op.kind == "expect" and ev.status == 0 and op.future.cancelled():
                 self._n.imm_return(*op.refs)  # withdrawn, yet it consumed: give them back
