@@ -5,13 +5,16 @@ trigger above all) leaking into the next."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
+import time
 
 import numpy as np
 import pytest
 
 import afabric
 from afabric import _native, errors
+from afabric.bench import raw
 
 
 def _request(op: int, **fields: int) -> _native.Request:
@@ -105,3 +108,17 @@ async def test_request_size_and_fields_checked(provider: str) -> None:
         newer.extra = 0  # zero past what this shim knows: served
         submit(newer, ctypes.sizeof(Newer))
         await b.expect_imm(imm, 1, timeout=10)
+
+
+async def test_done_carries_when_the_write_was_first_posted(provider: str) -> None:
+    """afs_completion.first_post_ns (Event.first_post_ns): the CLOCK_MONOTONIC time its first
+    work request was posted, between the call and its completion."""
+    async with afabric.Engine(provider) as a, afabric.Engine(provider) as b:
+        dst = b.register(np.zeros(4096, dtype=np.uint8))
+        src = a.register(np.full(4096, 5, dtype=np.uint8))
+        posts: collections.deque[tuple[int, int]] = collections.deque()
+        raw.record_first_posts(a, posts)
+        before = time.monotonic_ns()
+        await asyncio.wait_for(a.write(src, dst.descriptor, 4096), 10)
+        after = time.monotonic_ns()
+        assert len(posts) == 1 and before <= posts[0][1] <= after, (before, list(posts), after)
