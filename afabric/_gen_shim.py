@@ -118,6 +118,9 @@ def _type(decl: str, hdr: Header, *, param: bool, where: str) -> CType:  # noqa:
     if stars == 0:
         if base in _INTS:
             return CType(f"ctypes.{_INTS[base]}", "int", "int")
+        if not param and base in hdr.structs:  # a structure nested by value (defined above)
+            cls = hdr.structs[base].py_name
+            return CType(cls, "", cls)
         raise HeaderError(f"{where}: by-value type {decl!r} is outside the subset")
     if base in hdr.handles:
         cls = hdr.handles[base]
@@ -219,7 +222,8 @@ def _fields(c_name: str, text: str, hdr: Header, sizes: dict[str, str]) -> list[
 def parse(text: str) -> Header:  # noqa: PLR0912
     """Parse the header. The subset: `#define AFS_X <integer>`, the `AFS_ERROR_TABLE(X)`
     rows, `typedef struct afs_x afs_x;` (opaque handles), `typedef struct afs_x {...} afs_x;`
-    with fixed-width integer, `const char *` and `char name[N]` fields, enums of
+    with fixed-width integer, `const char *`, `char name[N]` and by-value structure (one
+    defined above) fields, enums of
     `AFS_X = <integer>`, and `AFS_API <type> afs_x(<params>);` whose parameters are
     fixed-width integers, handles and pointers (see _type)."""
     hdr = Header({}, {}, {}, {}, [])

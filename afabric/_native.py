@@ -36,8 +36,17 @@ from ._native_decl import (
     CFG_FORCE_EFA_MODES,
     CFG_TIMING,
     FUNCTIONS,
+    NO_IMM,
+    OP_GATHER,
+    OP_READ,
+    OP_READ_PAGED,
+    OP_SCATTER,
+    OP_WRITE,
+    OP_WRITE_DYNLEN,
+    OP_WRITE_PAGED,
     POLL_ADAPTIVE,
     POLL_SPIN,
+    TRIG_NONE,
     Completion,
     Config,
     DescInfo,
@@ -46,6 +55,7 @@ from ._native_decl import (
     NicInfoStruct,
     NicStats,
     OpTimingStruct,
+    Request,
 )
 
 if TYPE_CHECKING:
@@ -261,8 +271,12 @@ class Event:
     payload: bytes | None  # RECV: the message (id: its sender's peer handle or SRC_*)
     text: str | None  # DONE with an error: the provider's/shim's error text
     release_later: bool  # DONE of a failed op whose buffers the provider still holds
-    a: int = 0  # WATCH: the old value; DONE: when its first work request was posted (ns); PEER: pid
-    b: int = 0  # WATCH: the new value; PEER: 1 if its process is watched
+    first_post_ns: int = 0  # DONE: when its first work request was posted (0: none)
+    watch_old: int = 0  # WATCH: the value before
+    watch_new: int = 0  # WATCH: the value seen
+    total: int = 0  # NOTICE: how many were dropped so far
+    peer_pid: int = 0  # PEER: its process id (0: unknown)
+    peer_flags: int = 0  # PEER: 1 its process is watched, | 2 down because stopped
     slot: int = -1  # RECV whose receive buffer the caller keeps (release_recv it later); -1: released
 
 
@@ -286,9 +300,13 @@ class NativeEngine:
         # reads it right after its own call, with no Python of another thread in between
         self._owner = threading.get_ident()
         self._out = ctypes.c_uint64()
+        # ...and its request struct (see _request); _armed: its trigger is set
+        self._req = Request()
+        self._req.size = ctypes.sizeof(Request)
+        self._trig = self._req.trigger  # a view into self._req (no copy)
+        self._armed = False
         f = self._s.f
-        self._write = f.afs_write
-        self._paged = f.afs_write_paged
+        self._submit = f.afs_submit_req
         self._drain = f.afs_drain
 
     @property
@@ -387,6 +405,32 @@ class NativeEngine:
         self._s.check(rc, "peer handle", self.provider)
         return out.value
 
+    # ---- the submit path: one afs_request per operation (afs_submit_req) ----
+
+    def _request(self) -> tuple[Request, ctypes.c_uint64]:
+        """The request struct and result word of this call. The loop's thread (the one that
+        made this engine: Engine lets only it submit) reuses its own; any other thread gets
+        fresh ones (ctypes releases the GIL during the call: nothing shared across threads).
+        Fields an op does not name are left as they were: the shim ignores them."""
+        if threading.get_ident() == self._owner:
+            return self._req, self._out
+        req = Request()
+        req.size = ctypes.sizeof(Request)
+        return req, ctypes.c_uint64()
+
+    def _submit_req(self, what: str, req: Request, out: ctypes.c_uint64, trig: tuple[int, int, int]) -> int:
+        h = self._h
+        if h is None:
+            raise errors.EngineClosed("engine is closed")
+        t = req.trigger
+        t.kind, t.source, t.threshold = trig
+        if req is self._req:
+            self._armed = trig[0] != TRIG_NONE
+        rc = self._submit(h, req, out)
+        if rc:
+            self._s.check(rc, what, self.provider)
+        return out.value
+
     def write(
         self,
         what: str,
@@ -398,13 +442,31 @@ class NativeEngine:
         imm: int,
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
-        # The loop's thread (the one that made this engine: Engine lets only it submit)
-        # reuses one result word; any other thread gets its own (re-entrant, see __init__).
-        out = self._out if threading.get_ident() == self._owner else ctypes.c_uint64()
+        # the hot path (README "Python cost per operation"): _request and _submit_req inlined;
+        # the owner's request keeps trigger.kind 0 unless the call before was triggered
+        if threading.get_ident() == self._owner:
+            req, out = self._req, self._out
+        else:
+            req, out = self._request()
         h = self._h
         if h is None:
             raise errors.EngineClosed("engine is closed")
-        rc = self._write(h, mr_id, remote_id, length, src, dst, imm, trig[0], trig[1], trig[2], out)
+        req.op = OP_WRITE
+        req.mr_id = mr_id
+        req.remote_id = remote_id
+        req.length = length
+        req.src_offset = src
+        req.dst_offset = dst
+        req.imm = imm
+        if req is self._req:
+            if trig is not NO_TRIGGER or self._armed:
+                t = self._trig
+                t.kind, t.source, t.threshold = trig
+                self._armed = trig[0] != TRIG_NONE
+        elif trig is not NO_TRIGGER:
+            t = req.trigger
+            t.kind, t.source, t.threshold = trig
+        rc = self._submit(h, req, out)
         if rc:
             self._s.check(rc, what, self.provider)
         return out.value
@@ -423,16 +485,23 @@ class NativeEngine:
     ) -> int:
         """A write whose length the shim reads when it starts: ``length_word`` is (region id,
         byte offset, base, scale) of a u32 ``n``; length = clamp(base + scale*n, 0, max)."""
-        out = ctypes.c_uint64()
-        kind, a, b = trig
-        len_mr, len_off, base, scale = length_word
-        rc = self._s.f.afs_write_dynlen(
-            self._handle(), mr_id, remote_id, max_length, src, dst, imm, len_mr, len_off, base, scale,
-            kind, a, b, out,
-        )  # fmt: skip
-        if rc:
-            self._s.check(rc, what, self.provider)
-        return out.value
+        req, out = self._request()
+        req.op = OP_WRITE_DYNLEN
+        req.mr_id, req.remote_id, req.length = mr_id, remote_id, max_length
+        req.src_offset, req.dst_offset, req.imm = src, dst, imm
+        req.len_mr_id, req.len_offset, req.len_base, req.len_scale = length_word
+        return self._submit_req(what, req, out, trig)
+
+    def _paged(
+        self, req: Request, op: int, mr_id: int, remote_id: int, page_len: int,
+        src_idx: npt.NDArray[np.int64], src_stride: int, src_offset: int,
+        dst_idx: npt.NDArray[np.int64], dst_stride: int, dst_offset: int, imm: int,
+    ) -> None:  # fmt: skip
+        req.op, req.mr_id, req.remote_id, req.length = op, mr_id, remote_id, page_len
+        req.count = int(src_idx.shape[0])
+        req.src_idx, req.src_stride, req.src_offset = src_idx.ctypes.data, src_stride, src_offset
+        req.dst_idx, req.dst_stride, req.dst_offset = dst_idx.ctypes.data, dst_stride, dst_offset
+        req.imm = imm
 
     def write_paged(
         self,
@@ -449,17 +518,24 @@ class NativeEngine:
         imm: int,
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
-        count = int(src_idx.shape[0])
-        out = ctypes.c_uint64()
-        kind, a, b = trig
-        rc = self._paged(
-            self._handle(), mr_id, remote_id, page_len, count,
-            src_idx.ctypes.data, src_stride, src_offset,
-            dst_idx.ctypes.data, dst_stride, dst_offset, imm, kind, a, b, out,
+        req, out = self._request()
+        self._paged(
+            req, OP_WRITE_PAGED, mr_id, remote_id, page_len, src_idx, src_stride, src_offset,
+            dst_idx, dst_stride, dst_offset, imm,
         )  # fmt: skip
-        if rc:
-            self._s.check(rc, what, self.provider)
-        return out.value
+        return self._submit_req(what, req, out, trig)
+
+    def _targets(
+        self, req: Request, op: int, mr_id: int, remote_ids: npt.NDArray[np.uint64],
+        lengths: npt.NDArray[np.uint64] | None, src_offsets: npt.NDArray[np.uint64] | None,
+        dst_offsets: npt.NDArray[np.uint64] | None, imm: int,
+    ) -> None:  # fmt: skip
+        req.op, req.mr_id, req.count = op, mr_id, int(remote_ids.shape[0])
+        req.remote_ids = remote_ids.ctypes.data
+        req.lengths = 0 if lengths is None else lengths.ctypes.data
+        req.src_offsets = 0 if src_offsets is None else src_offsets.ctypes.data
+        req.dst_offsets = 0 if dst_offsets is None else dst_offsets.ctypes.data
+        req.imm = imm
 
     def scatter(
         self,
@@ -473,29 +549,19 @@ class NativeEngine:
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
         """One write per target (lengths None: zero-length writes, a barrier)."""
-        out = ctypes.c_uint64()
-        kind, a, b = trig
-        rc = self._s.f.afs_scatter(
-            self._handle(), mr_id, int(remote_ids.shape[0]), remote_ids.ctypes.data,
-            None if lengths is None else lengths.ctypes.data,
-            None if src_offsets is None else src_offsets.ctypes.data,
-            None if dst_offsets is None else dst_offsets.ctypes.data,
-            imm, kind, a, b, out,
-        )  # fmt: skip
-        if rc:
-            self._s.check(rc, what, self.provider)
-        return out.value
+        req, out = self._request()
+        self._targets(req, OP_SCATTER, mr_id, remote_ids, lengths, src_offsets, dst_offsets, imm)
+        return self._submit_req(what, req, out, trig)
 
     def read(
         self, what: str, mr_id: int, remote_id: int, length: int, src: int, dst: int,
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:  # fmt: skip
         """One-sided read: ``length`` bytes from ``src`` of the remote region to ``dst`` of mr."""
-        out = ctypes.c_uint64()
-        rc = self._s.f.afs_read(self._handle(), mr_id, remote_id, length, src, dst, *trig, out)
-        if rc:
-            self._s.check(rc, what, self.provider)
-        return out.value
+        req, out = self._request()
+        req.op, req.mr_id, req.remote_id, req.length = OP_READ, mr_id, remote_id, length
+        req.src_offset, req.dst_offset, req.imm = src, dst, NO_IMM
+        return self._submit_req(what, req, out, trig)
 
     def read_paged(
         self, what: str, mr_id: int, remote_id: int, page_len: int,
@@ -504,15 +570,12 @@ class NativeEngine:
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:  # fmt: skip
         """Remote page ``src_idx[i]`` to local page ``dst_idx[i]``."""
-        out = ctypes.c_uint64()
-        rc = self._s.f.afs_read_paged(
-            self._handle(), mr_id, remote_id, page_len, int(src_idx.shape[0]),
-            src_idx.ctypes.data, src_stride, src_offset,
-            dst_idx.ctypes.data, dst_stride, dst_offset, *trig, out,
+        req, out = self._request()
+        self._paged(
+            req, OP_READ_PAGED, mr_id, remote_id, page_len, src_idx, src_stride, src_offset,
+            dst_idx, dst_stride, dst_offset, NO_IMM,
         )  # fmt: skip
-        if rc:
-            self._s.check(rc, what, self.provider)
-        return out.value
+        return self._submit_req(what, req, out, trig)
 
     def gather(
         self, what: str, mr_id: int, remote_ids: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64],
@@ -520,14 +583,9 @@ class NativeEngine:
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:  # fmt: skip
         """One read per source (src offsets in the remote regions, dst offsets in mr)."""
-        out = ctypes.c_uint64()
-        rc = self._s.f.afs_gather(
-            self._handle(), mr_id, int(remote_ids.shape[0]), remote_ids.ctypes.data,
-            lengths.ctypes.data, src_offsets.ctypes.data, dst_offsets.ctypes.data, *trig, out,
-        )  # fmt: skip
-        if rc:
-            self._s.check(rc, what, self.provider)
-        return out.value
+        req, out = self._request()
+        self._targets(req, OP_GATHER, mr_id, remote_ids, lengths, src_offsets, dst_offsets, NO_IMM)
+        return self._submit_req(what, req, out, trig)
 
     def watcher_create(self, device: int) -> tuple[int, int, int]:
         """(watcher id, host address of the word, device address or 0)."""
@@ -606,13 +664,10 @@ class NativeEngine:
                     if c.data:
                         text = ctypes.string_at(c.data).decode(errors="replace")
                         self._s.f.afs_text_free(c.data)
-                    out.append(Event(kind, c.id, c.status, None, text, bool(c.slot), c.len))
-                elif kind == C_PEER:
-                    out.append(self._peer_event(c))
-                elif kind in (C_WATCH, C_NOTICE):
-                    out.append(Event(kind, c.id, 0, None, None, False, c.data, c.len))
+                    later = bool(c.release_later)
+                    out.append(Event(kind, c.id, c.status, None, text, later, c.first_post_ns))
                 else:
-                    out.append(Event(kind, c.id, c.status, None, None, False))
+                    out.append(self._other_event(c))
             if n < self.DRAIN_BATCH:
                 break
         if release:
@@ -621,13 +676,22 @@ class NativeEngine:
             self._s.check(rc, "releasing receive buffers", self.provider)
         return out
 
-    def _peer_event(self, c: Completion) -> Event:
-        """A PEER record: payload the peer's address, a its pid (0: unknown), b 1 if its
-        process is watched; the shim's copy of the address is freed here."""
-        blob = ctypes.string_at(c.data, c.len) if c.data else b""
-        if c.data:
-            self._s.f.afs_text_free(c.data)
-        return Event(C_PEER, c.id, c.status, blob, None, False, c.slot, c.reserved)
+    def _other_event(self, c: Completion) -> Event:
+        """Records other than RECV and DONE. PEER: payload the peer's address, its pid (0:
+        unknown) and flags (1: its process is watched; 2: down because stopped); the shim's
+        copy of the address is freed here."""
+        kind = c.kind
+        if kind == C_WATCH:
+            return Event(kind, c.id, 0, None, None, False, 0, c.watch_old, c.watch_new)
+        if kind == C_NOTICE:
+            return Event(kind, c.id, 0, None, None, False, total=c.total)
+        if kind == C_PEER:
+            blob = ctypes.string_at(c.data, c.len) if c.data else b""
+            if c.data:
+                self._s.f.afs_text_free(c.data)
+            pid, flags = c.peer_pid, c.peer_flags
+            return Event(kind, c.id, c.status, blob, None, False, peer_pid=pid, peer_flags=flags)
+        return Event(kind, c.id, c.status, None, None, False)
 
     def bench_write(self, mr_id: int, remote_id: int, length: int, window: int, iters: int) -> int:
         ns = ctypes.c_uint64()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
 POLL_ADAPTIVE = 0
@@ -27,6 +27,14 @@ SRC_UNKNOWN = 0xffffffffffffffff
 SRC_UNRESOLVED = 0xfffffffffffffffe
 ALLOW_ON = 0x1
 ALLOW_UNKNOWN = 0x2
+OP_WRITE = 1
+OP_WRITE_PAGED = 2
+OP_SCATTER = 3
+OP_WRITE_DYNLEN = 4
+OP_READ = 5
+OP_READ_PAGED = 6
+OP_GATHER = 7
+REQUEST_MIN_SIZE = 184
 C_DONE = 1
 C_RELEASE = 2
 C_RECV = 3
@@ -203,7 +211,13 @@ class Completion(ctypes.Structure):
     data: int
     len: int
     slot: int
-    reserved: int
+    release_later: int
+    first_post_ns: int
+    watch_old: int
+    watch_new: int
+    total: int
+    peer_pid: int
+    peer_flags: int
     _fields_ = [
         ("id", ctypes.c_uint64),
         ("status", ctypes.c_int32),
@@ -211,7 +225,79 @@ class Completion(ctypes.Structure):
         ("data", ctypes.c_uint64),
         ("len", ctypes.c_uint64),
         ("slot", ctypes.c_uint32),
+        ("release_later", ctypes.c_uint32),
+        ("first_post_ns", ctypes.c_uint64),
+        ("watch_old", ctypes.c_uint64),
+        ("watch_new", ctypes.c_uint64),
+        ("total", ctypes.c_uint64),
+        ("peer_pid", ctypes.c_uint32),
+        ("peer_flags", ctypes.c_uint32),
+    ]
+
+
+class Trigger(ctypes.Structure):
+    """`afs_trigger`."""
+
+    kind: int
+    reserved: int
+    source: int
+    threshold: int
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
         ("reserved", ctypes.c_uint32),
+        ("source", ctypes.c_uint64),
+        ("threshold", ctypes.c_uint64),
+    ]
+
+
+class Request(ctypes.Structure):
+    """`afs_request`."""
+
+    size: int
+    op: int
+    mr_id: int
+    remote_id: int
+    length: int
+    src_offset: int
+    dst_offset: int
+    imm: int
+    count: int
+    src_idx: int
+    src_stride: int
+    dst_idx: int
+    dst_stride: int
+    remote_ids: int
+    lengths: int
+    src_offsets: int
+    dst_offsets: int
+    len_mr_id: int
+    len_offset: int
+    len_base: int
+    len_scale: int
+    trigger: Trigger
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("op", ctypes.c_uint32),
+        ("mr_id", ctypes.c_uint64),
+        ("remote_id", ctypes.c_uint64),
+        ("length", ctypes.c_uint64),
+        ("src_offset", ctypes.c_uint64),
+        ("dst_offset", ctypes.c_uint64),
+        ("imm", ctypes.c_int64),
+        ("count", ctypes.c_uint64),
+        ("src_idx", ctypes.c_uint64),
+        ("src_stride", ctypes.c_uint64),
+        ("dst_idx", ctypes.c_uint64),
+        ("dst_stride", ctypes.c_uint64),
+        ("remote_ids", ctypes.c_uint64),
+        ("lengths", ctypes.c_uint64),
+        ("src_offsets", ctypes.c_uint64),
+        ("dst_offsets", ctypes.c_uint64),
+        ("len_mr_id", ctypes.c_uint64),
+        ("len_offset", ctypes.c_uint64),
+        ("len_base", ctypes.c_int64),
+        ("len_scale", ctypes.c_uint64),
+        ("trigger", Trigger),
     ]
 
 
@@ -330,128 +416,11 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
             ctypes.c_uint32,
         ],
     ),
-    "afs_write": (
+    "afs_submit_req": (
         ctypes.c_int32,
         [
             EngineHandle,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.POINTER(ctypes.c_uint64),
-        ],
-    ),
-    "afs_write_paged": (
-        ctypes.c_int32,
-        [
-            EngineHandle,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.POINTER(ctypes.c_uint64),
-        ],
-    ),
-    "afs_scatter": (
-        ctypes.c_int32,
-        [
-            EngineHandle,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.POINTER(ctypes.c_uint64),
-        ],
-    ),
-    "afs_read": (
-        ctypes.c_int32,
-        [
-            EngineHandle,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.POINTER(ctypes.c_uint64),
-        ],
-    ),
-    "afs_read_paged": (
-        ctypes.c_int32,
-        [
-            EngineHandle,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.POINTER(ctypes.c_uint64),
-        ],
-    ),
-    "afs_gather": (
-        ctypes.c_int32,
-        [
-            EngineHandle,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.POINTER(ctypes.c_uint64),
-        ],
-    ),
-    "afs_write_dynlen": (
-        ctypes.c_int32,
-        [
-            EngineHandle,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
-            ctypes.c_int64,
-            ctypes.c_uint64,
-            ctypes.c_uint32,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
+            ctypes.POINTER(Request),
             ctypes.POINTER(ctypes.c_uint64),
         ],
     ),

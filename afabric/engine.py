@@ -1065,18 +1065,18 @@ class Engine(MessagingMixin):
             elif ev.kind == _native.C_WATCH:
                 w = self._watchers.get(ev.id)
                 if w is not None:
-                    w._observed(ev.a, ev.b)
+                    w._observed(ev.watch_old, ev.watch_new)
             elif ev.kind == _native.C_RELEASE:
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_PEER:
-                self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.a, ev.b)
+                self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.peer_pid, ev.peer_flags)
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"", ev.slot, ev.id)
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:
                 self.log.warning(
                     "%d immediate(s) of new values dropped so far: the counter table holds "
                     "max_imm_values=%d distinct values (expect them before they arrive, or "
-                    "raise the limit)", ev.a, self._max_imm_values,
+                    "raise the limit)", ev.total, self._max_imm_values,
                 )  # fmt: skip
 
     def _done(self, ev: _native.Event) -> None:
@@ -1085,8 +1085,8 @@ class Engine(MessagingMixin):
             return
         if ev.release_later:
             self._held[ev.id] = op.refs
-        if self._first_posts is not None and ev.a:
-            self._first_posts.append((ev.id, ev.a))
+        if self._first_posts is not None and ev.first_post_ns:
+            self._first_posts.append((ev.id, ev.first_post_ns))
         if op.future.done():
             if op.kind == "expect" and ev.status == 0 and op.future.cancelled():
                 self._n.imm_return(*op.refs)  # withdrawn, yet it consumed: give them back

@@ -11,7 +11,8 @@
  * generated from it by `python -m afabric._gen_shim` (tests/test_stubs.py fails when they
  * are stale). Keep it to the subset that generator reads, which it enforces: `#define AFS_X
  * <integer>`, the AFS_ERROR_TABLE rows, `typedef struct afs_x afs_x;` handles, `typedef
- * struct afs_x {...} afs_x;` of fixed-width integers, `const char *` and `char x[N]`,
+ * struct afs_x {...} afs_x;` of fixed-width integers, `const char *`, `char x[N]` and
+ * structures defined above it (by value),
  * enums of `AFS_X = <integer>`, and `AFS_API` prototypes of integers, handles and pointers
  * (`const uint8_t *` is a byte string, `const [u]int64_t *` an array passed by address).
  */
@@ -20,10 +21,12 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 3u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 4u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
-                              a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle */
+                              a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
+                              4: afs_submit_req (one afs_request per operation), named
+                              afs_completion fields */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -155,29 +158,39 @@ enum afs_completion_kind {
     AFS_C_DONE = 1,    /* id completed with status; text = error text (free with afs_text_free) */
     AFS_C_RELEASE = 2, /* id's buffers are no longer touched (after a failed DONE) */
     AFS_C_RECV = 3,    /* message: data/len valid until released with afs_recv_release(slot) */
-    AFS_C_WATCH = 4,   /* watcher `id` changed from `data` to `len` */
-    AFS_C_NOTICE = 5,  /* something was dropped: id AFS_NOTICE_*, data = how many so far */
+    AFS_C_WATCH = 4,   /* watcher `id` changed from `watch_old` to `watch_new` */
+    AFS_C_NOTICE = 5,  /* something was dropped: id AFS_NOTICE_*, `total` = how many so far */
     AFS_C_PEER = 6     /* peer `id` resolved (status 0) or its process gone (AFS_EPEER): data =
-                          its address (len bytes, free with afs_text_free), slot = its pid or 0,
-                          reserved: 1 its process is watched (same host), | 2 down because
+                          its address (len bytes, free with afs_text_free), `peer_pid`, and
+                          `peer_flags`: 1 its process is watched (same host), | 2 down because
                           stopped (an "up" follows when it runs again) */
 };
 
 #define AFS_NOTICE_IMMS_DROPPED 1u /* immediates of new values dropped: the table was full */
 
-/* Triggers of triggered operations (`trig_kind` arguments). */
+/* Triggers of triggered operations (afs_trigger.kind). */
 #define AFS_TRIG_NONE 0u
-#define AFS_TRIG_WATCHER 1u /* when watcher `trig_a` holds a value >= `trig_b` */
-#define AFS_TRIG_IMM 2u     /* when `trig_b` arrivals of immediate `trig_a` were counted (consumed) */
+#define AFS_TRIG_WATCHER 1u /* when watcher `source` holds a value >= `threshold` */
+#define AFS_TRIG_IMM 2u     /* when `threshold` arrivals of immediate `source` were counted
+                               (consumed) */
 
+/* Each kind fills its own fields; the others are 0. */
 typedef struct afs_completion {
     uint64_t id; /* RECV: the sender's afs_peer_handle, or AFS_SRC_UNRESOLVED / AFS_SRC_UNKNOWN */
     int32_t status;
-    uint32_t kind;
-    uint64_t data; /* RECV: address of the message; DONE with error: char* text or 0 */
-    uint64_t len;  /* RECV: length; DONE: when its first work request was posted (ns, 0 = none) */
-    uint32_t slot;
-    uint32_t reserved;
+    uint32_t kind;            /* AFS_C_* */
+    uint64_t data;            /* RECV: address of the message; DONE with error: char* text or 0;
+                                 PEER: its address */
+    uint64_t len;             /* RECV: the message's length; PEER: the address's */
+    uint32_t slot;            /* RECV: its receive buffer (afs_recv_release) */
+    uint32_t release_later;   /* DONE: 1 = failed, the provider still holds its buffers (an
+                                 AFS_C_RELEASE follows) */
+    uint64_t first_post_ns;   /* DONE: when its first work request was posted (0 = none) */
+    uint64_t watch_old;       /* WATCH: the value before */
+    uint64_t watch_new;       /* WATCH: the value seen */
+    uint64_t total;           /* NOTICE: how many so far */
+    uint32_t peer_pid;        /* PEER: its process id (0: unknown) */
+    uint32_t peer_flags;      /* PEER: 1 watched (same host), | 2 down because stopped */
 } afs_completion;
 
 #define AFS_NO_IMM (-1)
@@ -227,55 +240,62 @@ AFS_API int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *han
 AFS_API int32_t afs_allow_peers(afs_engine *eng, const uint8_t *blobs, const uint32_t *lens,
                                 uint32_t count, uint32_t flags);
 
-/* Writes take a trigger (AFS_TRIG_NONE: post now). A triggered write is held by the shim
- * and posted by its worker the moment the condition holds, with no Python in between. */
-AFS_API int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                          uint64_t src_offset, uint64_t dst_offset, int64_t imm,
-                          uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
-                          uint64_t *xfer_id);
-AFS_API int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
-                                uint64_t page_len, uint64_t count, const int64_t *src_idx,
-                                uint64_t src_stride, uint64_t src_offset, const int64_t *dst_idx,
-                                uint64_t dst_stride, uint64_t dst_offset, int64_t imm,
-                                uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
-                                uint64_t *xfer_id);
-/* One write per target: remote_ids[i], lengths[i], src_offsets[i], dst_offsets[i]. With a
- * NULL mr (0) and NULL lengths/offsets every write is zero-length: a barrier. */
-AFS_API int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count,
-                            const uint64_t *remote_ids, const uint64_t *lengths,
-                            const uint64_t *src_offsets, const uint64_t *dst_offsets,
-                            int64_t imm, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
-                            uint64_t *xfer_id);
+/* The submit path: one request struct per operation (afs_submit_req). A trigger
+ * (AFS_TRIG_NONE: post now) makes the shim hold the request and its worker post it the
+ * moment the condition holds, with no Python in between. */
+typedef struct afs_trigger {
+    uint32_t kind;      /* AFS_TRIG_* */
+    uint32_t reserved;  /* 0 */
+    uint64_t source;    /* WATCHER: the watcher id; IMM: the immediate value */
+    uint64_t threshold; /* WATCHER: the value to reach; IMM: the arrivals to count */
+} afs_trigger;
 
-/* One-sided reads, remote -> local: the counterparts of afs_write, afs_write_paged and
- * afs_scatter with the same checks (and triggers). `src` is always the remote side, `dst`
- * the local region `mr_id` (which the provider writes into). A descriptor that states its
- * access and lacks read is refused here (AFS_EKEY), before anything is posted. */
-AFS_API int32_t afs_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                         uint64_t src_offset, uint64_t dst_offset, uint32_t trig_kind,
-                         uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
-AFS_API int32_t afs_read_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
-                               uint64_t page_len, uint64_t count, const int64_t *src_idx,
-                               uint64_t src_stride, uint64_t src_offset, const int64_t *dst_idx,
-                               uint64_t dst_stride, uint64_t dst_offset, uint32_t trig_kind,
-                               uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
-/* One read per source: lengths[i] bytes from src_offsets[i] of remote_ids[i] to
- * dst_offsets[i] of mr_id. */
-AFS_API int32_t afs_gather(afs_engine *eng, uint64_t mr_id, uint64_t count,
-                           const uint64_t *remote_ids, const uint64_t *lengths,
-                           const uint64_t *src_offsets, const uint64_t *dst_offsets,
-                           uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
-                           uint64_t *xfer_id);
+/* afs_request.op */
+#define AFS_OP_WRITE 1u        /* length bytes, local src_offset -> remote dst_offset */
+#define AFS_OP_WRITE_PAGED 2u  /* count pages of length bytes: page src_idx[i] -> dst_idx[i] */
+#define AFS_OP_SCATTER 3u      /* count writes: lengths[i] from src_offsets[i] to dst_offsets[i] of
+                                  remote_ids[i]; lengths 0: zero-length writes (a barrier) */
+#define AFS_OP_WRITE_DYNLEN 4u /* AFS_OP_WRITE whose length is read when it starts (len_*) */
+#define AFS_OP_READ 5u         /* length bytes, remote src_offset -> local dst_offset */
+#define AFS_OP_READ_PAGED 6u   /* count pages: remote page src_idx[i] -> local page dst_idx[i] */
+#define AFS_OP_GATHER 7u       /* count reads: lengths[i] from src_offsets[i] of remote_ids[i] to
+                                  dst_offsets[i] of mr_id */
 
-/* A write whose length is read when it starts (at its trigger, or now): the u32 `n` at byte
- * `len_offset` of registered host region `len_mr_id` (4-aligned) makes it
- * clamp(len_base + len_scale * n, 0, max_length) bytes. Ranges are checked against
- * max_length here; with an immediate, a write that comes out empty still delivers it. */
-AFS_API int32_t afs_write_dynlen(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
-                                 uint64_t max_length, uint64_t src_offset, uint64_t dst_offset,
-                                 int64_t imm, uint64_t len_mr_id, uint64_t len_offset,
-                                 int64_t len_base, uint64_t len_scale, uint32_t trig_kind,
-                                 uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
+/* One operation. `size` = sizeof as the caller knows it: the shim reads that much (a shorter
+ * one than AFS_REQUEST_MIN_SIZE is refused; bytes it does not know must be 0), so either
+ * side may be built against a newer header. Fields an op does not name are ignored. Arrays
+ * are passed by address (uint64_t), with `count` elements; "src" is the side data comes
+ * from (local for writes, remote for reads), "dst" the side it goes to. */
+typedef struct afs_request {
+    uint32_t size;
+    uint32_t op;          /* AFS_OP_* */
+    uint64_t mr_id;       /* the local region (SCATTER barrier: 0) */
+    uint64_t remote_id;   /* WRITE*, READ*: the imported remote descriptor */
+    uint64_t length;      /* WRITE/READ: bytes (DYNLEN: the most); *_PAGED: bytes per page */
+    uint64_t src_offset;  /* WRITE/READ: where the data is; *_PAGED: added to every src page */
+    uint64_t dst_offset;  /* WRITE/READ: where it goes; *_PAGED: added to every dst page */
+    int64_t imm;          /* writes: AFS_NO_IMM or 0..4294967295; reads: AFS_NO_IMM */
+    uint64_t count;       /* *_PAGED: pages; SCATTER/GATHER: targets */
+    uint64_t src_idx;     /* *_PAGED: address of int64_t[count] page indices */
+    uint64_t src_stride;  /* *_PAGED: bytes between src pages */
+    uint64_t dst_idx;     /* *_PAGED: address of int64_t[count] */
+    uint64_t dst_stride;
+    uint64_t remote_ids;  /* SCATTER/GATHER: address of uint64_t[count] */
+    uint64_t lengths;     /* SCATTER/GATHER: address of uint64_t[count] (SCATTER 0: barrier) */
+    uint64_t src_offsets; /* SCATTER/GATHER: address of uint64_t[count] */
+    uint64_t dst_offsets; /* SCATTER/GATHER: address of uint64_t[count] */
+    uint64_t len_mr_id;   /* DYNLEN: the host region holding the u32 length word n */
+    uint64_t len_offset;  /* DYNLEN: its byte offset (4-aligned) */
+    int64_t len_base;     /* DYNLEN: length = clamp(len_base + len_scale * n, 0, length) */
+    uint64_t len_scale;
+    afs_trigger trigger;
+} afs_request;
+
+#define AFS_REQUEST_MIN_SIZE 184u /* sizeof(afs_request) of ABI 4, the first with it */
+
+/* Checks `req` (a bad one fails here with a typed code, nothing posted) and submits it;
+ * *xfer_id gets the operation's id, which its AFS_C_DONE record carries. */
+AFS_API int32_t afs_submit_req(afs_engine *eng, const afs_request *req, uint64_t *xfer_id);
 
 /* Watchers: a 64-bit word in host memory (mapped into CUDA device `device`'s address space
  * when device >= 0) that anyone may bump; the shim reports each change it observes as an

@@ -428,6 +428,59 @@ int afs_ctrl_call(afs_engine *eng, afs_xfer *x); /* synchronous control request 
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind);
 void afs_xfer_free(afs_xfer *x);
 
+/* The submit functions behind afs_submit_req (request.c), one per AFS_OP_*: no longer
+ * exported (ABI 4 passes one afs_request instead of their positional arguments).
+ * api.c and dynlen.c define them. */
+/* Writes take a trigger (AFS_TRIG_NONE: post now). A triggered write is held by the shim
+ * and posted by its worker the moment the condition holds, with no Python in between. */
+int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                  uint64_t src_offset, uint64_t dst_offset, int64_t imm,
+                  uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+                  uint64_t *xfer_id);
+int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                        uint64_t page_len, uint64_t count, const int64_t *src_idx,
+                        uint64_t src_stride, uint64_t src_offset, const int64_t *dst_idx,
+                        uint64_t dst_stride, uint64_t dst_offset, int64_t imm,
+                        uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+                        uint64_t *xfer_id);
+/* One write per target: remote_ids[i], lengths[i], src_offsets[i], dst_offsets[i]. With a
+ * NULL mr (0) and NULL lengths/offsets every write is zero-length: a barrier. */
+int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count,
+                    const uint64_t *remote_ids, const uint64_t *lengths,
+                    const uint64_t *src_offsets, const uint64_t *dst_offsets,
+                    int64_t imm, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+                    uint64_t *xfer_id);
+
+/* One-sided reads, remote -> local: the counterparts of afs_write, afs_write_paged and
+ * afs_scatter with the same checks (and triggers). `src` is always the remote side, `dst`
+ * the local region `mr_id` (which the provider writes into). A descriptor that states its
+ * access and lacks read is refused here (AFS_EKEY), before anything is posted. */
+int32_t afs_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                 uint64_t src_offset, uint64_t dst_offset, uint32_t trig_kind,
+                 uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
+int32_t afs_read_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                       uint64_t page_len, uint64_t count, const int64_t *src_idx,
+                       uint64_t src_stride, uint64_t src_offset, const int64_t *dst_idx,
+                       uint64_t dst_stride, uint64_t dst_offset, uint32_t trig_kind,
+                       uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
+/* One read per source: lengths[i] bytes from src_offsets[i] of remote_ids[i] to
+ * dst_offsets[i] of mr_id. */
+int32_t afs_gather(afs_engine *eng, uint64_t mr_id, uint64_t count,
+                   const uint64_t *remote_ids, const uint64_t *lengths,
+                   const uint64_t *src_offsets, const uint64_t *dst_offsets,
+                   uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
+                   uint64_t *xfer_id);
+
+/* A write whose length is read when it starts (at its trigger, or now): the u32 `n` at byte
+ * `len_offset` of registered host region `len_mr_id` (4-aligned) makes it
+ * clamp(len_base + len_scale * n, 0, max_length) bytes. Ranges are checked against
+ * max_length here; with an immediate, a write that comes out empty still delivers it. */
+int32_t afs_write_dynlen(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                         uint64_t max_length, uint64_t src_offset, uint64_t dst_offset,
+                         int64_t imm, uint64_t len_mr_id, uint64_t len_offset,
+                         int64_t len_base, uint64_t len_scale, uint32_t trig_kind,
+                         uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);
+
 /* api.c (shared with dynlen.c) */
 int afs_build_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
                     uint64_t src_offset, uint64_t dst_offset, int64_t imm, afs_xfer **out);

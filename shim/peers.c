@@ -139,7 +139,7 @@ static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint3
     x->target_id = peer_id;
     x->status = status;
     x->count = pid;
-    x->imm = flags; /* 1: watched; 2: down because stopped (AFS_C_PEER's reserved) */
+    x->imm = flags; /* 1: watched; 2: down because stopped (AFS_C_PEER's peer_flags) */
     afs_submit(eng, x);
 }
 

@@ -181,8 +181,8 @@ static void push_done(afs_engine *eng, afs_xfer *x, bool release_later)
     c.kind = AFS_C_DONE;
     c.status = x->status;
     c.data = (uint64_t)(uintptr_t)x->errtext;
-    c.slot = release_later ? 1u : 0u;
-    c.len = x->t_first_post;
+    c.release_later = release_later ? 1u : 0u;
+    c.first_post_ns = x->t_first_post;
     x->errtext = NULL; /* ownership moves to the record */
     afs_ring_push(&eng->ring, &c);
 }
@@ -589,7 +589,7 @@ static void imm_dropped(afs_engine *eng, uint32_t nic)
     afs_completion c = {0};
     c.kind = AFS_C_NOTICE;
     c.id = AFS_NOTICE_IMMS_DROPPED;
-    c.data = total;
+    c.total = total;
     afs_ring_push(&eng->ring, &c);
 }
 
@@ -710,8 +710,8 @@ static void on_watch(afs_engine *eng, afs_xfer *req, uint64_t now)
     afs_completion c = {0};
     c.kind = AFS_C_WATCH;
     c.id = req->target_id;
-    c.data = req->watch_old;
-    c.len = req->watch_new;
+    c.watch_old = req->watch_old;
+    c.watch_new = req->watch_new;
     afs_ring_push(&eng->ring, &c);
     afs_xfer *x = eng->armed.head;
     while (x) {
@@ -1169,8 +1169,8 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
         memcpy(addr, p->addr, p->addr_len);
     c.data = (uint64_t)(uintptr_t)addr;
     c.len = addr ? p->addr_len : 0;
-    c.slot = (uint32_t)req->count; /* its pid, 0 if unknown */
-    c.reserved = req->imm;          /* 1: its process is watched; 2: down because stopped */
+    c.peer_pid = (uint32_t)req->count; /* 0 if unknown */
+    c.peer_flags = (uint32_t)req->imm; /* 1: its process is watched; 2: down because stopped */
     afs_ring_push(&eng->ring, &c);
 }
 

@@ -154,11 +154,16 @@ def _shim_graph() -> dict[str, set[str]]:
     return graph
 
 
+def _callers(graph: dict[str, set[str]], name: str) -> set[str]:
+    return {f for f, calls in graph.items() if name in calls}
+
+
 def test_shim_files_call_downwards_only() -> None:
     """The shim's files form layers, each calling only those below it: the pieces (errors,
     util, codec, ring, slots, mpsc, immtab, keys, process; allow: reading an allow-list),
     then worker (the worker thread), watcher (the watcher thread), engine (lifetime,
-    peers, registration), and on top the entry points (api, dynlen, allow_set). What a
+    peers, registration), the entry points (api, dynlen, allow_set) and over them request
+    (afs_submit_req, which hands each op to its builder in api or dynlen). What a
     lower file needs of a higher one's state is in internal.h (afs_engine_check_open is
     inline there); a callback goes through a documented hook (afs_done_hook)."""
     graph = _shim_graph()
@@ -169,4 +174,5 @@ def test_shim_files_call_downwards_only() -> None:
         for c in circles
     ]
     assert not circles, "shim files calling each other:\n" + "\n".join(lines)
-    assert not graph["worker"] & {"engine", "api", "dynlen", "watcher", "allow_set"}
+    assert not graph["worker"] & {"engine", "api", "dynlen", "watcher", "allow_set", "request"}
+    assert {"api", "dynlen"} <= graph["request"] and not {"api", "dynlen"} & _callers(graph, "request")

@@ -53,6 +53,7 @@ SANITIZER_SUITE = [
     "tests/test_read.py::test_bad_reads_are_refused_before_posting",
     "tests/test_read.py::test_access_is_checked_before_posting",
     "tests/test_read.py::test_triggered_read_fires_on_an_immediate_and_cancels",
+    "tests/test_request.py",
     "-k",
     "not uvloop and not killed",
 ]

@@ -104,6 +104,7 @@ def test_struct_annotations_match_fields() -> None:
     """The field annotations mypy reads list the same fields, in order, as _fields_."""
     n = _native
     structs = (n.Config, n.EngineFacts, n.DescInfo, n.Completion, n.NicStats, n.OpTimingStruct)
+    structs += (n.Trigger, n.Request)
     for cls in (*structs, n.NicInfoStruct):
         fields = [f[0] for f in cls._fields_]
         annotated = [k for k in cls.__annotations__ if not k.startswith("_")]
@@ -134,10 +135,13 @@ def test_native_reexports_the_declarations() -> None:
 
 def test_header_constants_reach_python() -> None:
     hdr = _gen_shim.parse(HEADER.read_text())
-    assert _native.ABI_VERSION == int(hdr.constants["ABI_VERSION"].rstrip("u")) == 3
+    assert _native.ABI_VERSION == int(hdr.constants["ABI_VERSION"].rstrip("u")) == 4
     assert (_native.C_DONE, _native.C_NOTICE, _native.NO_IMM, _native.TRIG_IMM) == (1, 5, -1, 2)
     assert _native.CFG_TIMING == 0x2 and _native.ALLOW_UNKNOWN == 0x2
-    assert len(hdr.functions) > 30 and len(hdr.structs) == 6
+    assert len(hdr.functions) > 30 and len(hdr.structs) == 8
+    # the request is size-prefixed: ABI 4's request is the smallest the shim accepts
+    assert ctypes.sizeof(_native.Request) == _native.REQUEST_MIN_SIZE == 184
+    assert _native.Request.trigger.offset == 160 and ctypes.sizeof(_native.Trigger) == 24
 
 
 def _header_with(snippet: str) -> str:
@@ -158,6 +162,7 @@ def _header_with(snippet: str) -> str:
         "AFS_API double afs_f(void);",
         "static inline int32_t afs_f(void) { return 0; }",
         "AFS_API int32_t afs_f(uint32_t **p);",
+        "typedef struct afs_x { afs_y y; } afs_x;",  # a structure not defined (above)
     ],
 )
 def test_generator_rejects_what_it_does_not_understand(snippet: str) -> None:
@@ -175,6 +180,11 @@ def test_generator_reads_the_subset() -> None:
     assert [(n, t.ctypes) for n, t in hdr.structs["afs_x"].fields] == [
         ("a", "ctypes.c_uint32"),
         ("b", "ctypes.c_char * 8"),
+    ]
+    nested = _gen_shim.parse(_header_with("typedef struct afs_y { afs_trigger t; uint8_t b; } afs_y;"))
+    assert [(n, t.ctypes, t.field) for n, t in nested.structs["afs_y"].fields] == [
+        ("t", "Trigger", "Trigger"),
+        ("b", "ctypes.c_uint8", "int"),
     ]
     f = hdr.functions[-1]
     assert f.name == "afs_f" and [t.ctypes for _, t in f.params] == [
@@ -213,7 +223,7 @@ def test_structures_have_the_c_layout(tmp_path: Path) -> None:
     classes: dict[str, type[ctypes.Structure]] = {
         s.c_name: getattr(_native_decl, s.py_name) for s in hdr.structs.values()
     }
-    assert "afp_nic_info" in classes and len(classes) == 7
+    assert "afp_nic_info" in classes and len(classes) == 9
     fields = {c: [f[0] for f in cls._fields_] for c, cls in classes.items()}
     (tmp_path / "both.h").write_text('#include "afabric_shim.h"\n#include "afabric_provider.h"\n')
     layout = _c_layout(tmp_path, str(tmp_path / "both.h"), fields)

@@ -45,6 +45,7 @@ from afabric._native_decl import (
     EngineHandle,
     NicStats,
     OpTimingStruct,
+    Request,
 )
 
 _T = TypeVar("_T")
@@ -162,146 +163,8 @@ class ShimLib:
             count, uint32_t flags);"""
 
     @staticmethod
-    def afs_write(
-        eng: EngineHandle,
-        mr_id: int,
-        remote_id: int,
-        length: int,
-        src_offset: int,
-        dst_offset: int,
-        imm: int,
-        trig_kind: int,
-        trig_a: int,
-        trig_b: int,
-        xfer_id: _Ref[c_uint64],
-    ) -> int:
-        """int32_t afs_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length, uint64_t
-            src_offset, uint64_t dst_offset, int64_t imm, uint32_t trig_kind, uint64_t trig_a, uint64_t
-            trig_b, uint64_t *xfer_id);"""
-
-    @staticmethod
-    def afs_write_paged(
-        eng: EngineHandle,
-        mr_id: int,
-        remote_id: int,
-        page_len: int,
-        count: int,
-        src_idx: _CVoidPLike | None,
-        src_stride: int,
-        src_offset: int,
-        dst_idx: _CVoidPLike | None,
-        dst_stride: int,
-        dst_offset: int,
-        imm: int,
-        trig_kind: int,
-        trig_a: int,
-        trig_b: int,
-        xfer_id: _Ref[c_uint64],
-    ) -> int:
-        """int32_t afs_write_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
-            uint64_t count, const int64_t *src_idx, uint64_t src_stride, uint64_t src_offset, const
-            int64_t *dst_idx, uint64_t dst_stride, uint64_t dst_offset, int64_t imm, uint32_t trig_kind,
-            uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
-
-    @staticmethod
-    def afs_scatter(
-        eng: EngineHandle,
-        mr_id: int,
-        count: int,
-        remote_ids: _CVoidPLike | None,
-        lengths: _CVoidPLike | None,
-        src_offsets: _CVoidPLike | None,
-        dst_offsets: _CVoidPLike | None,
-        imm: int,
-        trig_kind: int,
-        trig_a: int,
-        trig_b: int,
-        xfer_id: _Ref[c_uint64],
-    ) -> int:
-        """int32_t afs_scatter(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
-            const uint64_t *lengths, const uint64_t *src_offsets, const uint64_t *dst_offsets, int64_t
-            imm, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
-
-    @staticmethod
-    def afs_read(
-        eng: EngineHandle,
-        mr_id: int,
-        remote_id: int,
-        length: int,
-        src_offset: int,
-        dst_offset: int,
-        trig_kind: int,
-        trig_a: int,
-        trig_b: int,
-        xfer_id: _Ref[c_uint64],
-    ) -> int:
-        """int32_t afs_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length, uint64_t
-            src_offset, uint64_t dst_offset, uint32_t trig_kind, uint64_t trig_a, uint64_t trig_b,
-            uint64_t *xfer_id);"""
-
-    @staticmethod
-    def afs_read_paged(
-        eng: EngineHandle,
-        mr_id: int,
-        remote_id: int,
-        page_len: int,
-        count: int,
-        src_idx: _CVoidPLike | None,
-        src_stride: int,
-        src_offset: int,
-        dst_idx: _CVoidPLike | None,
-        dst_stride: int,
-        dst_offset: int,
-        trig_kind: int,
-        trig_a: int,
-        trig_b: int,
-        xfer_id: _Ref[c_uint64],
-    ) -> int:
-        """int32_t afs_read_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
-            uint64_t count, const int64_t *src_idx, uint64_t src_stride, uint64_t src_offset, const
-            int64_t *dst_idx, uint64_t dst_stride, uint64_t dst_offset, uint32_t trig_kind, uint64_t
-            trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
-
-    @staticmethod
-    def afs_gather(
-        eng: EngineHandle,
-        mr_id: int,
-        count: int,
-        remote_ids: _CVoidPLike | None,
-        lengths: _CVoidPLike | None,
-        src_offsets: _CVoidPLike | None,
-        dst_offsets: _CVoidPLike | None,
-        trig_kind: int,
-        trig_a: int,
-        trig_b: int,
-        xfer_id: _Ref[c_uint64],
-    ) -> int:
-        """int32_t afs_gather(afs_engine *eng, uint64_t mr_id, uint64_t count, const uint64_t *remote_ids,
-            const uint64_t *lengths, const uint64_t *src_offsets, const uint64_t *dst_offsets, uint32_t
-            trig_kind, uint64_t trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
-
-    @staticmethod
-    def afs_write_dynlen(
-        eng: EngineHandle,
-        mr_id: int,
-        remote_id: int,
-        max_length: int,
-        src_offset: int,
-        dst_offset: int,
-        imm: int,
-        len_mr_id: int,
-        len_offset: int,
-        len_base: int,
-        len_scale: int,
-        trig_kind: int,
-        trig_a: int,
-        trig_b: int,
-        xfer_id: _Ref[c_uint64],
-    ) -> int:
-        """int32_t afs_write_dynlen(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t
-            max_length, uint64_t src_offset, uint64_t dst_offset, int64_t imm, uint64_t len_mr_id,
-            uint64_t len_offset, int64_t len_base, uint64_t len_scale, uint32_t trig_kind, uint64_t
-            trig_a, uint64_t trig_b, uint64_t *xfer_id);"""
+    def afs_submit_req(eng: EngineHandle, req: _Ref[Request], xfer_id: _Ref[c_uint64]) -> int:
+        """int32_t afs_submit_req(afs_engine *eng, const afs_request *req, uint64_t *xfer_id);"""
 
     @staticmethod
     def afs_watcher_create(
