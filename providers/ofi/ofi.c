@@ -52,7 +52,9 @@
 #define OFI_POLL_BATCH 32u   /* CQ entries read per fi_cq_read call */
 /* A progress call that found nothing to report but took longer than this moved data for
  * some operation in flight (1.17 shm copies a large write's segments inside the target's
- * and the initiator's fi_cq_read; an idle call takes well under a microsecond). */
+ * and the initiator's fi_cq_read; an idle call takes well under a microsecond). Only for a
+ * CQ without a wait fd: a worker that can sleep on the fd is woken when data comes, and a
+ * tcp progress call is slow for other reasons too (accept failing with EMFILE). */
 #define OFI_BUSY_POLL_NS 2000u
 #define OFI_DEFAULT_DEPTH 256u
 #define OFI_TCP_DEFAULT_NODE "127.0.0.1"
@@ -1503,10 +1505,10 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
     bool busy = false;
     while (got < max) {
         size_t want = max - got < OFI_POLL_BATCH ? max - got : OFI_POLL_BATCH;
-        uint64_t t0 = mono_ns();
+        uint64_t t0 = d->wait_fd < 0 ? mono_ns() : 0;
         ssize_t ret = src && d->source ? fi_cq_readfrom(d->cq, ent, want, from)
                                        : fi_cq_read(d->cq, ent, want);
-        busy |= ret == -FI_EAGAIN && mono_ns() - t0 > OFI_BUSY_POLL_NS;
+        busy |= ret == -FI_EAGAIN && d->wait_fd < 0 && mono_ns() - t0 > OFI_BUSY_POLL_NS;
         if (ret > 0) {
             for (ssize_t i = 0; i < ret; i++) {
                 if (!on_entry(d, &ent[i], &ev[got]))
