@@ -409,28 +409,7 @@ def test_a_provider_without_reads_still_serves_push(tmp_path: Any) -> None:
     """On a provider library from before reads (ABI minor 3) a Prefiller still starts (its
     staging cache registered without remote read), serves push requests, and refuses
     pull requests with a reason (RequestRejected on the decoder)."""
-    import os
-    import subprocess
-    import sys
+    from .test_read import run_on_a_minor3_provider
 
-    import afabric_ofi
-    import build_native as bn
-
-    from .test_read import _MINOR3_SHIM
-
-    try:
-        cc = list(bn.compiler())
-    except bn.BuildError as e:
-        pytest.skip(str(e))
-    src = tmp_path / "minor3.c"
-    src.write_text(_MINOR3_SHIM)
-    lib = tmp_path / "libminor3.so"
-    cmd = [*cc, "-std=c11", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
-           f"-I{bn.SHIM_DIR}", str(src), "-o", str(lib), "-ldl"]  # fmt: skip
-    built = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert built.returncode == 0, built.stderr
-    env = dict(os.environ, AFABRIC_OFI_LIB=str(lib), AFABRIC_TEST_REAL_OFI=afabric_ofi.library_path())
-    proc = subprocess.run([sys.executable, "-c", _PUSH_ONLY_CHECK], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
-    assert "does not serve pull requests" in proc.stdout, proc.stdout
+    out = run_on_a_minor3_provider(tmp_path, _PUSH_ONLY_CHECK)
+    assert "does not serve pull requests" in out, out

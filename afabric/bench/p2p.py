@@ -95,32 +95,20 @@ def _window_for(nbytes: int) -> int:
 
 
 async def _py_writes(
-    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int, *, read: bool = False
 ) -> float:
+    """Seconds per write (per read with ``read``), ``window`` Python lanes in flight, rotating
+    through the regions in slots of ``nbytes``."""
     per = max(1, iters // window)
     span = max(1, REGION // max(nbytes, 1))
 
     async def lane(k: int) -> None:
         for i in range(per):
             off = ((k * per + i) % span) * nbytes
-            await eng.write(mr, desc, nbytes, src_offset=off, dst_offset=off)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(lane(k) for k in range(window)))
-    return (time.perf_counter() - t0) / (per * window)
-
-
-async def _py_reads(
-    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int
-) -> float:
-    """Seconds per read, ``window`` in flight, rotating through the regions as writes do."""
-    per = max(1, iters // window)
-    span = max(1, REGION // max(nbytes, 1))
-
-    async def lane(k: int) -> None:
-        for i in range(per):
-            off = ((k * per + i) % span) * nbytes
-            await eng.read(mr, desc, nbytes, src_offset=off, dst_offset=off)
+            if read:
+                await eng.read(mr, desc, nbytes, src_offset=off, dst_offset=off)
+            else:
+                await eng.write(mr, desc, nbytes, src_offset=off, dst_offset=off)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(lane(k) for k in range(window)))
@@ -147,7 +135,7 @@ async def _read_rows(
         fi: list[float] = []
         for _ in range(args.repeat):
             fi += await _rma_bw(args, size, window, "read")
-            py.append(await _py_reads(eng, mr, desc, size, window, iters))
+            py.append(await _py_writes(eng, mr, desc, size, window, iters, read=True))
             raw.append(_raw(raw_loop.read(size, window, iters), iters))
         _fill(row, py, raw, size)
         row.fi_gbps = statistics.median(fi) if fi else 0.0
