@@ -26,7 +26,11 @@ from .procs import Ctl, Peer
 
 OP_TIMEOUT = 20.0  # far above every bound asserted here: a timeout cannot pass for a fast failure
 DOWN_WITHIN = 1.0  # s from the SIGKILL to every operation failed and the event seen
-STALL_MAX = 0.100  # s: the longest gap a live peer's stream may see when another dies
+# s: the longest gap a live peer's stream may see when another dies. The goal is 100 ms and
+# the runs here measured 15-29 ms on tcp alone (up to 80 ms on a 2-core machine busy with
+# other test runs); the bound leaves room for such load, while the stall it exists to catch
+# lasts until op_timeout (seconds; on 1.17 shm, for good). The measured gaps are printed.
+STALL_MAX = 0.5
 REGION = 1 << 20
 WRITE = 64 * 1024
 WINDOW = 4  # writes in flight per peer
@@ -131,7 +135,7 @@ def max_gap(stamps: list[float], start: float, end: float) -> float:
 async def test_one_of_four_killed_mid_stream(provider: str, peers: list[Peer], shm_cleanup: None) -> None:
     """One engine streams writes to 4 peer processes; one is SIGKILLed mid-stream. The
     dead one's writes all fail with PeerUnreachable within 1 s; the 3 others see no failed
-    write and no gap longer than 100 ms between completions (libfabric 1.17's shm cannot
+    write and no gap longer than STALL_MAX between completions (libfabric 1.17's shm cannot
     give that: its endpoint stalls behind the writes that were in flight to the dead peer,
     see README, known limitations; xfail there once the dead peer's writes have failed)."""
     clients = [Peer(victim_target, provider, REGION) for _ in range(4)]
