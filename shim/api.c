@@ -578,27 +578,37 @@ int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
 /* ---- raw benchmark loops ---- */
 
 typedef struct afs_bench_counter {
-    _Atomic uint32_t done; /* a futex word: the raw loop sleeps on it like Python on its fd */
+    _Atomic uint32_t done; /* reported; a futex word: the loop sleeps on it like Python on its fd */
     _Atomic uint32_t waiting;
     _Atomic int32_t status;
+    _Atomic uint64_t refs; /* the loop's own, plus one per request not yet released */
 } afs_bench_counter;
 
-/* Worker side (the requests' afs_done_hook): note a failure; count a finished benchmark
+static void bench_unref(afs_bench_counter *c)
+{
+    if (atomic_fetch_sub(&c->refs, 1) == 1)
+        free(c);
+}
+
+/* Worker side (the requests' afs_done_hook): note a failure; count a reported benchmark
  * operation and wake the loop once enough are done for it to refill (a batch, as Python
- * drains completions in batches). */
-static void bench_count(void *arg, int32_t status, bool final)
+ * drains completions in batches). The counter lives on the heap and goes with its last
+ * reference: a failed request may be released long after the loop returned (or never). */
+static void bench_count(void *arg, int32_t status, uint32_t what)
 {
     afs_bench_counter *c = arg;
-    if (status)
-        atomic_store(&c->status, status);
-    if (!final)
-        return;
-    uint32_t done = atomic_fetch_add(&c->done, 1) + 1;
-    uint32_t want = atomic_load(&c->waiting);
-    if (want && (int32_t)(done - want) >= 0) {
-        atomic_store(&c->waiting, 0);
-        syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    if (what & AFS_HOOK_REPORTED) {
+        if (status)
+            atomic_store(&c->status, status);
+        uint32_t done = atomic_fetch_add(&c->done, 1) + 1;
+        uint32_t want = atomic_load(&c->waiting);
+        if (want && (int32_t)(done - want) >= 0) {
+            atomic_store(&c->waiting, 0);
+            syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+        }
     }
+    if (what & AFS_HOOK_RELEASED)
+        bench_unref(c);
 }
 
 /* Caller side: sleep until `done` reaches `want` (or 1 ms passes). */
@@ -612,16 +622,20 @@ static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want)
     atomic_store(&c->waiting, 0);
 }
 
-/* Submits `iters` copies of `proto` keeping `window` in flight. Contiguous writes rotate
- * through `span` slots of their length, as the Python benchmark does, so neither side
- * measures one cache-resident buffer. */
+/* Submits `iters` copies of `proto` keeping `window` in flight, until every one is
+ * reported (or the first failure is, and every one submitted so far). Contiguous writes
+ * rotate through `span` slots of their length, as the Python benchmark does, so neither
+ * side measures one cache-resident buffer. */
 static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t span, uint32_t window,
                       uint64_t iters, uint64_t *elapsed_ns)
 {
-    afs_bench_counter c;
-    atomic_init(&c.done, 0);
-    atomic_init(&c.waiting, 0);
-    atomic_init(&c.status, 0);
+    afs_bench_counter *c = malloc(sizeof(*c));
+    if (!c)
+        return afs_fail(AFS_ENOMEM, "bench: out of memory");
+    atomic_init(&c->done, 0);
+    atomic_init(&c->waiting, 0);
+    atomic_init(&c->status, 0);
+    atomic_init(&c->refs, 1);
     uint64_t submitted = 0;
     int rc = 0;
     if (window == 0)
@@ -630,9 +644,9 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         span = 1;
     uint64_t t0 = afs_now_ns();
     for (;;) {
-        uint32_t done = atomic_load(&c.done);
+        uint32_t done = atomic_load(&c->done);
         while (rc == 0 && submitted < iters && submitted - done < window &&
-               atomic_load(&c.status) == 0) {
+               atomic_load(&c->status) == 0) {
             afs_xfer *x = afs_xfer_new(eng, proto->kind);
             if (!x) {
                 rc = afs_fail(AFS_ENOMEM, "bench: out of memory");
@@ -642,7 +656,7 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
             memcpy(x, proto, sizeof(*x));
             x->id = id;
             x->done_hook = bench_count;
-            x->done_arg = &c;
+            x->done_arg = c;
             if (paged) {
                 size_t bytes = (size_t)proto->count * sizeof(int64_t);
                 x->src_idx = malloc(bytes ? bytes : 1);
@@ -659,14 +673,17 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
                 x->local_addr += off;
                 x->dst_addr += off;
             }
+            atomic_fetch_add(&c->refs, 1);
             afs_submit(eng, x);
             submitted++;
         }
-        done = atomic_load(&c.done);
-        if (done >= submitted && (submitted >= iters || rc || atomic_load(&c.status)))
+        done = atomic_load(&c->done);
+        if (done >= submitted && (submitted >= iters || rc || atomic_load(&c->status)))
             break;
-        if (atomic_load(&eng->closed))
-            return afs_fail(AFS_ECLOSED, "engine closed during benchmark");
+        if (atomic_load(&eng->closed)) {
+            rc = afs_fail(AFS_ECLOSED, "engine closed during benchmark");
+            break;
+        }
         /* Small writes: refill once a quarter of the window has completed (a wakeup per
          * write would cost more than the write); large ones: at every completion, so the
          * window stays full as Python's lanes keep it. */
@@ -675,12 +692,13 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         uint64_t want = done + batch;
         if (want > submitted)
             want = submitted;
-        bench_wait(&c, done, (uint32_t)want);
+        bench_wait(c, done, (uint32_t)want);
     }
     *elapsed_ns = afs_now_ns() - t0;
+    int32_t st = atomic_load(&c->status);
+    bench_unref(c);
     if (rc)
         return rc;
-    int32_t st = atomic_load(&c.status);
     if (st)
         return afs_fail(st, "benchmark %s failed: %s", proto->read ? "read" : "write",
                         afs_error_name(st));

@@ -288,6 +288,7 @@ static void engine_free(afs_engine *eng)
     pthread_mutex_destroy(&eng->peer_lock);
     pthread_mutex_destroy(&eng->timing_lock);
     free(eng->timings);
+    free(eng->down_peers);
     if (eng->wake_fd >= 0)
         close(eng->wake_fd);
     free(eng->provider_lib);

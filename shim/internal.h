@@ -266,12 +266,16 @@ typedef struct afs_allow afs_allow; /* allow.c: an allow-list snapshot */
 
 /* The one hook into the worker's completion path. A request whose `done_hook` is set is
  * not reported on the completion ring: the worker (its thread) calls
- * `done_hook(done_arg, status, final)` instead, with `status` the request's failure (0 if
- * none; AFS_ECLOSED when the engine closes under it) and `final` true once, when every
- * work request of it has completed (it is freed right after). The only user is the raw
- * benchmark loop (afs_bench_*, api.c), which drives the submit path from C; the rest of
- * the worker knows nothing of benchmarks. */
-typedef void (*afs_done_hook)(void *arg, int32_t status, bool final);
+ * `done_hook(done_arg, status, what)` instead. Each request is reported exactly once
+ * (AFS_HOOK_REPORTED: its outcome, `status` its failure, 0 if none; AFS_ECLOSED when the
+ * engine closes under it) and released exactly once (AFS_HOOK_RELEASED: the provider holds
+ * none of its work requests any more; it is freed right after), in one call or two: a
+ * failed request whose work requests are still posted (a timeout, a dead peer) is reported
+ * at once and released when the provider lets go, which may be never (libfabric 1.17 shm
+ * and a dead peer). The only user is the raw benchmark loop (afs_bench_*, api.c), which
+ * drives the submit path from C; the rest of the worker knows nothing of benchmarks. */
+enum { AFS_HOOK_REPORTED = 1u, AFS_HOOK_RELEASED = 2u };
+typedef void (*afs_done_hook)(void *arg, int32_t status, uint32_t what);
 
 typedef struct afs_xfer {
     afs_qnode qn; /* first: the queue node */
@@ -412,6 +416,8 @@ struct afs_engine {
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;
     afs_live *live; /* peers.c: same-host peers' processes watched (NULL: none yet) */
+    uint64_t *down_peers; /* worker-owned: ids of the peers it was told are down, so that */
+    uint32_t n_down, cap_down; /* a request taken after that fails instead of posting */
 };
 
 /* One-writer counter bump: a relaxed load and store, no locked instruction. */

@@ -211,7 +211,8 @@ static void finish(afs_engine *eng, afs_xfer *x)
         postq_remove(eng, x);
     bool outstanding = x->done_wr < x->posted_wr;
     if (x->done_hook) {
-        x->done_hook(x->done_arg, x->status, !outstanding);
+        x->done_hook(x->done_arg, x->status,
+                     AFS_HOOK_REPORTED | (outstanding ? 0u : AFS_HOOK_RELEASED));
     } else if (!x->reported) {
         push_done(eng, x, outstanding);
     }
@@ -230,7 +231,7 @@ static void zombie_done(afs_engine *eng, afs_xfer *x)
         return;
     list_remove(&eng->zombies, x);
     if (x->done_hook) {
-        x->done_hook(x->done_arg, 0, true);
+        x->done_hook(x->done_arg, 0, AFS_HOOK_RELEASED);
     } else {
         afs_completion c = {0};
         c.id = x->id;
@@ -529,6 +530,8 @@ static void complete_expect(afs_engine *eng, afs_xfer *x, int status, const char
     afs_xfer_free(x);
 }
 
+static bool refuse_down_peer(afs_engine *eng, afs_xfer *x); /* below, with on_peer */
+
 /* An operation starts: its deadline runs from now and its work requests queue up. */
 static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
@@ -541,7 +544,8 @@ static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
     if (eng->cfg.op_timeout_ns)
         x->deadline_ns = now + eng->cfg.op_timeout_ns;
     list_append(&eng->active, x);
-    if (eng->allow && afs_allow_refuse_out(eng, x)) { /* allow.c: fails x, posts nothing */
+    if ((eng->allow && afs_allow_refuse_out(eng, x)) || /* allow.c: fails x, posts nothing */
+        (eng->n_down && refuse_down_peer(eng, x))) {
         x->total_wr = 0;
         x->imm_pending = false;
     }
@@ -1130,6 +1134,49 @@ static bool goes_to(const afs_engine *eng, const afs_xfer *x, const afs_peer_ent
     }
 }
 
+/* The worker's own list of down peers. api.c refuses an operation to a down peer before
+ * queueing it, but one queued just before the peer went down is taken after on_peer has
+ * failed what was in flight: posted, it would wait for op_timeout (forever, for a caller
+ * that waits for the provider to let go: libfabric 1.17 shm never completes work requests
+ * to a dead peer). start() fails it instead. */
+static void note_down(afs_engine *eng, uint64_t peer_id, bool down)
+{
+    for (uint32_t i = 0; i < eng->n_down; i++) {
+        if (eng->down_peers[i] == peer_id) {
+            if (!down)
+                eng->down_peers[i] = eng->down_peers[--eng->n_down];
+            return;
+        }
+    }
+    if (!down)
+        return;
+    if (eng->n_down == eng->cap_down) {
+        uint32_t cap = eng->cap_down ? eng->cap_down * 2 : 8;
+        uint64_t *grown = realloc(eng->down_peers, cap * sizeof(*grown));
+        if (!grown)
+            return; /* out of memory: only the pre-queue check (api.c) refuses it then */
+        eng->down_peers = grown;
+        eng->cap_down = cap;
+    }
+    eng->down_peers[eng->n_down++] = peer_id;
+}
+
+static bool refuse_down_peer(afs_engine *eng, afs_xfer *x)
+{
+    for (uint32_t i = 0; i < eng->n_down; i++) {
+        afs_peer_entry *p = afs_slots_lookup(&eng->peers, eng->down_peers[i]);
+        if (p && goes_to(eng, x, p)) {
+            char msg[96];
+            snprintf(msg, sizeof(msg), "peer %016llx: its process %s",
+                     (unsigned long long)p->incarnation,
+                     atomic_load(&p->down) == AFS_PEER_STOPPED ? "is stopped" : "has exited");
+            set_error(x, AFS_EPEER, "%s", msg);
+            return true;
+        }
+    }
+    return false;
+}
+
 /* Fails every operation in flight to the peer at once (zombies until the provider lets go,
  * as after a timeout), then reports the peer up or down (AFS_C_PEER, with its address). */
 static void on_peer(afs_engine *eng, const afs_xfer *req)
@@ -1137,6 +1184,7 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, req->target_id);
     if (!p)
         return;
+    note_down(eng, req->target_id, req->status != 0);
     if (req->status) {
         char msg[96];
         snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->count,
@@ -1288,11 +1336,13 @@ static void fail_queued(afs_engine *eng)
     while ((x = eng->active.head) != NULL) {
         list_remove(&eng->active, x);
         if (x->done_hook)
-            x->done_hook(x->done_arg, AFS_ECLOSED, false);
+            x->done_hook(x->done_arg, AFS_ECLOSED, AFS_HOOK_REPORTED | AFS_HOOK_RELEASED);
         afs_xfer_free(x);
     }
     while ((x = eng->zombies.head) != NULL) {
         list_remove(&eng->zombies, x);
+        if (x->done_hook)
+            x->done_hook(x->done_arg, AFS_ECLOSED, AFS_HOOK_RELEASED);
         afs_xfer_free(x);
     }
     while ((x = eng->expects.head) != NULL) {
