@@ -76,6 +76,15 @@ async def rails_initiator(
         failed_after = time.monotonic() - t0
         ctl.put("failed")
         assert await ctl.get() == "again"
+        # The rail is fast again, but TCP may still be backing off from the drops of the crawl
+        # (its retransmission timer doubles: 1.5 s measured here, more on a loaded machine, which
+        # is close to op_timeout). Once the provider has let go of the timed-out write, its
+        # bytes went through and the connection is moving again: only then is "the same engine
+        # writes at full speed" the question.
+        t1 = time.monotonic()
+        while eng.stats()["buffers_held"]:
+            assert time.monotonic() - t1 < 60, "the timed-out write was never let go"
+            await asyncio.sleep(0.05)
         await eng.write(src, desc, nbytes, imm=imm)
     del src  # the 8 MiB source buffer is the test's, not a leak...
     gc.collect()  # ...nor is the failed write's traceback cycle, which still refers to it
