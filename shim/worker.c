@@ -1163,9 +1163,14 @@ static void note_down(afs_engine *eng, uint64_t peer_id, bool down)
 
 static bool refuse_down_peer(afs_engine *eng, afs_xfer *x)
 {
-    for (uint32_t i = 0; i < eng->n_down; i++) {
+    for (uint32_t i = 0; i < eng->n_down;) {
         afs_peer_entry *p = afs_slots_lookup(&eng->peers, eng->down_peers[i]);
-        if (p && goes_to(eng, x, p)) {
+        if (!p || atomic_load(&p->superseded_by)) {
+            /* gone, or restarted: its NIC addresses are the new incarnation's now */
+            eng->down_peers[i] = eng->down_peers[--eng->n_down];
+            continue;
+        }
+        if (goes_to(eng, x, p)) {
             char msg[96];
             snprintf(msg, sizeof(msg), "peer %016llx: its process %s",
                      (unsigned long long)p->incarnation,
@@ -1173,6 +1178,7 @@ static bool refuse_down_peer(afs_engine *eng, afs_xfer *x)
             set_error(x, AFS_EPEER, "%s", msg);
             return true;
         }
+        i++;
     }
     return false;
 }
