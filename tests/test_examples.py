@@ -3,7 +3,6 @@ promises register and carry data."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,29 +27,6 @@ def test_two_process_example_runs_as_written(provider: str) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "target: 1048576 bytes arrived" in proc.stdout
     assert "initiator: wrote 1048576 bytes" in proc.stdout
-
-
-@pytest.mark.timeout(300)
-def test_bench_p2p_quick(tmp_path: Path) -> None:
-    out = tmp_path / "p2p.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "afabric.cli", "bench", "p2p", "--provider", "shm", "--quick",
-         "--sizes", "4K,1M", "--repeat", "1", "--json", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(out.read_text())
-    kinds = {(r["kind"], r["size"]) for r in doc["rows"]}
-    assert ("write", 4096) in kinds and ("write", 1 << 20) in kinds
-    assert ("read", 4096) in kinds and ("read", 1 << 20) in kinds
-    assert any(k == "paged" for k, _ in kinds)
-    for r in doc["rows"]:
-        assert r["py_gbps"] > 0 and r["raw_gbps"] > 0
-    assert doc["latency"][0]["p50_us"] > 0
-    assert "py/raw" in proc.stdout
 
 
 async def test_buffer_types_register_and_carry_data() -> None:
