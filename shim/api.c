@@ -639,7 +639,8 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
                 break;
             }
             uint64_t id = x->id;
-            memcpy(x, proto, sizeof(*x));
+            memcpy(x, proto, offsetof(afs_xfer, rma)); /* the head, then its part alone */
+            x->rma = proto->rma;
             x->id = id;
             x->done_hook = bench_count;
             x->done_arg = &c;

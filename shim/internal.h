@@ -279,8 +279,16 @@ typedef void (*afs_done_hook)(void *arg, int32_t status, bool final);
  * the part of its kind, in a union. One allocation per operation, as before, but each
  * kind's fields are visibly its own (`x->rma.length`, `x->ctrl.err`) and the request is the
  * size of the head and its largest part instead of every kind's fields side by side. Read
- * or write a part only after checking `kind` (afs_xfer_is_rma): the parts overlap.
+ * or write a part only after checking `kind` (afs_xfer_is_rma): the parts overlap. The
+ * ASan build lays them side by side instead and poisons every part but the request's own
+ * (afs_xfer_new), so touching another kind's part is reported, not silently read.
  */
+#if defined(__SANITIZE_ADDRESS__)
+#define AFS_XFER_CHECK_PARTS 1
+#define AFS_XFER_PARTS struct
+#else
+#define AFS_XFER_PARTS union
+#endif
 typedef struct afs_xfer {
     afs_qnode qn; /* first: the queue node */
     uint32_t kind;
@@ -302,7 +310,7 @@ typedef struct afs_xfer {
     uint64_t t_first_post; /* ns, for timing triggered and regular operations */
     uint64_t t_enqueue, t_pickup, t_last_post; /* AFS_CFG_TIMING only */
 
-    union {
+    AFS_XFER_PARTS {
         /* AFS_REQ_WRITE, AFS_REQ_PAGED, AFS_REQ_SCATTER: one-sided writes and reads */
         struct afs_xfer_rma {
             bool imm_pending; /* contiguous multi-WR write: immediate goes after the data */

@@ -25,6 +25,9 @@
 #include <unistd.h>
 
 #include "internal.h"
+#ifdef AFS_XFER_CHECK_PARTS
+#include <sanitizer/asan_interface.h>
+#endif
 
 #define RX_TAG 1u
 #define DEADLINE_CHECK_NS 2000000ull /* 2 ms */
@@ -52,12 +55,49 @@ static bool fds_exhausted(afs_engine *eng)
     return false;
 }
 
+#ifdef AFS_XFER_CHECK_PARTS
+/* ASan build (internal.h): every part but the one of x's kind is made unaddressable. */
+static void poison_other_parts(afs_xfer *x)
+{
+    const void *own = &x->ctrl;
+    if (afs_xfer_is_rma(x))
+        own = &x->rma;
+    else if (x->kind == AFS_REQ_SEND)
+        own = &x->send;
+    else if (x->kind == AFS_REQ_EXPECT || x->kind == AFS_REQ_IMM_RETURN)
+        own = &x->expect;
+    else if (x->kind == AFS_REQ_CANCEL)
+        own = &x->cancel;
+    else if (x->kind == AFS_REQ_WATCH)
+        own = &x->watch;
+    else if (x->kind == AFS_REQ_RECV_RELEASE)
+        own = &x->release;
+    else if (x->kind == AFS_REQ_PEER)
+        own = &x->peer;
+#define AFS_POISON_PART(m)                                                                        \
+    if (own != (const void *)&x->m)                                                               \
+        ASAN_POISON_MEMORY_REGION(&x->m, sizeof(x->m));
+    AFS_POISON_PART(rma)
+    AFS_POISON_PART(send)
+    AFS_POISON_PART(expect)
+    AFS_POISON_PART(cancel)
+    AFS_POISON_PART(watch)
+    AFS_POISON_PART(release)
+    AFS_POISON_PART(peer)
+    AFS_POISON_PART(ctrl)
+#undef AFS_POISON_PART
+}
+#endif
+
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
 {
     afs_xfer *x = calloc(1, sizeof(*x));
     if (!x)
         return NULL;
     x->kind = kind;
+#ifdef AFS_XFER_CHECK_PARTS
+    poison_other_parts(x);
+#endif
     x->id = atomic_fetch_add_explicit(&eng->next_id, 1, memory_order_relaxed);
     return x;
 }
@@ -76,6 +116,9 @@ void afs_xfer_free(afs_xfer *x)
         free(x->release.slots);
     }
     free(x->errtext);
+#ifdef AFS_XFER_CHECK_PARTS
+    ASAN_UNPOISON_MEMORY_REGION(x, sizeof(*x));
+#endif
     free(x);
 }
 
