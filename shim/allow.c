@@ -101,16 +101,16 @@ bool afs_allow_refuse_out(afs_engine *eng, afs_xfer *x)
     bool ok = true;
     switch (x->kind) {
     case AFS_REQ_SEND:
-        ok = allowed_on(a, 0, x->peer_fi_addr);
+        ok = allowed_on(a, 0, x->send.peer_fi_addr);
         break;
     case AFS_REQ_WRITE:
     case AFS_REQ_PAGED:
         for (uint32_t k = 0; k < eng->nnics && ok; k++)
-            ok = allowed_on(a, k, x->fi_addr[k]);
+            ok = allowed_on(a, k, x->rma.fi_addr[k]);
         break;
     case AFS_REQ_SCATTER:
-        for (uint64_t i = 0; i < x->count && ok; i++)
-            ok = allowed_on(a, x->targets[i].nic, x->targets[i].fi_addr);
+        for (uint64_t i = 0; i < x->rma.count && ok; i++)
+            ok = allowed_on(a, x->rma.targets[i].nic, x->rma.targets[i].fi_addr);
         break;
     default:
         break;

@@ -86,8 +86,8 @@ int32_t afs_allow_peers(afs_engine *eng, const uint8_t *blobs, const uint32_t *l
         afs_allow_free(a);
         return afs_fail(AFS_ENOMEM, "allow-list: out of memory");
     }
-    x->ctrl_op = AFS_CTRL_ALLOW;
-    x->ctrl_allow = a;
+    x->ctrl.op = AFS_CTRL_ALLOW;
+    x->ctrl.allow = a;
     pthread_mutex_lock(&eng->peer_lock);
     rc = afs_ctrl_call(eng, x); /* the worker switches to `a` (worker.c run_ctrl) */
     afs_allow *old = NULL;

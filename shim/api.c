@@ -86,12 +86,12 @@ static int check_imm(int64_t imm, bool *has, uint32_t *value)
 static void fill_targets(afs_engine *eng, afs_xfer *x, const mr_copy *m,
                          const afs_remote_entry *r)
 {
-    x->local_addr = m->addr;
+    x->rma.local_addr = m->addr;
     for (uint32_t k = 0; k < eng->nnics; k++) {
-        x->local_desc[k] = m->desc[k];
-        x->fi_addr[k] = r->fi_addr[k];
-        x->rbase[k] = r->rbase[k];
-        x->rkey[k] = r->key[k];
+        x->rma.local_desc[k] = m->desc[k];
+        x->rma.fi_addr[k] = r->fi_addr[k];
+        x->rma.rbase[k] = r->rbase[k];
+        x->rma.rkey[k] = r->key[k];
     }
 }
 
@@ -160,14 +160,14 @@ static int build_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     if (!x)
         return afs_fail(AFS_ENOMEM, "%s: out of memory", read ? "read" : "write");
     fill_targets(eng, x, &m, &r);
-    x->read = read;
-    x->local_addr = m.addr + local_offset;
-    x->length = length;
-    x->dst_addr = remote_offset;
-    x->has_imm = has_imm;
-    x->imm = imm_value;
+    x->rma.read = read;
+    x->rma.local_addr = m.addr + local_offset;
+    x->rma.length = length;
+    x->rma.dst_addr = remote_offset;
+    x->rma.has_imm = has_imm;
+    x->rma.imm = imm_value;
     uint64_t maxw = eng->nics[0].caps.max_msg_size;
-    x->chunk = (maxw && maxw < MAX_CHUNK) ? maxw : MAX_CHUNK;
+    x->rma.chunk = (maxw && maxw < MAX_CHUNK) ? maxw : MAX_CHUNK;
     *out = x;
     return 0;
 }
@@ -230,26 +230,26 @@ static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PAGED);
     if (!x)
         return afs_fail(AFS_ENOMEM, "paged %s: out of memory", read ? "read" : "write");
-    x->read = read;
+    x->rma.read = read;
     size_t bytes = (size_t)(count ? count : 1) * sizeof(int64_t);
-    x->src_idx = malloc(bytes);
-    x->dst_idx = malloc(bytes);
-    if (!x->src_idx || !x->dst_idx) {
+    x->rma.src_idx = malloc(bytes);
+    x->rma.dst_idx = malloc(bytes);
+    if (!x->rma.src_idx || !x->rma.dst_idx) {
         afs_xfer_free(x);
         return afs_fail(AFS_ENOMEM, "paged %s: out of memory for %llu pages",
                         read ? "read" : "write", (unsigned long long)count);
     }
-    memcpy(x->src_idx, src_idx, (size_t)count * sizeof(int64_t));
-    memcpy(x->dst_idx, dst_idx, (size_t)count * sizeof(int64_t));
+    memcpy(x->rma.src_idx, src_idx, (size_t)count * sizeof(int64_t));
+    memcpy(x->rma.dst_idx, dst_idx, (size_t)count * sizeof(int64_t));
     fill_targets(eng, x, &m, &r);
-    x->count = count;
-    x->length = page_len;
-    x->src_stride = src_stride;
-    x->src_offset = src_offset;
-    x->dst_stride = dst_stride;
-    x->dst_offset = dst_offset;
-    x->has_imm = has_imm;
-    x->imm = imm_value;
+    x->rma.count = count;
+    x->rma.length = page_len;
+    x->rma.src_stride = src_stride;
+    x->rma.src_offset = src_offset;
+    x->rma.dst_stride = dst_stride;
+    x->rma.dst_offset = dst_offset;
+    x->rma.has_imm = has_imm;
+    x->rma.imm = imm_value;
     *out = x;
     return 0;
 }
@@ -271,9 +271,9 @@ static int set_trigger(afs_engine *eng, afs_xfer *x, uint32_t kind, uint64_t a, 
     default:
         return afs_fail(AFS_EINVAL, "unknown trigger kind %u", kind);
     }
-    x->trig_kind = kind;
-    x->trig_watcher = a;
-    x->trig_value = b;
+    x->rma.trig_kind = kind;
+    x->rma.trig_watcher = a;
+    x->rma.trig_value = b;
     return 0;
 }
 
@@ -351,16 +351,16 @@ static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uin
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SCATTER);
     if (!x)
         return afs_fail(AFS_ENOMEM, "%s: out of memory", op);
-    x->read = read;
-    x->targets = calloc(count ? count : 1, sizeof(afs_target));
-    if (!x->targets) {
+    x->rma.read = read;
+    x->rma.targets = calloc(count ? count : 1, sizeof(afs_target));
+    if (!x->rma.targets) {
         afs_xfer_free(x);
         return afs_fail(AFS_ENOMEM, "%s: out of memory for %llu targets", op,
                         (unsigned long long)count);
     }
     for (uint64_t i = 0; i < count; i++) {
         afs_remote_entry r;
-        afs_target *t = &x->targets[i];
+        afs_target *t = &x->rma.targets[i];
         if ((rc = load_remote(eng, remote_ids[i], &r)) || (rc = check_access(&r, read, i))) {
             afs_xfer_free(x);
             return rc;
@@ -397,11 +397,11 @@ static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uin
             return rc;
         }
     }
-    x->local_addr = m.addr;
-    memcpy(x->local_desc, m.desc, sizeof(x->local_desc));
-    x->count = count;
-    x->has_imm = has_imm;
-    x->imm = imm_value;
+    x->rma.local_addr = m.addr;
+    memcpy(x->rma.local_desc, m.desc, sizeof(x->rma.local_desc));
+    x->rma.count = count;
+    x->rma.has_imm = has_imm;
+    x->rma.imm = imm_value;
     return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }
 
@@ -480,15 +480,15 @@ int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SEND);
     if (!x)
         return afs_fail(AFS_ENOMEM, "send: out of memory");
-    x->payload = malloc(len ? len : 1);
-    if (!x->payload) {
+    x->send.payload = malloc(len ? len : 1);
+    if (!x->send.payload) {
         afs_xfer_free(x);
         return afs_fail(AFS_ENOMEM, "send: out of memory");
     }
     if (len)
-        memcpy(x->payload, buf, len);
-    x->length = len;
-    x->peer_fi_addr = fi_addr;
+        memcpy(x->send.payload, buf, len);
+    x->send.length = len;
+    x->send.peer_fi_addr = fi_addr;
     *xfer_id = x->id;
     afs_submit(eng, x);
     return 0;
@@ -504,8 +504,8 @@ int32_t afs_expect_imm(afs_engine *eng, uint32_t imm, uint64_t count, uint64_t *
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_EXPECT);
     if (!x)
         return afs_fail(AFS_ENOMEM, "expect_imm: out of memory");
-    x->imm = imm;
-    x->count = count;
+    x->expect.imm = imm;
+    x->expect.count = count;
     x->deadline_ns = 0;
     *xfer_id = x->id;
     afs_submit(eng, x);
@@ -520,7 +520,7 @@ int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id)
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_CANCEL);
     if (!x)
         return afs_fail(AFS_ENOMEM, "cancel: out of memory");
-    x->target_id = xfer_id;
+    x->cancel.xfer_id = xfer_id;
     afs_submit(eng, x);
     return 0;
 }
@@ -535,8 +535,8 @@ int32_t afs_imm_return(afs_engine *eng, uint32_t imm, uint64_t count)
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_IMM_RETURN);
     if (!x)
         return afs_fail(AFS_ENOMEM, "imm_return: out of memory");
-    x->imm = imm;
-    x->count = count;
+    x->expect.imm = imm;
+    x->expect.count = count;
     afs_submit(eng, x);
     return 0;
 }
@@ -564,13 +564,13 @@ int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_RECV_RELEASE);
     if (!x)
         return afs_fail(AFS_ENOMEM, "recv_release: out of memory");
-    x->slots = malloc(sizeof(uint32_t) * count);
-    if (!x->slots) {
+    x->release.slots = malloc(sizeof(uint32_t) * count);
+    if (!x->release.slots) {
         afs_xfer_free(x);
         return afs_fail(AFS_ENOMEM, "recv_release: out of memory");
     }
-    memcpy(x->slots, slots, sizeof(uint32_t) * count);
-    x->n_slots = count;
+    memcpy(x->release.slots, slots, sizeof(uint32_t) * count);
+    x->release.n_slots = count;
     afs_submit(eng, x);
     return 0;
 }
@@ -653,25 +653,26 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
                 break;
             }
             uint64_t id = x->id;
-            memcpy(x, proto, sizeof(*x));
+            memcpy(x, proto, offsetof(afs_xfer, rma)); /* the head, then its part alone */
+            x->rma = proto->rma;
             x->id = id;
             x->done_hook = bench_count;
             x->done_arg = c;
             if (paged) {
-                size_t bytes = (size_t)proto->count * sizeof(int64_t);
-                x->src_idx = malloc(bytes ? bytes : 1);
-                x->dst_idx = malloc(bytes ? bytes : 1);
-                if (!x->src_idx || !x->dst_idx) {
+                size_t bytes = (size_t)proto->rma.count * sizeof(int64_t);
+                x->rma.src_idx = malloc(bytes ? bytes : 1);
+                x->rma.dst_idx = malloc(bytes ? bytes : 1);
+                if (!x->rma.src_idx || !x->rma.dst_idx) {
                     afs_xfer_free(x);
                     rc = afs_fail(AFS_ENOMEM, "bench: out of memory");
                     break;
                 }
-                memcpy(x->src_idx, proto->src_idx, bytes);
-                memcpy(x->dst_idx, proto->dst_idx, bytes);
+                memcpy(x->rma.src_idx, proto->rma.src_idx, bytes);
+                memcpy(x->rma.dst_idx, proto->rma.dst_idx, bytes);
             } else {
-                uint64_t off = (submitted % span) * proto->length;
-                x->local_addr += off;
-                x->dst_addr += off;
+                uint64_t off = (submitted % span) * proto->rma.length;
+                x->rma.local_addr += off;
+                x->rma.dst_addr += off;
             }
             atomic_fetch_add(&c->refs, 1);
             afs_submit(eng, x);
@@ -687,7 +688,7 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         /* Small writes: refill once a quarter of the window has completed (a wakeup per
          * write would cost more than the write); large ones: at every completion, so the
          * window stays full as Python's lanes keep it. */
-        uint64_t op_bytes = paged ? proto->length * proto->count : proto->length;
+        uint64_t op_bytes = paged ? proto->rma.length * proto->rma.count : proto->rma.length;
         uint64_t batch = (op_bytes >= (64u << 10) || window < 4) ? 1 : window / 4;
         uint64_t want = done + batch;
         if (want > submitted)
@@ -700,7 +701,7 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
     if (rc)
         return rc;
     if (st)
-        return afs_fail(st, "benchmark %s failed: %s", proto->read ? "read" : "write",
+        return afs_fail(st, "benchmark %s failed: %s", proto->rma.read ? "read" : "write",
                         afs_error_name(st));
     return 0;
 }

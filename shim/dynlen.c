@@ -48,9 +48,9 @@ int32_t afs_write_dynlen(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
     if ((rc = afs_build_write(eng, mr_id, remote_id, max_length, src_offset, dst_offset, imm,
                               &x)))
         return rc;
-    x->dyn_len = true;
-    x->dyn_word = (const uint32_t *)(uintptr_t)(addr + len_offset);
-    x->dyn_base = len_base;
-    x->dyn_scale = len_scale;
+    x->rma.dyn_len = true;
+    x->rma.dyn_word = (const uint32_t *)(uintptr_t)(addr + len_offset);
+    x->rma.dyn_base = len_base;
+    x->rma.dyn_scale = len_scale;
     return afs_submit_built(eng, x, trig_kind, trig_a, trig_b, xfer_id);
 }

@@ -540,8 +540,8 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
         rc = afs_fail(AFS_ENOMEM, "register: out of memory");
         goto out_slot;
     }
-    x->ctrl_op = AFS_CTRL_REG;
-    x->ctrl_mr = m;
+    x->ctrl.op = AFS_CTRL_REG;
+    x->ctrl.mr = m;
     rc = afs_ctrl_call(eng, x);
     afs_xfer_free(x);
     if (rc)
@@ -554,8 +554,8 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
         if (rc) {
             afs_xfer *d = afs_xfer_new(eng, AFS_REQ_CTRL);
             if (d) {
-                d->ctrl_op = AFS_CTRL_DEREG;
-                d->ctrl_mr = m;
+                d->ctrl.op = AFS_CTRL_DEREG;
+                d->ctrl.mr = m;
                 (void)afs_ctrl_call(eng, d);
                 afs_xfer_free(d);
             }
@@ -582,8 +582,8 @@ int32_t afs_mr_deregister(afs_engine *eng, uint64_t mr_id)
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_CTRL);
     if (!x)
         return afs_fail(AFS_ENOMEM, "deregister: out of memory");
-    x->ctrl_op = AFS_CTRL_DEREG;
-    x->ctrl_mr = m;
+    x->ctrl.op = AFS_CTRL_DEREG;
+    x->ctrl.mr = m;
     rc = afs_ctrl_call(eng, x);
     afs_xfer_free(x);
     return rc;
@@ -659,14 +659,14 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         rc = afs_fail(AFS_ENOMEM, "resolve: out of memory");
         goto out_unlock;
     }
-    x->ctrl_op = AFS_CTRL_RESOLVE;
+    x->ctrl.op = AFS_CTRL_RESOLVE;
     for (uint32_t k = 0; k < v->nics; k++) {
-        x->ctrl_addr[k] = v->nic_addr[k];
-        x->ctrl_addr_len[k] = v->nic_addr_len[k];
+        x->ctrl.addr[k] = v->nic_addr[k];
+        x->ctrl.addr_len[k] = v->nic_addr_len[k];
     }
     rc = afs_ctrl_call(eng, x);
     if (rc == 0) {
-        memcpy(p->fi_addr, x->ctrl_fi_addr, sizeof(p->fi_addr));
+        memcpy(p->fi_addr, x->ctrl.fi_addr, sizeof(p->fi_addr));
         p->incarnation = v->incarnation;
         p->max_msg = v->max_msg;
         p->addr_len = blob_len;

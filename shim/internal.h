@@ -277,11 +277,27 @@ typedef struct afs_allow afs_allow; /* allow.c: an allow-list snapshot */
 enum { AFS_HOOK_REPORTED = 1u, AFS_HOOK_RELEASED = 2u };
 typedef void (*afs_done_hook)(void *arg, int32_t status, uint32_t what);
 
+/*
+ * One request travelling through the submit queue: a common head every kind uses (queue
+ * node, list links, deadline, failure, completion hook, timing, work-request counters) and
+ * the part of its kind, in a union. One allocation per operation, as before, but each
+ * kind's fields are visibly its own (`x->rma.length`, `x->ctrl.err`) and the request is the
+ * size of the head and its largest part instead of every kind's fields side by side. Read
+ * or write a part only after checking `kind` (afs_xfer_is_rma): the parts overlap. The
+ * ASan build lays them side by side instead and poisons every part but the request's own
+ * (afs_xfer_new), so touching another kind's part is reported, not silently read.
+ */
+#if defined(__SANITIZE_ADDRESS__)
+#define AFS_XFER_CHECK_PARTS 1
+#define AFS_XFER_PARTS struct
+#else
+#define AFS_XFER_PARTS union
+#endif
 typedef struct afs_xfer {
     afs_qnode qn; /* first: the queue node */
     uint32_t kind;
     uint64_t id;
-    struct afs_xfer *prev, *next; /* active/zombie/expect list links (worker) */
+    struct afs_xfer *prev, *next; /* active/zombie/expect/armed/settling list links (worker) */
     struct afs_xfer *pnext;       /* post queue link (worker) */
     bool in_postq;
     uint64_t deadline_ns;
@@ -291,74 +307,116 @@ typedef struct afs_xfer {
     afs_done_hook done_hook;  /* see afs_done_hook: called instead of a completion record */
     void *done_arg;
 
-    /* work-request generation */
+    /* work-request counters of the posting kinds (RMA and send) */
     uint64_t total_wr;  /* data WRs to post */
     uint64_t posted_wr;
     uint64_t done_wr;
-    bool imm_pending;   /* contiguous multi-WR write: immediate goes after the data */
-    bool whole;         /* paged write handed to the provider whole (post_paged) */
-    bool has_imm;
-    uint32_t imm;
-    bool read; /* a read (afs_read*, afs_gather): local_* is the destination, the remote side
-                  (rbase + dst_*, targets' dst_offset) the source; never an immediate */
-
-    /* write / paged */
-    uint64_t local_addr;
-    void *local_desc[AFS_MAX_NICS];
-    uint64_t fi_addr[AFS_MAX_NICS];
-    uint64_t rbase[AFS_MAX_NICS];
-    uint64_t rkey[AFS_MAX_NICS];
-    uint64_t length;     /* contiguous: bytes; paged: page length */
-    uint64_t dst_addr;   /* contiguous: remote offset already added to rbase */
-    uint64_t chunk;
-    int64_t *src_idx, *dst_idx;
-    uint64_t src_stride, src_offset, dst_stride, dst_offset;
-
-    /* send */
-    uint64_t peer_fi_addr;
-    uint8_t *payload;
-    uint32_t tx_slot;
-
-    /* scatter / barrier */
-    afs_target *targets;
-    uint32_t nic0; /* first NIC of a round-robin spread (worker-assigned) */
-    uint32_t shards;
-    uint64_t shard_len;
-
-    /* triggered operations: posted by the worker when the condition holds */
-    uint32_t trig_kind; /* AFS_TRIG_* */
-    bool armed;
-    uint64_t trig_watcher, trig_value;
     uint64_t t_first_post; /* ns, for timing triggered and regular operations */
     uint64_t t_enqueue, t_pickup, t_last_post; /* AFS_CFG_TIMING only */
 
-    /* dynamic length (dynlen.c): `length` is the maximum until the write starts */
-    bool dyn_len;
-    const uint32_t *dyn_word;
-    int64_t dyn_base;
-    uint64_t dyn_scale;
+    AFS_XFER_PARTS {
+        /* AFS_REQ_WRITE, AFS_REQ_PAGED, AFS_REQ_SCATTER: one-sided writes and reads */
+        struct afs_xfer_rma {
+            bool imm_pending; /* contiguous multi-WR write: immediate goes after the data */
+            bool whole;       /* paged write handed to the provider whole (post_paged) */
+            bool has_imm;
+            bool read; /* a read (afs_read*, afs_gather): local_* is the destination, the remote
+                          side (rbase + dst_*, targets' dst_offset) the source; never an imm */
+            uint32_t imm;
 
-    /* expect / cancel / watch */
-    uint64_t count;
-    uint64_t target_id;
-    uint64_t watch_old, watch_new;
+            /* write / paged */
+            uint64_t local_addr;
+            void *local_desc[AFS_MAX_NICS];
+            uint64_t fi_addr[AFS_MAX_NICS];
+            uint64_t rbase[AFS_MAX_NICS];
+            uint64_t rkey[AFS_MAX_NICS];
+            uint64_t length;   /* contiguous: bytes; paged: page length */
+            uint64_t dst_addr; /* contiguous: remote offset already added to rbase */
+            uint64_t chunk;
+            uint64_t count; /* paged: pages; scatter: targets */
+            int64_t *src_idx, *dst_idx;
+            uint64_t src_stride, src_offset, dst_stride, dst_offset;
 
-    /* recv release */
-    uint32_t *slots;
-    uint32_t n_slots;
+            /* scatter / barrier */
+            afs_target *targets;
+            uint32_t nic0; /* first NIC of a round-robin spread (worker-assigned) */
+            uint32_t shards;
+            uint64_t shard_len;
 
-    /* control (synchronous) */
-    uint32_t ctrl_op;
-    int32_t ctrl_rc;
-    char ctrl_err[AFP_ERRTEXT_LEN];
-    sem_t ctrl_done;
-    afs_mr_entry *ctrl_mr;
-    const uint8_t *ctrl_addr[AFS_MAX_NICS];
-    uint32_t ctrl_addr_len[AFS_MAX_NICS];
-    uint64_t ctrl_fi_addr[AFS_MAX_NICS];
-    afs_allow *ctrl_allow; /* AFS_CTRL_ALLOW: the worker's new list (NULL: every peer) */
-    uint64_t settle_seen, settle_since; /* AFS_CTRL_DEREG: remote writes seen, and since when */
+            /* triggered operations: posted by the worker when the condition holds */
+            uint32_t trig_kind; /* AFS_TRIG_* */
+            bool armed;
+            uint64_t trig_watcher, trig_value;
+
+            /* dynamic length (dynlen.c, AFS_REQ_WRITE only): `length` is the maximum until
+             * the write starts */
+            bool dyn_len;
+            const uint32_t *dyn_word;
+            int64_t dyn_base;
+            uint64_t dyn_scale;
+        } rma;
+
+        /* AFS_REQ_SEND */
+        struct afs_xfer_send {
+            uint64_t peer_fi_addr;
+            uint8_t *payload; /* a copy, owned */
+            uint64_t length;
+            uint32_t tx_slot;
+        } send;
+
+        /* AFS_REQ_EXPECT: wait for `count` arrivals of `imm`; AFS_REQ_IMM_RETURN: give back
+         * `count` arrivals of `imm` an expectation consumed after its withdrawal */
+        struct afs_xfer_expect {
+            uint32_t imm;
+            uint64_t count;
+        } expect;
+
+        /* AFS_REQ_CANCEL: withdraw an expectation or disarm a triggered operation */
+        struct afs_xfer_cancel {
+            uint64_t xfer_id;
+        } cancel;
+
+        /* AFS_REQ_WATCH: the watcher thread saw a word change */
+        struct afs_xfer_watch {
+            uint64_t watcher_id;
+            uint64_t old_value, new_value;
+        } watch;
+
+        /* AFS_REQ_RECV_RELEASE: receive slots handed back to the provider */
+        struct afs_xfer_release {
+            uint32_t *slots; /* owned */
+            uint32_t n_slots;
+        } release;
+
+        /* AFS_REQ_PEER (peers.c): peer `peer_id` is up (status 0) or down */
+        struct afs_xfer_peer {
+            uint64_t peer_id;
+            uint32_t pid;   /* its process, 0 if unknown */
+            uint32_t flags; /* 1: its process is watched; 2: down because stopped */
+        } peer;
+
+        /* AFS_REQ_CTRL: a synchronous control request (afs_ctrl_call); the caller owns it */
+        struct afs_xfer_ctrl {
+            uint32_t op; /* AFS_CTRL_* */
+            int32_t rc;
+            char err[AFP_ERRTEXT_LEN];
+            sem_t done;
+            afs_mr_entry *mr;
+            const uint8_t *addr[AFS_MAX_NICS];
+            uint32_t addr_len[AFS_MAX_NICS];
+            uint64_t fi_addr[AFS_MAX_NICS];
+            afs_allow *allow; /* AFS_CTRL_ALLOW: the worker's new list (NULL: every peer) */
+            /* AFS_CTRL_DEREG: remote writes seen, and since when */
+            uint64_t settle_seen, settle_since;
+        } ctrl;
+    };
 } afs_xfer;
+
+/* The kinds whose part is `rma`. */
+static inline bool afs_xfer_is_rma(const afs_xfer *x)
+{
+    return x->kind == AFS_REQ_WRITE || x->kind == AFS_REQ_PAGED || x->kind == AFS_REQ_SCATTER;
+}
 
 typedef struct afs_xfer_list {
     afs_xfer *head, *tail;

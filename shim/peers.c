@@ -136,10 +136,10 @@ static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint3
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PEER);
     if (!x)
         return; /* out of memory: the down flag still refuses new operations */
-    x->target_id = peer_id;
+    x->peer.peer_id = peer_id;
     x->status = status;
-    x->count = pid;
-    x->imm = flags; /* 1: watched; 2: down because stopped (AFS_C_PEER's peer_flags) */
+    x->peer.pid = pid;
+    x->peer.flags = flags; /* 1: watched; 2: down because stopped (AFS_C_PEER's peer_flags) */
     afs_submit(eng, x);
 }
 

@@ -270,9 +270,9 @@ void *afs_watch_main(void *arg)
             if (!x)
                 break; /* out of memory: report this change on the next pass */
             uint32_t gen = atomic_load(&w->hdr.gen);
-            x->target_id = ((uint64_t)gen << 32) | i;
-            x->watch_old = w->last;
-            x->watch_new = v;
+            x->watch.watcher_id = ((uint64_t)gen << 32) | i;
+            x->watch.old_value = w->last;
+            x->watch.new_value = v;
             w->last = v;
             afs_submit(eng, x);
             changed = true;

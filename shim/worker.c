@@ -25,6 +25,9 @@
 #include <unistd.h>
 
 #include "internal.h"
+#ifdef AFS_XFER_CHECK_PARTS
+#include <sanitizer/asan_interface.h>
+#endif
 
 #define RX_TAG 1u
 #define DEADLINE_CHECK_NS 2000000ull /* 2 ms */
@@ -52,12 +55,49 @@ static bool fds_exhausted(afs_engine *eng)
     return false;
 }
 
+#ifdef AFS_XFER_CHECK_PARTS
+/* ASan build (internal.h): every part but the one of x's kind is made unaddressable. */
+static void poison_other_parts(afs_xfer *x)
+{
+    const void *own = &x->ctrl;
+    if (afs_xfer_is_rma(x))
+        own = &x->rma;
+    else if (x->kind == AFS_REQ_SEND)
+        own = &x->send;
+    else if (x->kind == AFS_REQ_EXPECT || x->kind == AFS_REQ_IMM_RETURN)
+        own = &x->expect;
+    else if (x->kind == AFS_REQ_CANCEL)
+        own = &x->cancel;
+    else if (x->kind == AFS_REQ_WATCH)
+        own = &x->watch;
+    else if (x->kind == AFS_REQ_RECV_RELEASE)
+        own = &x->release;
+    else if (x->kind == AFS_REQ_PEER)
+        own = &x->peer;
+#define AFS_POISON_PART(m)                                                                        \
+    if (own != (const void *)&x->m)                                                               \
+        ASAN_POISON_MEMORY_REGION(&x->m, sizeof(x->m));
+    AFS_POISON_PART(rma)
+    AFS_POISON_PART(send)
+    AFS_POISON_PART(expect)
+    AFS_POISON_PART(cancel)
+    AFS_POISON_PART(watch)
+    AFS_POISON_PART(release)
+    AFS_POISON_PART(peer)
+    AFS_POISON_PART(ctrl)
+#undef AFS_POISON_PART
+}
+#endif
+
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
 {
     afs_xfer *x = calloc(1, sizeof(*x));
     if (!x)
         return NULL;
     x->kind = kind;
+#ifdef AFS_XFER_CHECK_PARTS
+    poison_other_parts(x);
+#endif
     x->id = atomic_fetch_add_explicit(&eng->next_id, 1, memory_order_relaxed);
     return x;
 }
@@ -66,12 +106,19 @@ void afs_xfer_free(afs_xfer *x)
 {
     if (!x)
         return;
-    free(x->src_idx);
-    free(x->dst_idx);
-    free(x->targets);
-    free(x->payload);
-    free(x->slots);
+    if (afs_xfer_is_rma(x)) {
+        free(x->rma.src_idx);
+        free(x->rma.dst_idx);
+        free(x->rma.targets);
+    } else if (x->kind == AFS_REQ_SEND) {
+        free(x->send.payload);
+    } else if (x->kind == AFS_REQ_RECV_RELEASE) {
+        free(x->release.slots);
+    }
     free(x->errtext);
+#ifdef AFS_XFER_CHECK_PARTS
+    ASAN_UNPOISON_MEMORY_REGION(x, sizeof(*x));
+#endif
     free(x);
 }
 
@@ -93,14 +140,14 @@ int afs_ctrl_call(afs_engine *eng, afs_xfer *x)
     int rc = afs_engine_check_open(eng);
     if (rc)
         return rc;
-    if (sem_init(&x->ctrl_done, 0, 0) != 0)
+    if (sem_init(&x->ctrl.done, 0, 0) != 0)
         return afs_fail(AFS_ENOMEM, "sem_init failed");
     afs_submit(eng, x);
-    while (sem_wait(&x->ctrl_done) != 0 && errno == EINTR) {
+    while (sem_wait(&x->ctrl.done) != 0 && errno == EINTR) {
     }
-    sem_destroy(&x->ctrl_done);
-    if (x->ctrl_rc)
-        return afs_fail(x->ctrl_rc, "%s", x->ctrl_err);
+    sem_destroy(&x->ctrl.done);
+    if (x->ctrl.rc)
+        return afs_fail(x->ctrl.rc, "%s", x->ctrl.err);
     return 0;
 }
 
@@ -158,8 +205,9 @@ static void set_error(afs_xfer *x, int status, const char *fmt, const char *text
 
 static void record_timing(afs_engine *eng, const afs_xfer *x)
 {
-    afs_op_timing t = {x->id, x->kind + (x->read ? AFS_TIMING_READ : 0u), x->status, x->posted_wr, x->t_enqueue, x->t_pickup,
-                       x->t_first_post, x->t_last_post, afs_now_ns()};
+    bool read = afs_xfer_is_rma(x) && x->rma.read;
+    afs_op_timing t = {x->id, x->kind + (read ? AFS_TIMING_READ : 0u), x->status, x->posted_wr,
+                       x->t_enqueue, x->t_pickup, x->t_first_post, x->t_last_post, afs_now_ns()};
     pthread_mutex_lock(&eng->timing_lock);
     uint32_t at = (eng->timing_head + eng->timing_len) % eng->timing_cap;
     eng->timings[at] = t;
@@ -252,13 +300,21 @@ static void check_xfer(afs_engine *eng, afs_xfer *x)
         return;
     if (x->status == 0 && x->posted_wr < x->total_wr)
         return; /* more to post; it is in the post queue */
-    if (x->status == 0 && x->imm_pending) {
-        x->imm_pending = false;
+    if (x->status == 0 && afs_xfer_is_rma(x) && x->rma.imm_pending) {
+        x->rma.imm_pending = false;
         x->total_wr++; /* the immediate-only write, now that the data is delivered */
         postq_push(eng, x);
         return;
     }
     finish(eng, x);
+}
+
+/* Nothing more of x will be posted (it failed): what was posted is all there is. */
+static void stop_posting(afs_xfer *x)
+{
+    x->total_wr = x->posted_wr;
+    if (afs_xfer_is_rma(x))
+        x->rma.imm_pending = false;
 }
 
 /* ---- work-request generation ---- */
@@ -270,34 +326,34 @@ static void check_xfer(afs_engine *eng, afs_xfer *x)
 
 static uint64_t shard_bytes(const afs_xfer *x, uint32_t shard)
 {
-    uint64_t start = (uint64_t)shard * x->shard_len;
-    if (start >= x->length)
+    uint64_t start = (uint64_t)shard * x->rma.shard_len;
+    if (start >= x->rma.length)
         return 0;
-    return x->length - start < x->shard_len ? x->length - start : x->shard_len;
+    return x->rma.length - start < x->rma.shard_len ? x->rma.length - start : x->rma.shard_len;
 }
 
 static uint64_t n_data_wrs(const afs_xfer *x)
 {
     if (x->kind == AFS_REQ_PAGED || x->kind == AFS_REQ_SCATTER)
-        return x->count;
-    if (x->length == 0)
-        return x->has_imm ? 1 : 0;
+        return x->rma.count;
+    if (x->rma.length == 0)
+        return x->rma.has_imm ? 1 : 0;
     uint64_t n = 0;
-    for (uint32_t s = 0; s < x->shards; s++)
-        n += (shard_bytes(x, s) + x->chunk - 1) / x->chunk;
+    for (uint32_t s = 0; s < x->rma.shards; s++)
+        n += (shard_bytes(x, s) + x->rma.chunk - 1) / x->rma.chunk;
     return n;
 }
 
 /* How a contiguous write is cut: shards over the NICs, then chunks of at most `chunk`. */
 static void plan_shards(afs_engine *eng, afs_xfer *x)
 {
-    x->shards = 1;
-    x->shard_len = x->length ? x->length : 1;
-    if (eng->nnics > 1 && x->length >= SHARD_MIN) {
-        uint64_t per = (x->length + eng->nnics - 1) / eng->nnics;
+    x->rma.shards = 1;
+    x->rma.shard_len = x->rma.length ? x->rma.length : 1;
+    if (eng->nnics > 1 && x->rma.length >= SHARD_MIN) {
+        uint64_t per = (x->rma.length + eng->nnics - 1) / eng->nnics;
         per = (per + SHARD_ALIGN - 1) / SHARD_ALIGN * SHARD_ALIGN;
-        x->shard_len = per;
-        x->shards = (uint32_t)((x->length + per - 1) / per);
+        x->rma.shard_len = per;
+        x->rma.shards = (uint32_t)((x->rma.length + per - 1) / per);
     }
 }
 
@@ -307,59 +363,59 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
     w->ctx = (uint64_t)(uintptr_t)x;
     uint32_t nic;
     if (x->kind == AFS_REQ_SCATTER) {
-        const afs_target *t = &x->targets[k];
+        const afs_target *t = &x->rma.targets[k];
         nic = t->nic;
-        w->local_addr = (void *)(uintptr_t)(x->local_addr + t->src_offset);
-        w->local_desc = x->local_desc[nic];
+        w->local_addr = (void *)(uintptr_t)(x->rma.local_addr + t->src_offset);
+        w->local_desc = x->rma.local_desc[nic];
         w->length = t->length;
         w->peer = t->fi_addr;
         w->remote_addr = t->rbase + t->dst_offset;
         w->remote_key = t->rkey;
-        w->has_imm = x->has_imm;
-        w->imm = x->imm;
+        w->has_imm = x->rma.has_imm;
+        w->imm = x->rma.imm;
         *nic_out = nic;
         return;
     }
     if (x->kind == AFS_REQ_PAGED) {
-        nic = (uint32_t)((x->nic0 + k) % eng->nnics);
-        uint64_t s = x->src_offset + (uint64_t)x->src_idx[k] * x->src_stride;
-        uint64_t d = x->dst_offset + (uint64_t)x->dst_idx[k] * x->dst_stride;
-        w->local_addr = (void *)(uintptr_t)(x->local_addr + s);
-        w->length = x->length;
-        w->remote_addr = x->rbase[nic] + d;
-        w->has_imm = x->has_imm;
-        w->imm = x->imm;
+        nic = (uint32_t)((x->rma.nic0 + k) % eng->nnics);
+        uint64_t s = x->rma.src_offset + (uint64_t)x->rma.src_idx[k] * x->rma.src_stride;
+        uint64_t d = x->rma.dst_offset + (uint64_t)x->rma.dst_idx[k] * x->rma.dst_stride;
+        w->local_addr = (void *)(uintptr_t)(x->rma.local_addr + s);
+        w->length = x->rma.length;
+        w->remote_addr = x->rma.rbase[nic] + d;
+        w->has_imm = x->rma.has_imm;
+        w->imm = x->rma.imm;
     } else {
         uint64_t ndata = n_data_wrs(x);
         if (k >= ndata) { /* the deferred immediate: zero bytes, valid remote iov (EFA) */
-            nic = x->nic0 % eng->nnics;
-            w->local_addr = (void *)(uintptr_t)x->local_addr;
-            w->remote_addr = x->rbase[nic] + x->dst_addr;
+            nic = x->rma.nic0 % eng->nnics;
+            w->local_addr = (void *)(uintptr_t)x->rma.local_addr;
+            w->remote_addr = x->rma.rbase[nic] + x->rma.dst_addr;
             w->has_imm = 1;
-            w->imm = x->imm;
+            w->imm = x->rma.imm;
         } else {
             uint32_t shard = 0;
             uint64_t chunks;
-            while ((chunks = (shard_bytes(x, shard) + x->chunk - 1) / x->chunk) <= k &&
-                   shard + 1 < x->shards) {
+            while ((chunks = (shard_bytes(x, shard) + x->rma.chunk - 1) / x->rma.chunk) <= k &&
+                   shard + 1 < x->rma.shards) {
                 k -= chunks;
                 shard++;
             }
-            nic = (uint32_t)((x->nic0 + shard) % eng->nnics);
-            uint64_t off = (uint64_t)shard * x->shard_len + k * x->chunk;
-            uint64_t left = shard_bytes(x, shard) - k * x->chunk;
-            w->local_addr = (void *)(uintptr_t)(x->local_addr + off);
-            w->length = left < x->chunk ? left : x->chunk;
-            w->remote_addr = x->rbase[nic] + x->dst_addr + off;
-            if (x->has_imm && ndata == 1) {
+            nic = (uint32_t)((x->rma.nic0 + shard) % eng->nnics);
+            uint64_t off = (uint64_t)shard * x->rma.shard_len + k * x->rma.chunk;
+            uint64_t left = shard_bytes(x, shard) - k * x->rma.chunk;
+            w->local_addr = (void *)(uintptr_t)(x->rma.local_addr + off);
+            w->length = left < x->rma.chunk ? left : x->rma.chunk;
+            w->remote_addr = x->rma.rbase[nic] + x->rma.dst_addr + off;
+            if (x->rma.has_imm && ndata == 1) {
                 w->has_imm = 1;
-                w->imm = x->imm;
+                w->imm = x->rma.imm;
             }
         }
     }
-    w->local_desc = x->local_desc[nic];
-    w->peer = x->fi_addr[nic];
-    w->remote_key = x->rkey[nic];
+    w->local_desc = x->rma.local_desc[nic];
+    w->peer = x->rma.fi_addr[nic];
+    w->remote_key = x->rma.rkey[nic];
     *nic_out = nic;
 }
 
@@ -368,10 +424,11 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
 static int post_whole(afs_engine *eng, afs_xfer *x)
 {
     afs_nic *n = &eng->nics[0];
-    afp_paged p = {(void *)(uintptr_t)x->local_addr, x->local_desc[0], x->fi_addr[0],
-                   x->rbase[0], x->rkey[0], x->length, x->count, x->src_idx, x->src_stride,
-                   x->src_offset, x->dst_idx, x->dst_stride, x->dst_offset,
-                   (uint64_t)(uintptr_t)x, x->imm, x->has_imm ? 1u : 0u};
+    const struct afs_xfer_rma *r = &x->rma;
+    afp_paged p = {(void *)(uintptr_t)r->local_addr, r->local_desc[0], r->fi_addr[0],
+                   r->rbase[0], r->rkey[0], r->length, r->count, r->src_idx, r->src_stride,
+                   r->src_offset, r->dst_idx, r->dst_stride, r->dst_offset,
+                   (uint64_t)(uintptr_t)x, r->imm, r->has_imm ? 1u : 0u};
     uint64_t t_post = afs_now_ns();
     int rc = eng->ops->post_paged(n->dom, &p);
     if (rc == AFS_EAGAIN) {
@@ -388,7 +445,7 @@ static int post_whole(afs_engine *eng, afs_xfer *x)
     if (eng->timings)
         x->t_last_post = afs_now_ns();
     afs_count(&n->st_writes, 1); /* one work request: `completions` counts it once */
-    afs_count(&n->st_write_bytes, x->count * x->length);
+    afs_count(&n->st_write_bytes, x->rma.count * x->rma.length);
     return 0;
 }
 
@@ -396,7 +453,7 @@ static int post_whole(afs_engine *eng, afs_xfer *x)
  * NIC. Returns AFS_EAGAIN when a provider's queue is full (stop posting this round). */
 static int post_round(afs_engine *eng, afs_xfer *x)
 {
-    if (x->whole)
+    if (x->rma.whole)
         return post_whole(eng, x);
     afp_write wr[AFS_POST_ROUND];
     uint32_t nic_of[AFS_POST_ROUND];
@@ -415,7 +472,7 @@ static int post_round(afs_engine *eng, afs_xfer *x)
         /* stamped as posting starts (one clock read per operation; the loop's `now` may
          * predate a nap), so "posting" covers every provider call of the operation */
         uint64_t t_post = x->posted_wr == 0 ? afs_now_ns() : 0;
-        int rc = x->read ? eng->ops->post_reads(n->dom, &wr[at], run, &posted)
+        int rc = x->rma.read ? eng->ops->post_reads(n->dom, &wr[at], run, &posted)
                          : eng->ops->post_writes(n->dom, &wr[at], run, &posted);
         if (posted && x->posted_wr == 0)
             x->t_first_post = t_post;
@@ -425,17 +482,17 @@ static int post_round(afs_engine *eng, afs_xfer *x)
         uint64_t bytes = 0;
         for (uint32_t i = 0; i < posted; i++)
             bytes += wr[at + i].length;
-        afs_count(x->read ? &n->st_reads : &n->st_writes, posted);
-        afs_count(x->read ? &n->st_read_bytes : &n->st_write_bytes, bytes);
+        afs_count(x->rma.read ? &n->st_reads : &n->st_writes, posted);
+        afs_count(x->rma.read ? &n->st_read_bytes : &n->st_write_bytes, bytes);
         if (rc == AFS_EAGAIN) {
             afs_count(&n->st_retries, 1);
             return AFS_EAGAIN;
         }
         if (rc) {
-            set_error(x, rc, x->read ? "posting read: %s" : "posting write: %s",
+            set_error(x, rc, x->rma.read ? "posting read: %s" : "posting write: %s",
                       eng->ops->errbuf(eng->nics[nic].dom));
             x->total_wr = x->posted_wr; /* nothing more will be posted */
-            x->imm_pending = false;
+            x->rma.imm_pending = false;
             return 0;
         }
         at += run;
@@ -451,8 +508,8 @@ static int post_send(afs_engine *eng, afs_xfer *x)
     uint32_t slot = n->tx_free[n->tx_free_len - 1];
     uint64_t t_post = afs_now_ns();
     uint8_t *buf = n->tx_buf + (uint64_t)slot * eng->cfg.max_msg_size;
-    memcpy(buf, x->payload, x->length);
-    int rc = eng->ops->post_send(n->dom, x->peer_fi_addr, buf, x->length, n->tx_desc,
+    memcpy(buf, x->send.payload, x->send.length);
+    int rc = eng->ops->post_send(n->dom, x->send.peer_fi_addr, buf, x->send.length, n->tx_desc,
                                  (uint64_t)(uintptr_t)x);
     if (rc == AFS_EAGAIN) {
         afs_count(&n->st_retries, 1);
@@ -465,7 +522,7 @@ static int post_send(afs_engine *eng, afs_xfer *x)
     }
     n->tx_free_len--;
     afs_count(&n->st_sends, 1);
-    x->tx_slot = slot;
+    x->send.tx_slot = slot;
     x->posted_wr = 1;
     x->t_first_post = t_post;
     if (eng->timings)
@@ -535,20 +592,19 @@ static bool refuse_down_peer(afs_engine *eng, afs_xfer *x); /* below, with on_pe
 /* An operation starts: its deadline runs from now and its work requests queue up. */
 static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
-    if (x->dyn_len) { /* its length is read now (dynlen.c), and the write cut again */
+    /* a write of afs_write_dynlen: its length is read now (dynlen.c), and the write cut again */
+    if (x->kind == AFS_REQ_WRITE && x->rma.dyn_len) {
         afs_dynlen_resolve(x);
         plan_shards(eng, x);
         x->total_wr = n_data_wrs(x);
-        x->imm_pending = x->has_imm && x->total_wr > 1;
+        x->rma.imm_pending = x->rma.has_imm && x->total_wr > 1;
     }
     if (eng->cfg.op_timeout_ns)
         x->deadline_ns = now + eng->cfg.op_timeout_ns;
     list_append(&eng->active, x);
     if ((eng->allow && afs_allow_refuse_out(eng, x)) || /* allow.c: fails x, posts nothing */
-        (eng->n_down && refuse_down_peer(eng, x))) {
-        x->total_wr = 0;
-        x->imm_pending = false;
-    }
+        (eng->n_down && refuse_down_peer(eng, x)))
+        stop_posting(x); /* nothing was posted yet */
     if (x->total_wr == 0)
         finish(eng, x);
     else
@@ -559,8 +615,8 @@ static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
 static void disarm(afs_engine *eng, afs_xfer *x)
 {
     list_remove(&eng->armed, x);
-    x->armed = false;
-    if (x->trig_kind == AFS_TRIG_WATCHER)
+    x->rma.armed = false;
+    if (x->rma.trig_kind == AFS_TRIG_WATCHER)
         atomic_fetch_sub(&eng->armed_on_watchers, 1);
 }
 
@@ -663,11 +719,11 @@ static bool wait_imm(afs_engine *eng, afs_xfer *x, uint32_t imm, uint64_t count,
 static void start_expect(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     list_append(&eng->expects, x); /* complete_expect removes it */
-    if (x->count == 0) {
+    if (x->expect.count == 0) {
         complete_expect(eng, x, 0, NULL);
         return;
     }
-    if (!wait_imm(eng, x, x->imm, x->count, now)) {
+    if (!wait_imm(eng, x, x->expect.imm, x->expect.count, now)) {
         list_remove(&eng->expects, x);
         push_done(eng, x, false);
         afs_xfer_free(x);
@@ -677,12 +733,12 @@ static void start_expect(afs_engine *eng, afs_xfer *x, uint64_t now)
 /* Holds a triggered operation until its condition holds (or fires it now). */
 static void arm(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
-    x->armed = true;
+    x->rma.armed = true;
     list_append(&eng->armed, x);
-    if (x->trig_kind == AFS_TRIG_WATCHER) {
+    if (x->rma.trig_kind == AFS_TRIG_WATCHER) {
         /* while anything is armed on a watcher its thread spins instead of napping */
         atomic_fetch_add(&eng->armed_on_watchers, 1);
-        afs_watcher *w = afs_slots_lookup(&eng->watchers, x->trig_watcher);
+        afs_watcher *w = afs_slots_lookup(&eng->watchers, x->rma.trig_watcher);
         if (!w) {
             set_error(x, AFS_ESTALE, "%s", "trigger's watcher was destroyed");
             disarm(eng, x);
@@ -690,15 +746,15 @@ static void arm(afs_engine *eng, afs_xfer *x, uint64_t now)
             finish(eng, x);
             return;
         }
-        if (w->current >= x->trig_value)
+        if (w->current >= x->rma.trig_value)
             fire(eng, x, now);
         return;
     }
-    if (x->trig_value == 0) {
+    if (x->rma.trig_value == 0) {
         fire(eng, x, now);
         return;
     }
-    if (!wait_imm(eng, x, (uint32_t)x->trig_watcher, x->trig_value, now)) {
+    if (!wait_imm(eng, x, (uint32_t)x->rma.trig_watcher, x->rma.trig_value, now)) {
         disarm(eng, x);
         list_append(&eng->active, x);
         finish(eng, x);
@@ -708,20 +764,20 @@ static void arm(afs_engine *eng, afs_xfer *x, uint64_t now)
 /* The watcher thread saw a change: report it, and fire what it arms. */
 static void on_watch(afs_engine *eng, afs_xfer *req, uint64_t now)
 {
-    afs_watcher *w = afs_slots_lookup(&eng->watchers, req->target_id);
+    afs_watcher *w = afs_slots_lookup(&eng->watchers, req->watch.watcher_id);
     if (w)
-        w->current = req->watch_new;
+        w->current = req->watch.new_value;
     afs_completion c = {0};
     c.kind = AFS_C_WATCH;
-    c.id = req->target_id;
-    c.watch_old = req->watch_old;
-    c.watch_new = req->watch_new;
+    c.id = req->watch.watcher_id;
+    c.watch_old = req->watch.old_value;
+    c.watch_new = req->watch.new_value;
     afs_ring_push(&eng->ring, &c);
     afs_xfer *x = eng->armed.head;
     while (x) {
         afs_xfer *next = x->next;
-        if (x->trig_kind == AFS_TRIG_WATCHER && x->trig_watcher == req->target_id &&
-            req->watch_new >= x->trig_value)
+        if (x->rma.trig_kind == AFS_TRIG_WATCHER && x->rma.trig_watcher == req->watch.watcher_id &&
+            req->watch.new_value >= x->rma.trig_value)
             fire(eng, x, now);
         x = next;
     }
@@ -735,8 +791,9 @@ static void cancel_waiting(afs_engine *eng, uint64_t id)
         for (afs_xfer *x = lists[l]->head; x; x = x->next) {
             if (x->id != id)
                 continue;
-            uint32_t imm = x->kind == AFS_REQ_EXPECT ? x->imm : (uint32_t)x->trig_watcher;
-            bool on_imm = x->kind == AFS_REQ_EXPECT || x->trig_kind == AFS_TRIG_IMM;
+            uint32_t imm =
+                x->kind == AFS_REQ_EXPECT ? x->expect.imm : (uint32_t)x->rma.trig_watcher;
+            bool on_imm = x->kind == AFS_REQ_EXPECT || x->rma.trig_kind == AFS_TRIG_IMM;
             afs_imm_entry *e = on_imm ? afs_immtab_get(&eng->imm, imm, false) : NULL;
             if (e && e->waiter == x) {
                 e->expected = 0;
@@ -761,7 +818,7 @@ static void cancel_waiting(afs_engine *eng, uint64_t id)
 
 static void ctrl_reg(afs_engine *eng, afs_xfer *x)
 {
-    afs_mr_entry *m = x->ctrl_mr;
+    afs_mr_entry *m = x->ctrl.mr;
     uint32_t k;
     for (k = 0; k < eng->nnics; k++) {
         afs_nic *n = &eng->nics[k];
@@ -769,8 +826,8 @@ static void ctrl_reg(afs_engine *eng, afs_xfer *x)
         int rc = eng->ops->reg_mr(n->dom, (void *)(uintptr_t)m->addr, m->len, m->flags, m->device,
                                   key, &m->mr[k], &m->desc[k], &m->rkey[k], &m->rbase[k]);
         if (rc) {
-            x->ctrl_rc = rc;
-            snprintf(x->ctrl_err, sizeof(x->ctrl_err), "registering %llu bytes on %s: %s",
+            x->ctrl.rc = rc;
+            snprintf(x->ctrl.err, sizeof(x->ctrl.err), "registering %llu bytes on %s: %s",
                      (unsigned long long)m->len, n->caps.provider, eng->ops->errbuf(n->dom));
             goto out_undo;
         }
@@ -811,15 +868,15 @@ static bool settle_dereg(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     /* readable regions too: a read accepted before the revocation may still be answered from
      * the region by the target's progress (nothing counts those, so they get the quiet time) */
-    if (!(x->ctrl_mr->flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) || x->ctrl_rc)
+    if (!(x->ctrl.mr->flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) || x->ctrl.rc)
         return false;
     bool copies = false;
     for (uint32_t k = 0; k < eng->nnics; k++)
         copies |= (eng->nics[k].caps.flags & AFP_CAP_TARGET_COPIES) != 0;
     if (!copies)
         return false;
-    x->settle_seen = landed_total(eng);
-    x->settle_since = now;
+    x->ctrl.settle_seen = landed_total(eng);
+    x->ctrl.settle_since = now;
     x->deadline_ns = now + DEREG_MAX_NS;
     list_append(&eng->settling, x);
     return true;
@@ -832,13 +889,13 @@ static void settle_deregs(afs_engine *eng, uint64_t now)
     afs_xfer *x = eng->settling.head;
     while (x) {
         afs_xfer *next = x->next;
-        if (seen != x->settle_seen) {
-            x->settle_seen = seen;
-            x->settle_since = now;
+        if (seen != x->ctrl.settle_seen) {
+            x->ctrl.settle_seen = seen;
+            x->ctrl.settle_since = now;
         }
-        if (now - x->settle_since >= DEREG_QUIET_NS || now >= x->deadline_ns) {
+        if (now - x->ctrl.settle_since >= DEREG_QUIET_NS || now >= x->deadline_ns) {
             list_remove(&eng->settling, x);
-            sem_post(&x->ctrl_done); /* the caller owns x */
+            sem_post(&x->ctrl.done); /* the caller owns x */
         }
         x = next;
     }
@@ -846,15 +903,15 @@ static void settle_deregs(afs_engine *eng, uint64_t now)
 
 static void ctrl_dereg(afs_engine *eng, afs_xfer *x)
 {
-    afs_mr_entry *m = x->ctrl_mr;
+    afs_mr_entry *m = x->ctrl.mr;
     for (uint32_t k = 0; k < eng->nnics; k++) {
         if (!m->mr[k])
             continue;
         int rc = eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
         m->mr[k] = NULL;
-        if (rc && !x->ctrl_rc) {
-            x->ctrl_rc = rc;
-            snprintf(x->ctrl_err, sizeof(x->ctrl_err), "deregistering: %s",
+        if (rc && !x->ctrl.rc) {
+            x->ctrl.rc = rc;
+            snprintf(x->ctrl.err, sizeof(x->ctrl.err), "deregistering: %s",
                      eng->ops->errbuf(eng->nics[k].dom));
         }
     }
@@ -863,11 +920,11 @@ static void ctrl_dereg(afs_engine *eng, afs_xfer *x)
 static void ctrl_resolve(afs_engine *eng, afs_xfer *x)
 {
     for (uint32_t k = 0; k < eng->nnics; k++) {
-        int rc = eng->ops->resolve(eng->nics[k].dom, x->ctrl_addr[k], x->ctrl_addr_len[k],
-                                   &x->ctrl_fi_addr[k]);
+        int rc = eng->ops->resolve(eng->nics[k].dom, x->ctrl.addr[k], x->ctrl.addr_len[k],
+                                   &x->ctrl.fi_addr[k]);
         if (rc) {
-            x->ctrl_rc = rc;
-            snprintf(x->ctrl_err, sizeof(x->ctrl_err), "resolving peer address: %s",
+            x->ctrl.rc = rc;
+            snprintf(x->ctrl.err, sizeof(x->ctrl.err), "resolving peer address: %s",
                      eng->ops->errbuf(eng->nics[k].dom));
             return;
         }
@@ -876,7 +933,7 @@ static void ctrl_resolve(afs_engine *eng, afs_xfer *x)
 
 static void run_ctrl(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
-    switch (x->ctrl_op) {
+    switch (x->ctrl.op) {
     case AFS_CTRL_REG:
         ctrl_reg(eng, x);
         break;
@@ -889,13 +946,13 @@ static void run_ctrl(afs_engine *eng, afs_xfer *x, uint64_t now)
         ctrl_resolve(eng, x);
         break;
     case AFS_CTRL_ALLOW: /* allow.c frees the list this one replaces */
-        eng->allow = x->ctrl_allow;
+        eng->allow = x->ctrl.allow;
         break;
     default:
-        x->ctrl_rc = AFS_EINVAL;
-        snprintf(x->ctrl_err, sizeof(x->ctrl_err), "unknown control request %u", x->ctrl_op);
+        x->ctrl.rc = AFS_EINVAL;
+        snprintf(x->ctrl.err, sizeof(x->ctrl.err), "unknown control request %u", x->ctrl.op);
     }
-    sem_post(&x->ctrl_done); /* the caller owns x */
+    sem_post(&x->ctrl.done); /* the caller owns x */
 }
 
 /* ---- intake ---- */
@@ -929,8 +986,9 @@ static bool retry_rx(afs_engine *eng)
 
 static void release_rx(afs_engine *eng, afs_xfer *x)
 {
-    for (uint32_t i = 0; i < x->n_slots; i++) {
-        uint32_t nic = x->slots[i] / eng->cfg.rx_depth, slot = x->slots[i] % eng->cfg.rx_depth;
+    for (uint32_t i = 0; i < x->release.n_slots; i++) {
+        uint32_t nic = x->release.slots[i] / eng->cfg.rx_depth;
+        uint32_t slot = x->release.slots[i] % eng->cfg.rx_depth;
         if (nic < eng->nnics)
             repost_rx(eng, nic, slot);
     }
@@ -958,14 +1016,14 @@ static bool take_requests(afs_engine *eng, uint64_t now)
         case AFS_REQ_WRITE:
         case AFS_REQ_PAGED:
         case AFS_REQ_SCATTER:
-            x->nic0 = eng->rr++ % eng->nnics;
+            x->rma.nic0 = eng->rr++ % eng->nnics;
             if (x->kind == AFS_REQ_WRITE)
                 plan_shards(eng, x);
-            x->whole = x->kind == AFS_REQ_PAGED && eng->nnics == 1 && !x->read &&
-                       AFP_HAS_OP(eng->ops, post_paged);
-            x->total_wr = x->whole ? (x->count ? 1 : 0) : n_data_wrs(x);
-            x->imm_pending = x->kind == AFS_REQ_WRITE && x->has_imm && x->total_wr > 1;
-            if (x->trig_kind != AFS_TRIG_NONE)
+            x->rma.whole = x->kind == AFS_REQ_PAGED && eng->nnics == 1 && !x->rma.read &&
+                           AFP_HAS_OP(eng->ops, post_paged);
+            x->total_wr = x->rma.whole ? (x->rma.count ? 1 : 0) : n_data_wrs(x);
+            x->rma.imm_pending = x->kind == AFS_REQ_WRITE && x->rma.has_imm && x->total_wr > 1;
+            if (x->rma.trig_kind != AFS_TRIG_NONE)
                 arm(eng, x, now);
             else
                 start(eng, x, now);
@@ -978,7 +1036,7 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             start_expect(eng, x, now);
             break;
         case AFS_REQ_CANCEL:
-            cancel_waiting(eng, x->target_id);
+            cancel_waiting(eng, x->cancel.xfer_id);
             afs_xfer_free(x);
             break;
         case AFS_REQ_WATCH:
@@ -993,7 +1051,7 @@ static bool take_requests(afs_engine *eng, uint64_t now)
             afs_xfer_free(x);
             break;
         case AFS_REQ_IMM_RETURN: /* counted again, as if they had just arrived */
-            imm_arrived_n(eng, 0, x->imm, x->count, true, now);
+            imm_arrived_n(eng, 0, x->expect.imm, x->expect.count, true, now);
             afs_xfer_free(x);
             break;
         default:
@@ -1028,7 +1086,7 @@ static void on_op_done(afs_engine *eng, const afp_event *ev, uint64_t now)
         made_progress(eng, x, now);
     if (x->kind == AFS_REQ_SEND && x->posted_wr) {
         afs_nic *n = &eng->nics[0];
-        n->tx_free[n->tx_free_len++] = x->tx_slot;
+        n->tx_free[n->tx_free_len++] = x->send.tx_slot;
     }
     /* The shim never cancels a write or send, so a provider's "canceled" means it gave up
      * on the operation (tcp;ofi_rxm reports a target's refusal of a remote access so). */
@@ -1120,13 +1178,13 @@ static bool goes_to(const afs_engine *eng, const afs_xfer *x, const afs_peer_ent
     switch (x->kind) {
     case AFS_REQ_WRITE:
     case AFS_REQ_PAGED:
-        return x->fi_addr[0] == p->fi_addr[0];
+        return x->rma.fi_addr[0] == p->fi_addr[0];
     case AFS_REQ_SEND:
-        return x->peer_fi_addr == p->fi_addr[0];
+        return x->send.peer_fi_addr == p->fi_addr[0];
     case AFS_REQ_SCATTER:
-        for (uint64_t i = 0; i < x->count; i++)
-            if (x->targets[i].nic < eng->nnics &&
-                x->targets[i].fi_addr == p->fi_addr[x->targets[i].nic])
+        for (uint64_t i = 0; i < x->rma.count; i++)
+            if (x->rma.targets[i].nic < eng->nnics &&
+                x->rma.targets[i].fi_addr == p->fi_addr[x->rma.targets[i].nic])
                 return true;
         return false;
     default:
@@ -1187,21 +1245,20 @@ static bool refuse_down_peer(afs_engine *eng, afs_xfer *x)
  * as after a timeout), then reports the peer up or down (AFS_C_PEER, with its address). */
 static void on_peer(afs_engine *eng, const afs_xfer *req)
 {
-    afs_peer_entry *p = afs_slots_lookup(&eng->peers, req->target_id);
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, req->peer.peer_id);
     if (!p)
         return;
-    note_down(eng, req->target_id, req->status != 0);
+    note_down(eng, req->peer.peer_id, req->status != 0);
     if (req->status) {
         char msg[96];
-        snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->count,
-                 req->imm & 2u ? "is stopped" : "has exited");
+        snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->peer.pid,
+                 req->peer.flags & 2u ? "is stopped" : "has exited");
         afs_xfer *x = eng->active.head, *next;
         while (x) {
             next = x->next;
             if (!x->reported && goes_to(eng, x, p)) {
                 set_error(x, AFS_EPEER, "%s", msg);
-                x->total_wr = x->posted_wr;
-                x->imm_pending = false;
+                stop_posting(x);
                 finish(eng, x);
             }
             x = next;
@@ -1215,7 +1272,7 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
         }
     }
     afs_completion c = {0};
-    c.id = req->target_id;
+    c.id = req->peer.peer_id;
     c.kind = AFS_C_PEER;
     c.status = req->status;
     uint8_t *addr = malloc(p->addr_len ? p->addr_len : 1);
@@ -1223,8 +1280,8 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
         memcpy(addr, p->addr, p->addr_len);
     c.data = (uint64_t)(uintptr_t)addr;
     c.len = addr ? p->addr_len : 0;
-    c.peer_pid = (uint32_t)req->count; /* 0 if unknown */
-    c.peer_flags = (uint32_t)req->imm; /* 1: its process is watched; 2: down because stopped */
+    c.peer_pid = req->peer.pid; /* 0 if unknown */
+    c.peer_flags = req->peer.flags; /* 1: its process is watched; 2: down because stopped */
     afs_ring_push(&eng->ring, &c);
 }
 
@@ -1243,8 +1300,7 @@ static void check_deadlines(afs_engine *eng, uint64_t now)
                      (double)eng->cfg.op_timeout_ns / 1e9, (unsigned long long)x->done_wr,
                      (unsigned long long)x->total_wr, (unsigned long long)x->posted_wr);
             set_error(x, AFS_ETIMEDOUT, "%s", msg);
-            x->total_wr = x->posted_wr;
-            x->imm_pending = false;
+            stop_posting(x);
             finish(eng, x);
         }
         x = next;
@@ -1323,9 +1379,9 @@ static void fail_queued(afs_engine *eng)
         while ((qn = afs_mpsc_pop(&eng->submitq)) != NULL) {
             afs_xfer *x = (afs_xfer *)qn;
             if (x->kind == AFS_REQ_CTRL) {
-                x->ctrl_rc = AFS_ECLOSED;
-                snprintf(x->ctrl_err, sizeof(x->ctrl_err), "engine is closed");
-                sem_post(&x->ctrl_done);
+                x->ctrl.rc = AFS_ECLOSED;
+                snprintf(x->ctrl.err, sizeof(x->ctrl.err), "engine is closed");
+                sem_post(&x->ctrl.done);
             } else {
                 afs_xfer_free(x);
             }
@@ -1337,7 +1393,7 @@ static void fail_queued(afs_engine *eng)
     afs_xfer *x;
     while ((x = eng->settling.head) != NULL) { /* closing: nothing lands any more */
         list_remove(&eng->settling, x);
-        sem_post(&x->ctrl_done);
+        sem_post(&x->ctrl.done);
     }
     while ((x = eng->active.head) != NULL) {
         list_remove(&eng->active, x);
@@ -1415,23 +1471,23 @@ void *afs_worker_main(void *arg)
  * clamp(base + scale * word, 0, maximum), computed without overflow. */
 void afs_dynlen_resolve(afs_xfer *x)
 {
-    const uint64_t max = x->length;
-    const uint64_t n = __atomic_load_n(x->dyn_word, __ATOMIC_ACQUIRE);
+    const uint64_t max = x->rma.length;
+    const uint64_t n = __atomic_load_n(x->rma.dyn_word, __ATOMIC_ACQUIRE);
     uint64_t len;
-    if (x->dyn_scale && n > UINT64_MAX / x->dyn_scale) {
+    if (x->rma.dyn_scale && n > UINT64_MAX / x->rma.dyn_scale) {
         len = max;
     } else {
-        const uint64_t prod = n * x->dyn_scale;
-        if (x->dyn_base < 0) {
-            const uint64_t neg = (uint64_t)(-(x->dyn_base + 1)) + 1;
+        const uint64_t prod = n * x->rma.dyn_scale;
+        if (x->rma.dyn_base < 0) {
+            const uint64_t neg = (uint64_t)(-(x->rma.dyn_base + 1)) + 1;
             len = prod > neg ? prod - neg : 0;
         } else {
-            const uint64_t pos = (uint64_t)x->dyn_base;
+            const uint64_t pos = (uint64_t)x->rma.dyn_base;
             len = prod > UINT64_MAX - pos ? UINT64_MAX : prod + pos;
         }
     }
-    x->length = len < max ? len : max;
-    x->dyn_len = false; /* resolved once */
+    x->rma.length = len < max ? len : max;
+    x->rma.dyn_len = false; /* resolved once */
 }
 
 /* One receive buffer (slot `slot` of NIC `nic`) handed to the provider; its context says
