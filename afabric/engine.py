@@ -32,7 +32,7 @@ from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
-from .peers import PeerEvent, PeerHub, stop_ms
+from .peers import PeerEvent, PeerHub, heartbeat_ms, stop_ms
 from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger
@@ -210,6 +210,7 @@ class Engine(MessagingMixin):
         max_imm_values: int = 65536,
         max_queued_bytes: int = 1 << 30,
         peer_stop_timeout: float | None = None,
+        heartbeat: float | None = None,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         self._forked = False
@@ -265,6 +266,7 @@ class Engine(MessagingMixin):
             max_imm_values=max_imm_values,
         )
         cfg.peer_stop_ms = stop_ms(peer_stop_timeout)
+        cfg.heartbeat_ms = heartbeat_ms(heartbeat)
         self._max_queued = max_queued_messages
         self._init_messages(max_queued_bytes)
         self._max_imm_values = max_imm_values

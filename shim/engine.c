@@ -419,6 +419,7 @@ int32_t afs_engine_destroy(afs_engine *eng)
                             AFS_CLOSE_WAIT_S, eng->provider_full);
         }
     }
+    afs_live_destroy(eng); /* again: the worker may have started it while closing (learn) */
     afs_watchers_destroy(eng);
     /* deregister what the application left registered before closing the domains */
     for (uint32_t i = 0; i < eng->mrs.n_alloc; i++) {
@@ -488,6 +489,8 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     out->imms_dropped = atomic_load_explicit(&n->st_imms_dropped, memory_order_relaxed);
     out->reads = atomic_load_explicit(&n->st_reads, memory_order_relaxed);
     out->read_bytes = atomic_load_explicit(&n->st_read_bytes, memory_order_relaxed);
+    out->ctrl_sent = atomic_load_explicit(&n->st_ctrl_sent, memory_order_relaxed);
+    out->ctrl_received = atomic_load_explicit(&n->st_ctrl_received, memory_order_relaxed);
     return 0;
 }
 

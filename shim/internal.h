@@ -136,8 +136,20 @@ int afs_proc_self(afs_proc_id *out);
 typedef struct afs_live afs_live;
 #define AFS_PEER_EXITED 1  /* afs_peer_entry.down: for good */
 #define AFS_PEER_STOPPED 2 /* until the process runs again (afs_config.peer_stop_ms) */
+#define AFS_PEER_CLOSED 3  /* its engine said goodbye (keepalive.c): for good */
+#define AFS_PEER_SILENT 4  /* unanswered heartbeats (afs_config.heartbeat_ms), until it answers */
 void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who);
 void afs_live_destroy(afs_engine *eng);
+/* peers.c: peer `peer_id` goes down for `why` (from running, or from a state that is not
+ * final: EXITED and CLOSED are; SILENT only from running) or comes up again from `from`;
+ * either tells the worker (AFS_REQ_PEER). Any thread, the worker included. */
+void afs_peer_down(afs_engine *eng, uint64_t peer_id, int32_t why);
+void afs_peer_up(afs_engine *eng, uint64_t peer_id, int32_t from);
+const char *afs_peer_down_text(int32_t why);   /* "its process has exited", ... */
+int32_t afs_peer_flags_why(uint32_t peer_flags); /* AFS_C_PEER's peer_flags -> AFS_PEER_* */
+/* peers.c: an engine that said hello from an address this one has not resolved: resolved
+ * (and marked AFS_KA_KNOWS_US) on the peers thread, bounded; from the worker. */
+void afs_live_learn(afs_engine *eng, const uint8_t *blob, uint32_t len);
 
 /* ---- codec.c: address and descriptor blobs ---- */
 typedef struct afs_addr_view {
@@ -184,7 +196,7 @@ typedef struct afs_nic {
     /* counters (afs_nic_stats): written by the worker alone, read by anyone */
     _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
         st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown, st_imms_dropped,
-        st_reads, st_read_bytes;
+        st_reads, st_read_bytes, st_ctrl_sent, st_ctrl_received;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     /* receive slots the provider would not take back yet ("try again": its queue or context
@@ -210,11 +222,15 @@ typedef struct afs_peer_entry {
     uint64_t fi_addr[AFS_MAX_NICS];
     uint64_t incarnation;
     _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
-    _Atomic int32_t down;           /* peers.c: AFS_PEER_EXITED or AFS_PEER_STOPPED, else 0 */
+    _Atomic int32_t down;           /* peers.c: AFS_PEER_*, else 0 */
+    _Atomic uint32_t ka;            /* keepalive.c: AFS_KA_* */
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];
 } afs_peer_entry;
+
+#define AFS_KA_USED 1u     /* an operation went to it (api.c): heartbeats go to it */
+#define AFS_KA_KNOWS_US 2u /* it resolved this engine (it said hello): a goodbye goes to it */
 
 typedef struct afs_remote_entry {
     afs_slot_hdr hdr;
@@ -411,7 +427,8 @@ struct afs_engine {
     void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;
-    afs_live *live; /* peers.c: same-host peers' processes watched (NULL: none yet) */
+    _Atomic(afs_live *) live; /* peers.c: the peers thread (NULL: not started yet) */
+    struct afs_ka *ka;        /* keepalive.c: worker-owned (NULL: nothing sent yet) */
 };
 
 /* One-writer counter bump: a relaxed load and store, no locked instruction. */
@@ -420,6 +437,22 @@ static inline void afs_count(_Atomic uint64_t *c, uint64_t n)
     atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + n,
                           memory_order_relaxed);
 }
+
+/* keepalive.c: the shim's own control frames (hello, heartbeat, goodbye), worker only */
+bool afs_ka_owns(uint64_t ctx);          /* a send completion of a control frame */
+void afs_ka_sent(afs_engine *eng, const afp_event *ev);
+bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len, uint64_t src);
+void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status); /* an AFS_REQ_PEER */
+void afs_ka_tick(afs_engine *eng, uint64_t now);                      /* heartbeat_ms */
+/* After a goodbye, operations in flight to the peer get AFS_KA_GRACE_MS to complete (ones it
+ * took before closing may have their completions still on the way): true if so, and an
+ * AFS_REQ_PEER with AFS_PEER_GRACE_OVER fails what is left then (and reports nothing). */
+bool afs_ka_grace(afs_engine *eng, uint64_t peer_id, uint32_t peer_flags);
+#define AFS_KA_GRACE_MS 100u
+#define AFS_PEER_GRACE_OVER 0x100u
+uint32_t afs_ka_goodbye(afs_engine *eng); /* closing: goodbyes posted (in flight) */
+bool afs_ka_busy(afs_engine *eng);        /* goodbyes still in flight */
+void afs_ka_free(afs_engine *eng);
 
 /* worker.c */
 void *afs_worker_main(void *arg);

@@ -41,6 +41,7 @@
  * wake it with nothing to report, and napping through those delayed a new peer's first
  * write by 8 s. */
 #define FRUITLESS_WAKES 64u
+#define BYE_WAIT_NS 20000000ull /* closing: the longest wait for goodbyes to go (20 ms) */
 
 /* Whether this process is out of descriptors (so a provider's accept cannot succeed). */
 static bool fds_exhausted(afs_engine *eng)
@@ -1067,6 +1068,16 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
     for (uint32_t i = 0; i < n; i++) {
         const afp_event *e = &ev[i];
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
+        if (e->kind != AFP_EV_RECV && e->kind != AFP_EV_IMM && afs_ka_owns(e->ctx)) {
+            afs_ka_sent(eng, e); /* keepalive.c: one of the shim's own frames went */
+            continue;
+        }
+        if (e->kind == AFP_EV_RECV && is_rx && !e->status &&
+            afs_ka_recv(eng, nic, nn->rx_buf + (e->ctx >> 16) * eng->cfg.max_msg_size, e->len,
+                        src[i])) {
+            repost_rx(eng, nic, (uint32_t)(e->ctx >> 16)); /* a control frame: not a message */
+            continue;
+        }
         if (eng->allow && (e->kind == AFP_EV_RECV || e->kind == AFP_EV_IMM) &&
             afs_allow_refuse_src(eng, nic, src[i])) {
             if (is_rx) /* dropped before anyone sees it: the buffer goes straight back */
@@ -1137,11 +1148,13 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, req->target_id);
     if (!p)
         return;
+    uint32_t flags = (uint32_t)req->imm;
     if (req->status) {
         char msg[96];
-        snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->count,
-                 req->imm & 2u ? "is stopped" : "has exited");
-        afs_xfer *x = eng->active.head, *next;
+        snprintf(msg, sizeof(msg), "peer (process %llu): %s", (unsigned long long)req->count,
+                 afs_peer_down_text(afs_peer_flags_why(flags)));
+        /* after a goodbye, what is in flight gets a moment to complete (keepalive.c) */
+        afs_xfer *x = afs_ka_grace(eng, req->target_id, flags) ? NULL : eng->active.head, *next;
         while (x) {
             next = x->next;
             if (!x->reported && goes_to(eng, x, p)) {
@@ -1160,6 +1173,8 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
             }
         }
     }
+    if (flags & AFS_PEER_GRACE_OVER)
+        return; /* reported when the goodbye came */
     afs_completion c = {0};
     c.id = req->target_id;
     c.kind = AFS_C_PEER;
@@ -1170,8 +1185,9 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
     c.data = (uint64_t)(uintptr_t)addr;
     c.len = addr ? p->addr_len : 0;
     c.peer_pid = (uint32_t)req->count; /* 0 if unknown */
-    c.peer_flags = (uint32_t)req->imm; /* 1: its process is watched; 2: down because stopped */
+    c.peer_flags = (uint32_t)req->imm; /* AFS_C_PEER's peer_flags (peers.c) */
     afs_ring_push(&eng->ring, &c);
+    afs_ka_peer(eng, req->target_id, req->status); /* keepalive.c: a new peer gets a hello */
 }
 
 static void check_deadlines(afs_engine *eng, uint64_t now)
@@ -1327,6 +1343,8 @@ void *afs_worker_main(void *arg)
             settle_deregs(eng, now);
             did = true; /* keep polling: that is what lands (or refuses) the last bytes */
         }
+        if (eng->ka)
+            afs_ka_tick(eng, now); /* keepalive.c: heartbeats, goodbyes' grace */
         if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
             eng->last_deadline_check = now;
             if (eng->cfg.op_timeout_ns)
@@ -1351,6 +1369,14 @@ void *afs_worker_main(void *arg)
             now = afs_now_ns(); /* requests taken next are stamped with the time they came */
         }
     }
+    /* Goodbyes to the peers that resolved this engine (keepalive.c), waited for a little:
+     * best effort, closing is not held up for long. */
+    uint64_t until = afs_now_ns() + BYE_WAIT_NS;
+    if (afs_ka_goodbye(eng))
+        while (afs_ka_busy(eng) && afs_now_ns() < until)
+            for (uint32_t k = 0; k < eng->nnics; k++)
+                (void)poll_nic(eng, k, afs_now_ns());
+    afs_ka_free(eng);
     fail_queued(eng);
     return NULL;
 }
