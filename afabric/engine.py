@@ -663,6 +663,15 @@ class Engine(MessagingMixin):
             self._by_handle[self._n.peer_handle(pid)] = address  # a message's sender (_messaging)
         return pid, address.incarnation
 
+    def _learn(self, blob: bytes) -> None:
+        """An engine that resolved this one said hello (shim/keepalive.c): resolved in turn,
+        so that this engine's goodbye reaches it when it closes. One that cannot be (another
+        provider, not on the allow-list, restarted, malformed) is left alone."""
+        try:
+            self._peer(Address.from_bytes(blob))
+        except (errors.AfabricError, ValueError) as e:
+            self.log.debug("hello from %s not learned: %s", blob[:16].hex(), e)
+
     # ---- operations ----
 
     async def _wait(
@@ -1072,6 +1081,8 @@ class Engine(MessagingMixin):
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_PEER:
                 self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.peer_pid, ev.peer_flags)
+            elif ev.kind == _native.C_HELLO:
+                self._learn(ev.payload or b"")
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"", ev.slot, ev.id)
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:

@@ -28,7 +28,7 @@
                               4: afs_submit_req (one afs_request per operation), named
                               afs_completion fields;
                               5: afs_config.heartbeat_ms, afs_nic_stats.ctrl_sent/received,
-                              AFS_C_PEER flags 4 (closed) and 8 (silent) */
+                              AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -170,12 +170,16 @@ enum afs_completion_kind {
     AFS_C_RECV = 3,    /* message: data/len valid until released with afs_recv_release(slot) */
     AFS_C_WATCH = 4,   /* watcher `id` changed from `watch_old` to `watch_new` */
     AFS_C_NOTICE = 5,  /* something was dropped: id AFS_NOTICE_*, `total` = how many so far */
-    AFS_C_PEER = 6     /* peer `id` resolved (status 0) or its process gone (AFS_EPEER): data =
+    AFS_C_PEER = 6,    /* peer `id` resolved (status 0) or its process gone (AFS_EPEER): data =
                           its address (len bytes, free with afs_text_free), `peer_pid`, and
                           `peer_flags`: 1 its process is watched (same host), | 2 down because
                           stopped (an "up" follows when it runs again), | 4 down because its
                           engine closed (final), | 8 down because silent (heartbeat_ms: an
                           "up" follows when it answers) */
+    AFS_C_HELLO = 7    /* an engine that resolved this one said hello from an address this one
+                          has not resolved: data = that address (len bytes, free with
+                          afs_text_free). Resolving it makes this engine's goodbye reach it
+                          when it closes (shim/keepalive.c); at most 4,096 per engine */
 };
 
 #define AFS_NOTICE_IMMS_DROPPED 1u /* immediates of new values dropped: the table was full */

@@ -419,7 +419,6 @@ int32_t afs_engine_destroy(afs_engine *eng)
                             AFS_CLOSE_WAIT_S, eng->provider_full);
         }
     }
-    afs_live_destroy(eng); /* again: the worker may have started it while closing (learn) */
     afs_watchers_destroy(eng);
     /* deregister what the application left registered before closing the domains */
     for (uint32_t i = 0; i < eng->mrs.n_alloc; i++) {
@@ -671,6 +670,7 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         memcpy(p->fi_addr, x->ctrl_fi_addr, sizeof(p->fi_addr));
         p->incarnation = v->incarnation;
         p->max_msg = v->max_msg;
+        p->pid = v->proc.pid;
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
         *peer_id = afs_slots_publish(&eng->peers, index);

@@ -140,16 +140,6 @@ typedef struct afs_live afs_live;
 #define AFS_PEER_SILENT 4  /* unanswered heartbeats (afs_config.heartbeat_ms), until it answers */
 void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who);
 void afs_live_destroy(afs_engine *eng);
-/* peers.c: peer `peer_id` goes down for `why` (from running, or from a state that is not
- * final: EXITED and CLOSED are; SILENT only from running) or comes up again from `from`;
- * either tells the worker (AFS_REQ_PEER). Any thread, the worker included. */
-void afs_peer_down(afs_engine *eng, uint64_t peer_id, int32_t why);
-void afs_peer_up(afs_engine *eng, uint64_t peer_id, int32_t from);
-const char *afs_peer_down_text(int32_t why);   /* "its process has exited", ... */
-int32_t afs_peer_flags_why(uint32_t peer_flags); /* AFS_C_PEER's peer_flags -> AFS_PEER_* */
-/* peers.c: an engine that said hello from an address this one has not resolved: resolved
- * (and marked AFS_KA_KNOWS_US) on the peers thread, bounded; from the worker. */
-void afs_live_learn(afs_engine *eng, const uint8_t *blob, uint32_t len);
 
 /* ---- codec.c: address and descriptor blobs ---- */
 typedef struct afs_addr_view {
@@ -223,7 +213,8 @@ typedef struct afs_peer_entry {
     uint64_t incarnation;
     _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
     _Atomic int32_t down;           /* peers.c: AFS_PEER_*, else 0 */
-    _Atomic uint32_t ka;            /* keepalive.c: AFS_KA_* */
+    _Atomic uint32_t ka;            /* AFS_KA_* (keepalive.c, peers.c, api.c) */
+    uint32_t pid;                   /* its process as its address names it (0: unknown) */
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];
@@ -231,6 +222,50 @@ typedef struct afs_peer_entry {
 
 #define AFS_KA_USED 1u     /* an operation went to it (api.c): heartbeats go to it */
 #define AFS_KA_KNOWS_US 2u /* it resolved this engine (it said hello): a goodbye goes to it */
+#define AFS_KA_WATCHED 4u  /* its process is watched (peers.c) */
+
+/* A peer's down state (afs_peer_entry.down) moves to `why`: EXITED and CLOSED are final,
+ * STOPPED replaces running or SILENT, SILENT only running. True if it moved (the caller
+ * then tells the worker). peers.c and worker.c (keepalive.c's findings). */
+static inline bool afs_peer_set_down(afs_peer_entry *p, int32_t why)
+{
+    int32_t was = atomic_load(&p->down);
+    while (was != AFS_PEER_EXITED && was != AFS_PEER_CLOSED && was != why &&
+           (why != AFS_PEER_SILENT || was == 0))
+        if (atomic_compare_exchange_weak(&p->down, &was, why))
+            return true;
+    return false;
+}
+
+/* ... back to running from `from` (STOPPED or SILENT). */
+static inline bool afs_peer_set_up(afs_peer_entry *p, int32_t from)
+{
+    int32_t was = from;
+    return atomic_compare_exchange_strong(&p->down, &was, 0);
+}
+
+/* AFS_C_PEER's peer_flags for a peer down for `why` (0: up), and back. */
+static inline uint32_t afs_peer_flags(int32_t why, bool watched)
+{
+    return (watched ? 1u : 0u) | (why == AFS_PEER_STOPPED ? 2u : 0u) |
+           (why == AFS_PEER_CLOSED ? 4u : 0u) | (why == AFS_PEER_SILENT ? 8u : 0u);
+}
+
+static inline int32_t afs_peer_flags_why(uint32_t peer_flags)
+{
+    return peer_flags & 2u   ? AFS_PEER_STOPPED
+           : peer_flags & 4u ? AFS_PEER_CLOSED
+           : peer_flags & 8u ? AFS_PEER_SILENT
+                             : AFS_PEER_EXITED;
+}
+
+static inline const char *afs_peer_down_text(int32_t why)
+{
+    return why == AFS_PEER_STOPPED  ? "its process is stopped"
+           : why == AFS_PEER_CLOSED ? "its engine was closed (it said goodbye)"
+           : why == AFS_PEER_SILENT ? "it is silent (heartbeats unanswered)"
+                                    : "its process has exited";
+}
 
 typedef struct afs_remote_entry {
     afs_slot_hdr hdr;
@@ -427,8 +462,8 @@ struct afs_engine {
     void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;
-    _Atomic(afs_live *) live; /* peers.c: the peers thread (NULL: not started yet) */
-    struct afs_ka *ka;        /* keepalive.c: worker-owned (NULL: nothing sent yet) */
+    afs_live *live; /* peers.c: same-host peers' processes watched (NULL: none yet) */
+    struct afs_ka *ka; /* keepalive.c: worker-owned (NULL: nothing sent yet) */
 };
 
 /* One-writer counter bump: a relaxed load and store, no locked instruction. */
@@ -438,15 +473,27 @@ static inline void afs_count(_Atomic uint64_t *c, uint64_t n)
                           memory_order_relaxed);
 }
 
-/* keepalive.c: the shim's own control frames (hello, heartbeat, goodbye), worker only */
+/* keepalive.c: the shim's own control frames (hello, heartbeat, goodbye), worker only. It
+ * sits below worker.c: what it finds, the worker acts on through this hook. */
+enum afs_ka_finding {
+    AFS_KA_HEARD = 1,  /* peer_id answered again after it was found silent: up */
+    AFS_KA_SILENT,     /* peer_id left HEARTBEAT_MISSES intervals unanswered: down */
+    AFS_KA_CLOSED,     /* peer_id said goodbye: down for good */
+    AFS_KA_GRACE_OVER, /* fail what is still in flight to peer_id (closed) */
+    AFS_KA_HELLO       /* an engine not resolved here said hello from address blob/len */
+};
+typedef void (*afs_ka_hook)(afs_engine *eng, uint32_t finding, uint64_t peer_id,
+                            const uint8_t *blob, uint32_t len);
 bool afs_ka_owns(uint64_t ctx);          /* a send completion of a control frame */
 void afs_ka_sent(afs_engine *eng, const afp_event *ev);
-bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len, uint64_t src);
+bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len, uint64_t src,
+                 afs_ka_hook hook);
 void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status); /* an AFS_REQ_PEER */
-void afs_ka_tick(afs_engine *eng, uint64_t now);                      /* heartbeat_ms */
+void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook);   /* heartbeats, grace */
 /* After a goodbye, operations in flight to the peer get AFS_KA_GRACE_MS to complete (ones it
- * took before closing may have their completions still on the way): true if so, and an
- * AFS_REQ_PEER with AFS_PEER_GRACE_OVER fails what is left then (and reports nothing). */
+ * took before closing may have their completions still on the way): true if so, and
+ * AFS_KA_GRACE_OVER then fails what is left (an AFS_REQ_PEER with AFS_PEER_GRACE_OVER,
+ * which reports nothing). */
 bool afs_ka_grace(afs_engine *eng, uint64_t peer_id, uint32_t peer_flags);
 #define AFS_KA_GRACE_MS 100u
 #define AFS_PEER_GRACE_OVER 0x100u

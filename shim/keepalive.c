@@ -7,9 +7,10 @@
  * sends of their own that never reach the application:
  *
  *  - PING (with the sender's address): sent once to every peer when it is resolved (a
- *    "hello": the peer learns who resolved it, peers.c resolves the address in turn), and
- *    with afs_config.heartbeat_ms every interval to each peer operations went to (or that
- *    said hello). Always answered with a PONG, whether heartbeats are on here or not.
+ *    "hello": the peer learns who resolved it; one that has not resolved the sender hands
+ *    the address up, AFS_C_HELLO, and the facade resolves it in turn), and with
+ *    afs_config.heartbeat_ms every interval to each peer operations went to (or that said
+ *    hello). Always answered with a PONG, whether heartbeats are on here or not.
  *  - PONG: the answer. Any PING or PONG from a peer counts as hearing from it; a peer not
  *    heard from for AFS_HEARTBEAT_MISSES intervals is down (AFS_PEER_SILENT, "silent")
  *    until it is heard again.
@@ -22,8 +23,12 @@
  * and that sender is the peer whose incarnation the frame states: a peer can say goodbye
  * for itself only, never for another (on providers that cannot name senders goodbyes are
  * ignored; heartbeats, or op_timeout, still find a closed peer). A PING from an address not
- * resolved here is answered once it is (peers.c learns it, bounded); its claim can only make
- * this engine send one goodbye to the claimed address when it closes.
+ * resolved here is answered once it is (learned: at most LEARN_MAX addresses per engine);
+ * its claim can only make this engine send one goodbye to the claimed address when it
+ * closes.
+ *
+ * This file sits below worker.c: what it finds (a peer silent, answering again, gone,
+ * an address to learn) goes to the worker through the afs_ka_hook it is given.
  *
  * Costs: one frame per resolved peer (hello); with heartbeats, one frame each way per
  * interval per peer in use (no allocation: the frames use the engine's send buffers, at
@@ -45,6 +50,8 @@ enum { KA_PING = 1, KA_PONG = 2, KA_BYE = 3 };
 /* magic "\xafK" (the facade's frames start "\xafM"), version, kind, address length (u16),
  * 2 bytes 0, the sender's incarnation (u64 LE); then the sender's address (PING). */
 #define KA_HDR 16u
+#define LEARN_MAX 4096u /* addresses handed up to be resolved (a flood of made-up ones is cut) */
+#define LEARNING 64u    /* incarnations handed up and not resolved yet */
 
 typedef struct ka_peer {
     uint64_t id;         /* the peer this state is of (a slot is reused with a new id) */
@@ -64,6 +71,8 @@ struct afs_ka {
     uint32_t n_grace, cap_grace;
     uint32_t out, bye_out; /* frames with the provider; goodbyes among them */
     uint64_t next_beat;
+    uint64_t learning[LEARNING]; /* incarnations that said hello, handed up (ring) */
+    uint32_t n_learned;
 };
 
 bool afs_ka_owns(uint64_t ctx)
@@ -196,7 +205,7 @@ static afs_peer_entry *sender_of(afs_engine *eng, uint32_t nic, uint64_t src, ui
     return NULL;
 }
 
-static void heard(afs_engine *eng, uint64_t id, uint32_t index, uint64_t now)
+static void heard(afs_engine *eng, uint64_t id, uint32_t index, uint64_t now, afs_ka_hook hook)
 {
     struct afs_ka *ka = ka_of(eng);
     ka_peer *s = ka ? state_of(ka, index, id, now) : NULL;
@@ -205,11 +214,27 @@ static void heard(afs_engine *eng, uint64_t id, uint32_t index, uint64_t now)
     s->last_heard = now;
     if (s->silent) {
         s->silent = false;
-        afs_peer_up(eng, id, AFS_PEER_SILENT);
+        hook(eng, AFS_KA_HEARD, id, NULL, 0);
     }
 }
 
-bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len, uint64_t src)
+/* A hello from an engine not resolved here: its address goes up to be resolved (once per
+ * incarnation while pending, LEARN_MAX in all); once it is, it gets a goodbye. */
+static void learn(afs_engine *eng, uint64_t inc, const uint8_t *blob, uint32_t len,
+                  afs_ka_hook hook)
+{
+    struct afs_ka *ka = ka_of(eng);
+    if (!ka || !len || ka->n_learned >= LEARN_MAX)
+        return;
+    for (uint32_t i = 0; i < LEARNING; i++)
+        if (ka->learning[i] == inc)
+            return; /* handed up already */
+    ka->learning[ka->n_learned++ % LEARNING] = inc;
+    hook(eng, AFS_KA_HELLO, 0, blob, len);
+}
+
+bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len, uint64_t src,
+                 afs_ka_hook hook)
 {
     if (len < KA_HDR || buf[0] != 0xaf || buf[1] != 'K')
         return false;
@@ -231,22 +256,22 @@ bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len
         if (p) {
             if (verified)
                 atomic_fetch_or(&p->ka, AFS_KA_KNOWS_US);
-            heard(eng, id, index, now);
+            heard(eng, id, index, now, hook);
             (void)ka_send(eng, p->fi_addr[0], index, KA_PONG, p->max_msg);
         } else if (nic == 0 && src != AFP_SRC_UNKNOWN && src != AFP_SRC_UNRESOLVED) {
             (void)ka_send(eng, src, UINT32_MAX, KA_PONG, 0); /* a handle of ours, by another
                                                               incarnation: answer it there */
         }
-        if (!p && alen && !atomic_load(&eng->stop))
-            afs_live_learn(eng, buf + KA_HDR, alen); /* peers.c: resolved, so it gets a BYE */
+        if (!p && !atomic_load(&eng->stop))
+            learn(eng, inc, buf + KA_HDR, alen, hook);
         break;
     case KA_PONG:
         if (p)
-            heard(eng, id, index, now);
+            heard(eng, id, index, now, hook);
         break;
     case KA_BYE:
         if (p && verified)
-            afs_peer_down(eng, id, AFS_PEER_CLOSED);
+            hook(eng, AFS_KA_CLOSED, id, NULL, 0);
         break;
     default:
         break;
@@ -264,6 +289,12 @@ void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status)
     if (!p || atomic_load(&p->superseded_by) || atomic_load(&p->down))
         return;
     struct afs_ka *ka = ka_of(eng);
+    for (uint32_t i = 0; ka && i < LEARNING; i++) {
+        if (ka->learning[i] && ka->learning[i] == p->incarnation) { /* it said hello first */
+            atomic_fetch_or(&p->ka, AFS_KA_KNOWS_US);
+            ka->learning[i] = 0;
+        }
+    }
     uint32_t index = (uint32_t)peer_id;
     ka_peer *s = ka ? state_of(ka, index, peer_id, afs_now_ns()) : NULL;
     if (s && !s->ping_out)
@@ -289,22 +320,7 @@ bool afs_ka_grace(afs_engine *eng, uint64_t peer_id, uint32_t peer_flags)
     return true;
 }
 
-/* Grace over: the worker fails what is still in flight to the peer. */
-static void grace_over(afs_engine *eng, uint64_t peer_id)
-{
-    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PEER);
-    if (!x)
-        return; /* out of memory: op_timeout still bounds them */
-    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    afs_addr_view v;
-    x->target_id = peer_id;
-    x->status = AFS_EPEER;
-    x->count = p && afs_addr_parse(p->addr, p->addr_len, &v) == 0 ? v.proc.pid : 0;
-    x->imm = 4u | AFS_PEER_GRACE_OVER;
-    afs_submit(eng, x);
-}
-
-void afs_ka_tick(afs_engine *eng, uint64_t now)
+void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook)
 {
     struct afs_ka *ka = eng->ka;
     for (uint32_t i = 0; i < ka->n_grace;) {
@@ -312,7 +328,7 @@ void afs_ka_tick(afs_engine *eng, uint64_t now)
             i++;
             continue;
         }
-        grace_over(eng, ka->grace[i].id);
+        hook(eng, AFS_KA_GRACE_OVER, ka->grace[i].id, NULL, 0);
         ka->grace[i] = ka->grace[--ka->n_grace];
     }
     if (!eng->cfg.heartbeat_ms || now < ka->next_beat)
@@ -334,7 +350,7 @@ void afs_ka_tick(afs_engine *eng, uint64_t now)
             return;
         if (!s->silent && now - s->last_heard > AFS_HEARTBEAT_MISSES * every) {
             s->silent = true;
-            afs_peer_down(eng, id, AFS_PEER_SILENT);
+            hook(eng, AFS_KA_SILENT, id, NULL, 0);
         }
         if (!s->ping_out)
             s->ping_out = ka_send(eng, p->fi_addr[0], i, KA_PING, p->max_msg);

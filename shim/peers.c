@@ -24,16 +24,6 @@
  * the thread also reads each watched process's state from /proc (every peer_stop_ms / 4, at
  * least 10 ms apart) and reports one stopped for peer_stop_ms down the same way, until it
  * runs again (then up: operations to it are accepted again). Off by default.
- *
- * The same thread resolves the engines that said hello to this one (keepalive.c: a peer that
- * resolved us, from an address we have not resolved), so that a goodbye reaches them when
- * this engine closes: the worker hands their addresses over (it cannot resolve them itself,
- * a resolution is a request to the worker), at most LEARN_QUEUE at a time and LEARN_MAX in
- * all (a flood of hellos from made-up addresses costs a bounded table). Such a peer is an
- * ordinary resolved peer from then on (reported up, watched when on this host).
- *
- * The thread starts with the first peer watched or learned (any thread may be first: the
- * pointer is swapped in, and a loser of that race stops its own).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -57,15 +47,6 @@
 #endif
 
 #define STOP_KEY UINT64_MAX
-#define LEARN_KEY (UINT64_MAX - 1)
-#define LEARN_QUEUE 64u  /* addresses waiting to be resolved */
-#define LEARN_MAX 4096u  /* addresses resolved because they said hello, per engine */
-
-typedef struct afs_learn {
-    struct afs_learn *next;
-    uint32_t len;
-    uint8_t blob[];
-} afs_learn;
 
 typedef struct afs_watch {
     uint64_t peer_id;
@@ -76,14 +57,12 @@ typedef struct afs_watch {
 } afs_watch;
 
 struct afs_live {
-    afs_engine *eng;
-    int epfd, stop_fd, learn_fd;
+    int epfd, stop_fd;
     pthread_t thread;
-    pthread_mutex_t lock; /* the watch list (callers add, the thread removes); the learn queue */
+    bool started;
+    pthread_mutex_t lock; /* the watch list: callers add, the thread removes */
     afs_watch *w;
     size_t n, cap;
-    afs_learn *learn; /* addresses to resolve (worker adds, the thread takes) */
-    uint32_t learn_n, learned;
 };
 
 static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
@@ -150,44 +129,6 @@ int afs_proc_self(afs_proc_id *out)
     return out->host ? 0 : AFS_EIO;
 }
 
-/* AFS_C_PEER's peer_flags for a peer down for `why` (0: up). */
-static uint32_t flags_of(int32_t why, bool watched)
-{
-    uint32_t f = watched ? 1u : 0u;
-    if (why == AFS_PEER_STOPPED)
-        f |= 2u;
-    else if (why == AFS_PEER_CLOSED)
-        f |= 4u;
-    else if (why == AFS_PEER_SILENT)
-        f |= 8u;
-    return f;
-}
-
-int32_t afs_peer_flags_why(uint32_t peer_flags)
-{
-    if (peer_flags & 2u)
-        return AFS_PEER_STOPPED;
-    if (peer_flags & 4u)
-        return AFS_PEER_CLOSED;
-    if (peer_flags & 8u)
-        return AFS_PEER_SILENT;
-    return AFS_PEER_EXITED;
-}
-
-const char *afs_peer_down_text(int32_t why)
-{
-    switch (why) {
-    case AFS_PEER_STOPPED:
-        return "its process is stopped";
-    case AFS_PEER_CLOSED:
-        return "its engine was closed (it said goodbye)";
-    case AFS_PEER_SILENT:
-        return "it is silent (heartbeats unanswered)";
-    default:
-        return "its process has exited";
-    }
-}
-
 /* The worker learns of a peer going up or down through its queue, like any request. */
 static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint32_t pid,
                         uint32_t flags)
@@ -198,65 +139,23 @@ static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint3
     x->target_id = peer_id;
     x->status = status;
     x->count = pid;
-    x->imm = flags; /* AFS_C_PEER's peer_flags */
+    x->imm = flags; /* AFS_C_PEER's peer_flags (afs_peer_flags) */
     afs_submit(eng, x);
 }
 
-/* Exited, closed: down for good (from any state but those). Stopped: down until it runs
- * again. Silent: from running only (a stopped one is reported so already), until it answers. */
-static void mark_down(afs_engine *eng, uint64_t peer_id, uint32_t pid, int32_t why, bool watched)
+/* Exited: down for good (from running, stopped or silent). Stopped: down until `mark_up`. */
+static void mark_down(afs_engine *eng, uint64_t peer_id, uint32_t pid, int32_t why)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    if (!p)
-        return;
-    int32_t was = atomic_load(&p->down);
-    while (was != AFS_PEER_EXITED && was != AFS_PEER_CLOSED && was != why &&
-           (why != AFS_PEER_SILENT || was == 0)) {
-        if (atomic_compare_exchange_weak(&p->down, &was, why)) {
-            tell_worker(eng, peer_id, AFS_EPEER, pid, flags_of(why, watched));
-            return;
-        }
-    }
+    if (p && afs_peer_set_down(p, why))
+        tell_worker(eng, peer_id, AFS_EPEER, pid, afs_peer_flags(why, true));
 }
 
-static void mark_up(afs_engine *eng, uint64_t peer_id, uint32_t pid, int32_t from, bool watched)
+static void mark_up(afs_engine *eng, uint64_t peer_id, uint32_t pid)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    int32_t was = from;
-    if (p && atomic_compare_exchange_strong(&p->down, &was, 0))
-        tell_worker(eng, peer_id, 0, pid, flags_of(0, watched));
-}
-
-/* The pid a peer's address names (0: unknown), and whether its process is watched. */
-static uint32_t who_is(afs_engine *eng, uint64_t peer_id, bool *watched)
-{
-    *watched = false;
-    afs_live *l = atomic_load(&eng->live);
-    if (l) {
-        pthread_mutex_lock(&l->lock);
-        for (size_t k = 0; k < l->n && !*watched; k++)
-            *watched = l->w[k].peer_id == peer_id;
-        pthread_mutex_unlock(&l->lock);
-    }
-    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    afs_addr_view v;
-    if (!p || afs_addr_parse(p->addr, p->addr_len, &v) != 0)
-        return 0;
-    return v.proc.pid;
-}
-
-void afs_peer_down(afs_engine *eng, uint64_t peer_id, int32_t why)
-{
-    bool watched;
-    uint32_t pid = who_is(eng, peer_id, &watched);
-    mark_down(eng, peer_id, pid, why, watched);
-}
-
-void afs_peer_up(afs_engine *eng, uint64_t peer_id, int32_t from)
-{
-    bool watched;
-    uint32_t pid = who_is(eng, peer_id, &watched);
-    mark_up(eng, peer_id, pid, from, watched);
+    if (p && afs_peer_set_up(p, AFS_PEER_STOPPED))
+        tell_worker(eng, peer_id, 0, pid, 1u);
 }
 
 /* peer_stop_ms: every watched peer's state, read from /proc. One stopped (T: SIGSTOP, or t:
@@ -275,54 +174,22 @@ static void check_stopped(afs_engine *eng, afs_live *l, uint64_t now)
             w->stopped_since = 0;
             if (w->stopped_down) {
                 w->stopped_down = false;
-                mark_up(eng, w->peer_id, w->pid, AFS_PEER_STOPPED, true);
+                mark_up(eng, w->peer_id, w->pid);
             }
         } else if (!w->stopped_since) {
             w->stopped_since = now;
         } else if (!w->stopped_down && now - w->stopped_since >= limit) {
             w->stopped_down = true;
-            mark_down(eng, w->peer_id, w->pid, AFS_PEER_STOPPED, true);
+            mark_down(eng, w->peer_id, w->pid, AFS_PEER_STOPPED);
         }
     }
     pthread_mutex_unlock(&l->lock);
-}
-
-/* Resolves the addresses the worker handed over (keepalive.c: engines that said hello). */
-static void learn_all(afs_engine *eng, afs_live *l)
-{
-    uint64_t junk;
-    ssize_t r = read(l->learn_fd, &junk, sizeof(junk));
-    (void)r; /* EAGAIN: already drained; the queue says what there is */
-    pthread_mutex_lock(&l->lock);
-    afs_learn *q = l->learn;
-    l->learn = NULL;
-    l->learn_n = 0;
-    pthread_mutex_unlock(&l->lock);
-    while (q) {
-        afs_learn *next = q->next;
-        afs_addr_view v;
-        uint64_t id;
-        /* a bad, foreign, restarted or unlisted address is just not learned */
-        if (afs_addr_parse(q->blob, q->len, &v) == 0 &&
-            afs_allow_check_addr(eng, &v, q->blob, q->len) == 0 &&
-            afs_find_or_resolve_peer(eng, &v, q->blob, q->len, &id) == 0) {
-            afs_peer_entry *p = afs_slots_lookup(&eng->peers, id);
-            if (p && !(atomic_fetch_or(&p->ka, AFS_KA_KNOWS_US) & AFS_KA_KNOWS_US)) {
-                pthread_mutex_lock(&l->lock);
-                l->learned++;
-                pthread_mutex_unlock(&l->lock);
-            }
-        }
-        afs_clear_error();
-        free(q);
-        q = next;
-    }
 }
 
 static void *live_main(void *arg)
 {
-    afs_live *l = arg;
-    afs_engine *eng = l->eng;
+    afs_engine *eng = arg;
+    afs_live *l = eng->live;
     struct epoll_event ev[16];
     /* with peer_stop_ms, states are read 4 times per period (at most every 10 ms) */
     uint32_t tick_ms = eng->cfg.peer_stop_ms / 4 < 10 ? 10 : eng->cfg.peer_stop_ms / 4;
@@ -346,10 +213,6 @@ static void *live_main(void *arg)
             uint64_t key = ev[i].data.u64;
             if (key == STOP_KEY)
                 return NULL;
-            if (key == LEARN_KEY) {
-                learn_all(eng, l);
-                continue;
-            }
             uint32_t pid = 0;
             pthread_mutex_lock(&l->lock);
             for (size_t k = 0; k < l->n; k++) {
@@ -363,112 +226,38 @@ static void *live_main(void *arg)
             }
             pthread_mutex_unlock(&l->lock);
             if (pid)
-                mark_down(eng, key, pid, AFS_PEER_EXITED, true);
+                mark_down(eng, key, pid, AFS_PEER_EXITED);
         }
     }
 }
 
-static void live_free(afs_live *l)
-{
-    while (l->learn) {
-        afs_learn *next = l->learn->next;
-        free(l->learn);
-        l->learn = next;
-    }
-    for (size_t k = 0; k < l->n; k++)
-        close(l->w[k].pidfd);
-    free(l->w);
-    pthread_mutex_destroy(&l->lock);
-    close(l->learn_fd);
-    close(l->stop_fd);
-    close(l->epfd);
-    free(l);
-}
-
-static void live_stop(afs_live *l)
-{
-    uint64_t one = 1;
-    ssize_t w = write(l->stop_fd, &one, sizeof(one));
-    (void)w;
-    pthread_join(l->thread, NULL);
-    live_free(l);
-}
-
-static int live_start(afs_engine *eng, afs_live **out)
+static int live_start(afs_engine *eng)
 {
     afs_live *l = calloc(1, sizeof(*l));
     if (!l)
         return AFS_ENOMEM;
-    l->eng = eng;
     l->epfd = epoll_create1(EPOLL_CLOEXEC);
     l->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    l->learn_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     struct epoll_event e = {.events = EPOLLIN, .data.u64 = STOP_KEY};
-    struct epoll_event le = {.events = EPOLLIN, .data.u64 = LEARN_KEY};
-    if (l->epfd < 0 || l->stop_fd < 0 || l->learn_fd < 0 ||
-        epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->stop_fd, &e) != 0 ||
-        epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->learn_fd, &le) != 0)
-        goto out_fds;
-    if (pthread_mutex_init(&l->lock, NULL) != 0)
-        goto out_fds;
-    if (pthread_create(&l->thread, NULL, live_main, l) != 0)
-        goto out_mutex;
-    *out = l;
+    if (l->epfd < 0 || l->stop_fd < 0 || epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->stop_fd, &e) != 0 ||
+        pthread_mutex_init(&l->lock, NULL) != 0)
+        goto out_fail;
+    eng->live = l;
+    if (pthread_create(&l->thread, NULL, live_main, eng) != 0) {
+        eng->live = NULL;
+        pthread_mutex_destroy(&l->lock);
+        goto out_fail;
+    }
+    l->started = true;
     return 0;
 
-out_mutex:
-    pthread_mutex_destroy(&l->lock);
-out_fds:
-    if (l->learn_fd >= 0)
-        close(l->learn_fd);
+out_fail:
     if (l->stop_fd >= 0)
         close(l->stop_fd);
     if (l->epfd >= 0)
         close(l->epfd);
     free(l);
     return AFS_EIO;
-}
-
-/* The engine's peers thread, started by whoever needs it first (callers under peer_lock,
- * or the worker): NULL if it cannot be started. */
-static afs_live *live_get(afs_engine *eng)
-{
-    afs_live *l = atomic_load(&eng->live), *mine = NULL;
-    if (l || atomic_load(&eng->closed) || live_start(eng, &mine) != 0)
-        return l;
-    if (atomic_compare_exchange_strong(&eng->live, &l, mine))
-        return mine;
-    live_stop(mine); /* another thread was first: l is its thread */
-    return l;
-}
-
-void afs_live_learn(afs_engine *eng, const uint8_t *blob, uint32_t len)
-{
-    afs_live *l = live_get(eng);
-    afs_learn *q = l ? malloc(sizeof(*q) + len) : NULL;
-    if (!q)
-        return;
-    q->len = len;
-    memcpy(q->blob, blob, len);
-    bool queued = false;
-    pthread_mutex_lock(&l->lock);
-    bool dup = false;
-    for (afs_learn *o = l->learn; o && !dup; o = o->next) /* hellos until it is resolved */
-        dup = o->len == len && memcmp(o->blob, blob, len) == 0;
-    if (!dup && l->learn_n < LEARN_QUEUE && l->learned + l->learn_n < LEARN_MAX) {
-        q->next = l->learn;
-        l->learn = q;
-        l->learn_n++;
-        queued = true;
-    }
-    pthread_mutex_unlock(&l->lock);
-    if (!queued) {
-        free(q);
-        return;
-    }
-    uint64_t one = 1;
-    ssize_t w = write(l->learn_fd, &one, sizeof(one));
-    (void)w; /* EAGAIN: the counter is saturated, the fd readable anyway */
 }
 
 /* Starts watching a same-host peer's process: 1 watched, 0 not (another host, unknown,
@@ -486,11 +275,11 @@ static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
         close(pidfd);
         return -1;
     }
-    afs_live *l = live_get(eng);
-    if (!l) {
+    if (!eng->live && live_start(eng) != 0) {
         close(pidfd);
         return 0;
     }
+    afs_live *l = eng->live;
     int rc = 1;
     pthread_mutex_lock(&l->lock);
     if (l->n == l->cap) {
@@ -509,6 +298,9 @@ static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
         goto out_unlock;
     }
     l->w[l->n++] = (afs_watch){peer_id, pidfd, who->pid, 0, false};
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (p) /* its down/up records say so whoever sends them (keepalive.c's findings too) */
+        atomic_fetch_or(&p->ka, AFS_KA_WATCHED);
 out_unlock:
     pthread_mutex_unlock(&l->lock);
     if (rc != 1)
@@ -523,12 +315,25 @@ void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
     int w = watch(eng, peer_id, who);
     tell_worker(eng, peer_id, 0, who->pid, w != 0 ? 1u : 0u);
     if (w < 0)
-        mark_down(eng, peer_id, who->pid, AFS_PEER_EXITED, false);
+        mark_down(eng, peer_id, who->pid, AFS_PEER_EXITED);
 }
 
 void afs_live_destroy(afs_engine *eng)
 {
-    afs_live *l = atomic_exchange(&eng->live, NULL);
-    if (l)
-        live_stop(l);
+    afs_live *l = eng->live;
+    if (!l)
+        return;
+    uint64_t one = 1;
+    ssize_t w = write(l->stop_fd, &one, sizeof(one));
+    (void)w;
+    if (l->started)
+        pthread_join(l->thread, NULL);
+    for (size_t k = 0; k < l->n; k++)
+        close(l->w[k].pidfd);
+    free(l->w);
+    pthread_mutex_destroy(&l->lock);
+    close(l->stop_fd);
+    close(l->epfd);
+    free(l);
+    eng->live = NULL;
 }

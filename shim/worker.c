@@ -1056,6 +1056,44 @@ static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev, uint64_t
     afs_ring_push(&eng->ring, &c);
 }
 
+/* keepalive.c's findings (afs_ka_hook): a peer's state moves, and the worker hears of it
+ * through its queue like any other AFS_REQ_PEER; an address to learn goes up to Python. */
+static void ka_found(afs_engine *eng, uint32_t finding, uint64_t peer_id, const uint8_t *blob,
+                     uint32_t len)
+{
+    if (finding == AFS_KA_HELLO) {
+        uint8_t *copy = malloc(len);
+        if (!copy)
+            return;
+        memcpy(copy, blob, len);
+        afs_completion c = {0};
+        c.kind = AFS_C_HELLO;
+        c.data = (uint64_t)(uintptr_t)copy;
+        c.len = len;
+        afs_ring_push(&eng->ring, &c);
+        return;
+    }
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p)
+        return;
+    bool watched = atomic_load(&p->ka) & AFS_KA_WATCHED;
+    int32_t why = finding == AFS_KA_SILENT ? AFS_PEER_SILENT : AFS_PEER_CLOSED;
+    uint32_t flags = afs_peer_flags(finding == AFS_KA_HEARD ? 0 : why, watched);
+    if (finding == AFS_KA_GRACE_OVER)
+        flags |= AFS_PEER_GRACE_OVER;
+    else if (finding == AFS_KA_HEARD ? !afs_peer_set_up(p, AFS_PEER_SILENT)
+                                     : !afs_peer_set_down(p, why))
+        return;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PEER);
+    if (!x)
+        return; /* out of memory: the down flag still refuses new operations */
+    x->target_id = peer_id;
+    x->status = finding == AFS_KA_HEARD ? 0 : AFS_EPEER;
+    x->count = p->pid;
+    x->imm = flags;
+    afs_submit(eng, x);
+}
+
 static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
 {
     afp_event ev[AFS_POLL_BATCH];
@@ -1074,7 +1112,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
         }
         if (e->kind == AFP_EV_RECV && is_rx && !e->status &&
             afs_ka_recv(eng, nic, nn->rx_buf + (e->ctx >> 16) * eng->cfg.max_msg_size, e->len,
-                        src[i])) {
+                        src[i], ka_found)) {
             repost_rx(eng, nic, (uint32_t)(e->ctx >> 16)); /* a control frame: not a message */
             continue;
         }
@@ -1344,7 +1382,7 @@ void *afs_worker_main(void *arg)
             did = true; /* keep polling: that is what lands (or refuses) the last bytes */
         }
         if (eng->ka)
-            afs_ka_tick(eng, now); /* keepalive.c: heartbeats, goodbyes' grace */
+            afs_ka_tick(eng, now, ka_found); /* keepalive.c: heartbeats, goodbyes' grace */
         if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
             eng->last_deadline_check = now;
             if (eng->cfg.op_timeout_ns)
