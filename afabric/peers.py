@@ -81,11 +81,11 @@ class PeerHub:
         if not blob:
             return
         prev = self._state.get(blob)
-        reason: Reason
+        reason: Reason = "resolved" if prev is None else "resumed"
         if down:
-            reason = "stopped" if flags & 2 else "closed" if flags & 4 else "silent" if flags & 8 else "exited"
-        else:
-            reason = "resolved" if prev is None else "resumed"
+            reason = (
+                "stopped" if flags & 2 else "closed" if flags & 4 else "silent" if flags & 8 else "exited"
+            )
         if prev is not None and (prev.reason in ("exited", "closed") or (prev.kind == "up") == (not down)):
             return  # exited and closed are final; otherwise states alternate
         ev = PeerEvent(
