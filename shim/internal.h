@@ -497,8 +497,8 @@ void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook);   /* heartbea
 bool afs_ka_grace(afs_engine *eng, uint64_t peer_id, uint32_t peer_flags);
 #define AFS_KA_GRACE_MS 100u
 #define AFS_PEER_GRACE_OVER 0x100u
-uint32_t afs_ka_goodbye(afs_engine *eng); /* closing: goodbyes posted (in flight) */
-bool afs_ka_busy(afs_engine *eng);        /* goodbyes still in flight */
+/* Closing: posts the goodbyes not posted yet; true while some are left or in flight. */
+bool afs_ka_goodbye(afs_engine *eng);
 void afs_ka_free(afs_engine *eng);
 
 /* worker.c */

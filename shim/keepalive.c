@@ -15,8 +15,9 @@
  *    heard from for AFS_HEARTBEAT_MISSES intervals is down (AFS_PEER_SILENT, "silent")
  *    until it is heard again.
  *  - BYE: when the engine closes, to every peer that said hello to it (it resolved this
- *    engine), best effort within BYE_WAIT_MS: the peer marks this engine down for good
- *    (AFS_PEER_CLOSED, "closed") and fails everything in flight to it.
+ *    engine) or that operations went to, best effort within BYE_WAIT_NS (worker.c): the
+ *    peer marks this engine down for good (AFS_PEER_CLOSED, "closed") and fails what is in
+ *    flight to it (after AFS_KA_GRACE_MS) and everything after it.
  *
  * Who sent a frame: the provider's own word (poll_from's source handle), matched with the
  * incarnation the frame states. A BYE is acted on only when the provider names its sender
@@ -52,12 +53,17 @@ enum { KA_PING = 1, KA_PONG = 2, KA_BYE = 3 };
 #define KA_HDR 16u
 #define LEARN_MAX 4096u /* addresses handed up to be resolved (a flood of made-up ones is cut) */
 #define LEARNING 64u    /* incarnations handed up and not resolved yet */
+/* A provider answers the first sends to a new peer with "try again" while it connects
+ * (libfabric tcp); a hello is posted again each loop for up to this long. */
+#define HELLO_TRY_NS 10000000000ull
 
 typedef struct ka_peer {
     uint64_t id;         /* the peer this state is of (a slot is reused with a new id) */
     uint64_t last_heard; /* ns */
-    bool ping_out;       /* a PING of ours is with the provider */
-    bool silent;         /* reported down as silent */
+    uint64_t hello_until; /* a hello to post ("try again" at first, to a new peer), until */
+    bool ping_out;        /* a PING of ours is with the provider */
+    bool silent;          /* reported down as silent */
+    bool bye_sent;        /* closing: its goodbye is posted */
 } ka_peer;
 
 typedef struct ka_grace {
@@ -73,6 +79,7 @@ struct afs_ka {
     uint64_t next_beat;
     uint64_t learning[LEARNING]; /* incarnations that said hello, handed up (ring) */
     uint32_t n_learned;
+    uint32_t hellos_due; /* peers with hello_until set */
 };
 
 bool afs_ka_owns(uint64_t ctx)
@@ -250,12 +257,14 @@ bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len
     uint32_t index = 0;
     bool verified;
     afs_peer_entry *p = sender_of(eng, nic, src, inc, &id, &index, &verified);
+    if (!p && src == AFP_SRC_UNRESOLVED) /* resolved here only after its connection came up
+                                          (the provider may not name it then): its claim */
+        p = sender_of(eng, nic, AFP_SRC_UNKNOWN, inc, &id, &index, &verified);
     uint64_t now = afs_now_ns();
     switch (kind) {
     case KA_PING:
         if (p) {
-            if (verified)
-                atomic_fetch_or(&p->ka, AFS_KA_KNOWS_US);
+            atomic_fetch_or(&p->ka, AFS_KA_KNOWS_US); /* claimed: at worst one goodbye more */
             heard(eng, id, index, now, hook);
             (void)ka_send(eng, p->fi_addr[0], index, KA_PONG, p->max_msg);
         } else if (nic == 0 && src != AFP_SRC_UNKNOWN && src != AFP_SRC_UNRESOLVED) {
@@ -295,10 +304,34 @@ void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status)
             ka->learning[i] = 0;
         }
     }
+    uint64_t now = afs_now_ns();
     uint32_t index = (uint32_t)peer_id;
-    ka_peer *s = ka ? state_of(ka, index, peer_id, afs_now_ns()) : NULL;
-    if (s && !s->ping_out)
-        s->ping_out = ka_send(eng, p->fi_addr[0], index, KA_PING, p->max_msg);
+    ka_peer *s = ka ? state_of(ka, index, peer_id, now) : NULL;
+    if (!s || s->hello_until)
+        return;
+    s->ping_out = ka_send(eng, p->fi_addr[0], index, KA_PING, p->max_msg);
+    if (!s->ping_out) { /* again from afs_ka_tick */
+        s->hello_until = now + HELLO_TRY_NS;
+        ka->hellos_due++;
+    }
+}
+
+/* Hellos the provider said "try again" to. */
+static void retry_hellos(afs_engine *eng, struct afs_ka *ka, uint64_t now)
+{
+    for (uint32_t i = 0; i < ka->cap && ka->hellos_due; i++) {
+        ka_peer *s = &ka->p[i];
+        if (!s->hello_until)
+            continue;
+        afs_peer_entry *p = afs_slots_lookup(&eng->peers, s->id);
+        bool sent = p && !atomic_load(&p->down) &&
+                    (s->ping_out || (s->ping_out = ka_send(eng, p->fi_addr[0], i, KA_PING,
+                                                           p->max_msg)));
+        if (sent || !p || atomic_load(&p->down) || now > s->hello_until) {
+            s->hello_until = 0;
+            ka->hellos_due--;
+        }
+    }
 }
 
 bool afs_ka_grace(afs_engine *eng, uint64_t peer_id, uint32_t peer_flags)
@@ -323,6 +356,8 @@ bool afs_ka_grace(afs_engine *eng, uint64_t peer_id, uint32_t peer_flags)
 void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook)
 {
     struct afs_ka *ka = eng->ka;
+    if (ka->hellos_due)
+        retry_hellos(eng, ka, now);
     for (uint32_t i = 0; i < ka->n_grace;) {
         if (now < ka->grace[i].until) {
             i++;
@@ -357,25 +392,27 @@ void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook)
     }
 }
 
-uint32_t afs_ka_goodbye(afs_engine *eng)
+bool afs_ka_goodbye(afs_engine *eng)
 {
-    uint32_t sent = 0, n = peers_alloc(eng);
+    struct afs_ka *ka = ka_of(eng);
+    if (!ka)
+        return false;
+    uint32_t unsent = 0, n = peers_alloc(eng);
+    uint64_t now = afs_now_ns();
     for (uint32_t i = 0; i < n; i++) {
         uint64_t id;
         afs_peer_entry *p = peer_at(eng, i, &id);
-        if (!p || !(atomic_load(&p->ka) & AFS_KA_KNOWS_US) || atomic_load(&p->superseded_by))
+        if (!p || !(atomic_load(&p->ka) & (AFS_KA_KNOWS_US | AFS_KA_USED)) ||
+            atomic_load(&p->superseded_by))
             continue;
         int32_t down = atomic_load(&p->down);
-        if (down == AFS_PEER_EXITED || down == AFS_PEER_CLOSED)
+        ka_peer *s = state_of(ka, i, id, now);
+        if (!s || s->bye_sent || down == AFS_PEER_EXITED || down == AFS_PEER_CLOSED)
             continue;
-        sent += ka_send(eng, p->fi_addr[0], i, KA_BYE, p->max_msg) ? 1u : 0u;
+        s->bye_sent = ka_send(eng, p->fi_addr[0], i, KA_BYE, p->max_msg);
+        unsent += s->bye_sent ? 0u : 1u;
     }
-    return sent;
-}
-
-bool afs_ka_busy(afs_engine *eng)
-{
-    return eng->ka && eng->ka->bye_out > 0;
+    return unsent || ka->bye_out;
 }
 
 void afs_ka_free(afs_engine *eng)

@@ -1409,11 +1409,9 @@ void *afs_worker_main(void *arg)
     }
     /* Goodbyes to the peers that resolved this engine (keepalive.c), waited for a little:
      * best effort, closing is not held up for long. */
-    uint64_t until = afs_now_ns() + BYE_WAIT_NS;
-    if (afs_ka_goodbye(eng))
-        while (afs_ka_busy(eng) && afs_now_ns() < until)
-            for (uint32_t k = 0; k < eng->nnics; k++)
-                (void)poll_nic(eng, k, afs_now_ns());
+    for (uint64_t until = afs_now_ns() + BYE_WAIT_NS; afs_ka_goodbye(eng) && afs_now_ns() < until;)
+        for (uint32_t k = 0; k < eng->nnics; k++)
+            (void)poll_nic(eng, k, afs_now_ns());
     afs_ka_free(eng);
     fail_queued(eng);
     return NULL;
