@@ -295,7 +295,8 @@ void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status)
     if (status || atomic_load(&eng->stop))
         return;
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    if (!p || atomic_load(&p->superseded_by) || atomic_load(&p->down))
+    if (!p || atomic_load(&p->superseded_by) || atomic_load(&p->down) ||
+        (atomic_load(&p->ka) & AFS_KA_SAME_PROCESS))
         return;
     struct afs_ka *ka = ka_of(eng);
     for (uint32_t i = 0; ka && i < LEARNING; i++) {
@@ -374,8 +375,8 @@ void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook)
     for (uint32_t i = 0; i < n; i++) {
         uint64_t id;
         afs_peer_entry *p = peer_at(eng, i, &id);
-        if (!p || !(atomic_load_explicit(&p->ka, memory_order_relaxed) &
-                    (AFS_KA_USED | AFS_KA_KNOWS_US)))
+        uint32_t f = p ? atomic_load_explicit(&p->ka, memory_order_relaxed) : 0;
+        if (!(f & (AFS_KA_USED | AFS_KA_KNOWS_US)) || (f & AFS_KA_SAME_PROCESS))
             continue;
         int32_t down = atomic_load(&p->down);
         if ((down && down != AFS_PEER_SILENT) || atomic_load(&p->superseded_by))
@@ -402,7 +403,8 @@ bool afs_ka_goodbye(afs_engine *eng)
     for (uint32_t i = 0; i < n; i++) {
         uint64_t id;
         afs_peer_entry *p = peer_at(eng, i, &id);
-        if (!p || !(atomic_load(&p->ka) & (AFS_KA_KNOWS_US | AFS_KA_USED)) ||
+        uint32_t f = p ? atomic_load(&p->ka) : 0;
+        if (!(f & (AFS_KA_KNOWS_US | AFS_KA_USED)) || (f & AFS_KA_SAME_PROCESS) ||
             atomic_load(&p->superseded_by))
             continue;
         int32_t down = atomic_load(&p->down);

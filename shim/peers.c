@@ -265,9 +265,14 @@ out_fail:
 static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
 {
     afs_proc_id me;
-    if (!who->host || !who->pid || afs_proc_self(&me) != 0 || me.host != who->host ||
-        me.pid == who->pid)
+    if (!who->host || !who->pid || afs_proc_self(&me) != 0 || me.host != who->host)
         return 0;
+    if (me.pid == who->pid) { /* this process: the provider sees it close (keepalive.c) */
+        afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+        if (p)
+            atomic_fetch_or(&p->ka, AFS_KA_SAME_PROCESS);
+        return 0;
+    }
     int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)who->pid, 0);
     if (pidfd < 0)
         return errno == ESRCH ? -1 : 0; /* ENOSYS (kernel < 5.3), EMFILE: unwatched */
