@@ -668,8 +668,6 @@ class Engine(MessagingMixin):
         so that this engine's goodbye reaches it when it closes. One that cannot be (another
         provider, not on the allow-list, restarted, malformed) is left alone."""
         try:
-            if __import__("os").environ.get("HB_NOLEARN"):
-                return
             self._peer(Address.from_bytes(blob))
         except (errors.AfabricError, ValueError) as e:
             self.log.debug("hello from %s not learned: %s", blob[:16].hex(), e)
