@@ -238,8 +238,9 @@ async def test_silent_peer_then_closed_engine(provider: str, peers: list[Peer], 
             took = time.monotonic() - t0
             print(f"\n{provider}: stopped peer reported silent after {took * 1e3:.0f} ms (heartbeat 100 ms)")
             assert (down.kind, down.reason, down.address) == ("down", "silent", addr)
-            # last heard up to one interval before the stop; the worker checks every interval
-            assert (afabric.HEARTBEAT_MISSES - 1) * HEARTBEAT <= took < DOWN_WITHIN
+            # documented: 2-4 intervals after the last answer (one came up to an interval before
+            # the stop, later under load); 1 s leaves room for a loaded machine
+            assert HEARTBEAT <= took < DOWN_WITHIN
             with pytest.raises(errors.PeerUnreachable, match="silent"):
                 await eng.write(src, desc, WRITE)
         finally:
