@@ -220,8 +220,8 @@ async def test_silent_peer_then_closed_engine(provider: str, peers: list[Peer], 
     pidfd says nothing, peer_stop_timeout is off) is reported down "silent" within
     HEARTBEAT_MISSES + 1 intervals and operations to it fail with PeerUnreachable; after SIGCONT
     it answers and is up again. Then the peer closes its engine while its process lives on:
-    its goodbye makes it "closed" within 1 s, and a write to it fails with PeerUnreachable
-    within 1 s (op_timeout is 20 s)."""
+    its goodbye makes it "closed" within 1 s, and a write waiting in the shim (armed) and a
+    new one fail with PeerUnreachable within 1 s (op_timeout is 20 s)."""
     victim = Peer(victim_target, provider, REGION)
     peers.append(victim)
     desc_b, addr_b, pid = await victim.get()
@@ -251,10 +251,15 @@ async def test_silent_peer_then_closed_engine(provider: str, peers: list[Peer], 
         sent = eng.stats()["nics"][0]["ctrl_sent"]
         assert sent >= afabric.HEARTBEAT_MISSES, sent  # the keepalives, counted apart from sends
 
+        # a write already handed to the shim, armed on an immediate that never comes
+        armed = asyncio.ensure_future(eng.write(src, desc, WRITE, when=afabric.imm_count(eng.alloc_imm(), 1)))
+        await asyncio.sleep(0.05)
         t0 = time.monotonic()
         victim.put("close")
         down = await next_event(events, DOWN_WITHIN)
         assert (down.kind, down.reason, down.address) == ("down", "closed", addr)
+        with pytest.raises(errors.PeerUnreachable, match="closed"):
+            await asyncio.wait_for(armed, DOWN_WITHIN)
         with pytest.raises(errors.PeerUnreachable, match="closed"):
             await asyncio.wait_for(eng.write(src, desc, WRITE), DOWN_WITHIN)
         took = time.monotonic() - t0
