@@ -33,8 +33,9 @@
  *
  * Costs: one frame per resolved peer (hello); with heartbeats, one frame each way per
  * interval per peer in use (no allocation: the frames use the engine's send buffers, at
- * most MAX_OUT of them at a time, and a peer has at most one PING in flight); off, a branch
- * per loop. Frames are counted in afs_nic_stats.ctrl_sent/ctrl_received, not sends/recvs.
+ * most tx_depth / 8 of them at a time, and a peer has at most one PING in flight); off, a
+ * branch per loop. Frames are counted in afs_nic_stats.ctrl_sent/ctrl_received, not in
+ * sends/recvs. Engines of one process send each other none (AFS_KA_SAME_PROCESS).
  */
 #include <stdlib.h>
 #include <string.h>
