@@ -13,7 +13,7 @@ from .lengths import LengthFrom
 from .memory import MemoryRegion
 from .messages import TAG_MAX, Message
 from .pages import Pages
-from .peers import PeerEvent
+from .peers import HEARTBEAT_MISSES, PeerEvent
 from .provider import ProviderSpec
 from .stats import EngineStats, NicStats
 from .timing import OpTiming
@@ -23,6 +23,7 @@ from .watcher import UvmWatcher
 __version__ = "0.1.0"
 
 __all__ = [
+    "HEARTBEAT_MISSES",
     "TAG_MAX",
     "Address",
     "Engine",

@@ -29,6 +29,7 @@ from ._native_decl import (
     ALLOW_ON,
     ALLOW_UNKNOWN,
     C_DONE,
+    C_HELLO,
     C_NOTICE,
     C_PEER,
     C_RECV,
@@ -685,7 +686,7 @@ class NativeEngine:
             return Event(kind, c.id, 0, None, None, False, 0, c.watch_old, c.watch_new)
         if kind == C_NOTICE:
             return Event(kind, c.id, 0, None, None, False, total=c.total)
-        if kind == C_PEER:
+        if kind in (C_PEER, C_HELLO):
             blob = ctypes.string_at(c.data, c.len) if c.data else b""
             if c.data:
                 self._s.f.afs_text_free(c.data)

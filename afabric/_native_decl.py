@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 4
+ABI_VERSION = 5
+HEARTBEAT_MISSES = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
 POLL_ADAPTIVE = 0
@@ -41,6 +42,7 @@ C_RECV = 3
 C_WATCH = 4
 C_NOTICE = 5
 C_PEER = 6
+C_HELLO = 7
 CAP_IMM_NEEDS_RECV = 0x1
 CAP_DEVICE_MEM = 0x2
 CAP_MR_LOCAL = 0x4
@@ -77,6 +79,7 @@ class Config(ctypes.Structure):
     nics: int
     max_imm_values: int
     peer_stop_ms: int
+    heartbeat_ms: int
     _fields_ = [
         ("size", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
@@ -95,6 +98,7 @@ class Config(ctypes.Structure):
         ("nics", ctypes.c_uint32),
         ("max_imm_values", ctypes.c_uint32),
         ("peer_stop_ms", ctypes.c_uint32),
+        ("heartbeat_ms", ctypes.c_uint32),
     ]
 
 
@@ -136,6 +140,8 @@ class NicStats(ctypes.Structure):
     imms_dropped: int
     reads: int
     read_bytes: int
+    ctrl_sent: int
+    ctrl_received: int
     _fields_ = [
         ("writes", ctypes.c_uint64),
         ("write_bytes", ctypes.c_uint64),
@@ -151,6 +157,8 @@ class NicStats(ctypes.Structure):
         ("imms_dropped", ctypes.c_uint64),
         ("reads", ctypes.c_uint64),
         ("read_bytes", ctypes.c_uint64),
+        ("ctrl_sent", ctypes.c_uint64),
+        ("ctrl_received", ctypes.c_uint64),
     ]
 
 

@@ -32,7 +32,7 @@ from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
-from .peers import PeerEvent, PeerHub, stop_ms
+from .peers import PeerEvent, PeerHub, heartbeat_ms, stop_ms
 from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger
@@ -210,6 +210,7 @@ class Engine(MessagingMixin):
         max_imm_values: int = 65536,
         max_queued_bytes: int = 1 << 30,
         peer_stop_timeout: float | None = None,
+        heartbeat: float | None = None,
     ) -> None:
         self._closed = True  # until fully open: __del__ must not touch half-made state
         self._forked = False
@@ -265,6 +266,7 @@ class Engine(MessagingMixin):
             max_imm_values=max_imm_values,
         )
         cfg.peer_stop_ms = stop_ms(peer_stop_timeout)
+        cfg.heartbeat_ms = heartbeat_ms(heartbeat)
         self._max_queued = max_queued_messages
         self._init_messages(max_queued_bytes)
         self._max_imm_values = max_imm_values
@@ -660,6 +662,15 @@ class Engine(MessagingMixin):
             self._peers[blob] = pid
             self._by_handle[self._n.peer_handle(pid)] = address  # a message's sender (_messaging)
         return pid, address.incarnation
+
+    def _learn(self, blob: bytes) -> None:
+        """An engine that resolved this one said hello (shim/keepalive.c): resolved in turn,
+        so that this engine's goodbye reaches it when it closes. One that cannot be (another
+        provider, not on the allow-list, restarted, malformed) is left alone."""
+        try:
+            self._peer(Address.from_bytes(blob))
+        except (errors.AfabricError, ValueError) as e:
+            self.log.debug("hello from %s not learned: %s", blob[:16].hex(), e)
 
     # ---- operations ----
 
@@ -1070,6 +1081,8 @@ class Engine(MessagingMixin):
                 self._held.pop(ev.id, None)
             elif ev.kind == _native.C_PEER:
                 self._peer_hub.publish(ev.payload or b"", ev.status != 0, ev.peer_pid, ev.peer_flags)
+            elif ev.kind == _native.C_HELLO:
+                self._learn(ev.payload or b"")
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"", ev.slot, ev.id)
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:

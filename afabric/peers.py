@@ -1,11 +1,15 @@
 """Peer-up / peer-down events (:meth:`afabric.Engine.peer_events`).
 
 A peer is an engine this one has resolved: an :class:`~afabric.Address` it wrote or sent to,
-made a peer group of, or the owner of a descriptor it imported. Each is reported ``"up"``
+made a peer group of, or the owner of a descriptor it imported; or an engine that resolved
+this one (it says hello, shim/keepalive.c, and is resolved in turn). Each is reported ``"up"``
 once when first resolved, and ``"down"`` once its process is gone (same-host peers: the
-shim watches the process through a pidfd, see shim/peers.c). Down because the process
-exited is final for that address (a restarted peer is a new engine, with a new address);
-with ``peer_stop_timeout`` a stopped process is reported down, then up when it runs again.
+shim watches the process through a pidfd, see shim/peers.c) or its engine was closed (it
+says goodbye). Down because the process exited or the engine closed is final for that
+address (a new engine is a new address, even at the same NIC address: a new incarnation);
+with ``peer_stop_timeout`` a stopped process is reported down, then up when it runs again;
+with ``heartbeat`` a peer that leaves heartbeats unanswered for ``HEARTBEAT_MISSES`` intervals
+is reported down ("silent"), then up when it answers again.
 What is kept is one state per resolved peer, so it is bounded by the peers the engine knows.
 """
 
@@ -17,7 +21,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import errors
+from ._native_decl import HEARTBEAT_MISSES
 from .address import Address
+
+# HEARTBEAT_MISSES (the shim's AFS_HEARTBEAT_MISSES): heartbeat intervals without an answer
+# after which a peer is reported down ("silent")
+__all__ = ["HEARTBEAT_MISSES", "PeerEvent", "PeerHub", "heartbeat_ms", "stop_ms"]
+
+Reason = Literal["resolved", "exited", "stopped", "resumed", "closed", "silent"]
 
 
 def stop_ms(timeout: float | None) -> int:
@@ -29,9 +40,18 @@ def stop_ms(timeout: float | None) -> int:
     return max(1, round(timeout * 1000))
 
 
+def heartbeat_ms(interval: float | None) -> int:
+    """``Engine(heartbeat=)`` in ms for the shim: None = off (0)."""
+    if interval is None:
+        return 0
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0.01 <= interval <= 3600:
+        raise errors.InvalidArgument(f"heartbeat must be None or 0.01..3600 s, got {interval!r}")
+    return max(10, round(interval * 1000))
+
+
 @dataclass(frozen=True)
 class PeerEvent:
-    """A peer came up (was resolved) or went down (its process is gone)."""
+    """A peer came up (was resolved) or went down (its process is gone, its engine closed)."""
 
     kind: Literal["up", "down"]
     address: Address
@@ -40,9 +60,12 @@ class PeerEvent:
     watched: bool
     """Whether the peer's process is watched (same host): only then is "down" reported
     without an operation failing first."""
-    reason: Literal["resolved", "exited", "stopped", "resumed"]
-    """Why: "up" when first resolved or when a stopped peer runs again, "down" when its
-    process exited (final) or has been stopped for ``peer_stop_timeout``."""
+    reason: Reason
+    """Why: "up" when first resolved ("resolved") or when a stopped or silent peer runs or
+    answers again ("resumed"); "down" when its process exited ("exited", final), its engine
+    was closed ("closed", final: it said goodbye), it has been stopped for
+    ``peer_stop_timeout`` ("stopped") or left ``heartbeat``'s keepalives unanswered for
+    ``HEARTBEAT_MISSES`` intervals ("silent")."""
 
 
 class PeerHub:
@@ -53,16 +76,18 @@ class PeerHub:
         self._subs: list[asyncio.Queue[PeerEvent | None]] = []
 
     def publish(self, blob: bytes, down: bool, pid: int, flags: int) -> None:
-        """A PEER record: `flags` 1 its process is watched, 2 down because stopped."""
+        """A PEER record: `flags` 1 its process is watched, down because 2 stopped, 4 its
+        engine closed, 8 silent (else exited)."""
         if not blob:
             return
         prev = self._state.get(blob)
+        reason: Reason = "resolved" if prev is None else "resumed"
         if down:
-            reason: Literal["resolved", "exited", "stopped", "resumed"] = "stopped" if flags & 2 else "exited"
-        else:
-            reason = "resolved" if prev is None else "resumed"
-        if prev is not None and (prev.reason == "exited" or (prev.kind == "up") == (not down)):
-            return  # exited is final; otherwise states alternate
+            reason = (
+                "stopped" if flags & 2 else "closed" if flags & 4 else "silent" if flags & 8 else "exited"
+            )
+        if prev is not None and (prev.reason in ("exited", "closed") or (prev.kind == "up") == (not down)):
+            return  # exited and closed are final; otherwise states alternate
         ev = PeerEvent(
             "down" if down else "up", Address.from_bytes(blob), pid or None, bool(flags & 1), reason
         )

@@ -22,6 +22,8 @@ class NicStats(TypedDict):
     rejected: int  # messages/immediates dropped: sender not on the allow-list
     rejected_unknown: int  # dropped while a list is set: the provider cannot name the sender
     imms_dropped: int  # immediates of a new value dropped: the table held max_imm_values
+    ctrl_sent: int  # the shim's own frames posted (hellos, heartbeats, answers, goodbyes): not in sends
+    ctrl_received: int  # ... received: not in recvs
     outstanding: int  # work requests still with the provider: the NIC's queue depth
 
 

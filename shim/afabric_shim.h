@@ -21,12 +21,14 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 4u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 5u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
                               4: afs_submit_req (one afs_request per operation), named
-                              afs_completion fields */
+                              afs_completion fields;
+                              5: afs_config.heartbeat_ms, afs_nic_stats.ctrl_sent/received,
+                              AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -88,7 +90,12 @@ typedef struct afs_config {
                                    (imms_dropped) and reported (AFS_C_NOTICE) */
     uint32_t peer_stop_ms;      /* a same-host peer stopped (SIGSTOP) this long is reported down
                                    until it runs again (0: never; shim/peers.c) */
+    uint32_t heartbeat_ms;      /* keepalive every this many ms to each peer operations went to;
+                                   one that answers none for AFS_HEARTBEAT_MISSES intervals is
+                                   reported down until it answers (0: off; shim/keepalive.c) */
 } afs_config;
+
+#define AFS_HEARTBEAT_MISSES 3u
 
 #define AFS_CFG_FORCE_EFA_MODES 0x1u /* testing hook (afabric.testing), not API */
 #define AFS_CFG_TIMING 0x2u /* stamp each operation's stages (afs_timing_drain) */
@@ -121,6 +128,9 @@ typedef struct afs_nic_stats {
     uint64_t imms_dropped;     /* immediates dropped: a new value while the table held max_imm_values */
     uint64_t reads;            /* read work requests posted (`completions` counts them too) */
     uint64_t read_bytes;       /* bytes they asked for */
+    uint64_t ctrl_sent;        /* the shim's own control frames posted (hellos, heartbeats and
+                                  their answers, goodbyes; shim/keepalive.c): not in `sends` */
+    uint64_t ctrl_received;    /* ... received: not in `recvs` */
 } afs_nic_stats;
 
 /* Where one operation's time went (AFS_CFG_TIMING), CLOCK_MONOTONIC ns; 0 = stage not
@@ -160,10 +170,16 @@ enum afs_completion_kind {
     AFS_C_RECV = 3,    /* message: data/len valid until released with afs_recv_release(slot) */
     AFS_C_WATCH = 4,   /* watcher `id` changed from `watch_old` to `watch_new` */
     AFS_C_NOTICE = 5,  /* something was dropped: id AFS_NOTICE_*, `total` = how many so far */
-    AFS_C_PEER = 6     /* peer `id` resolved (status 0) or its process gone (AFS_EPEER): data =
+    AFS_C_PEER = 6,    /* peer `id` resolved (status 0) or its process gone (AFS_EPEER): data =
                           its address (len bytes, free with afs_text_free), `peer_pid`, and
                           `peer_flags`: 1 its process is watched (same host), | 2 down because
-                          stopped (an "up" follows when it runs again) */
+                          stopped (an "up" follows when it runs again), | 4 down because its
+                          engine closed (final), | 8 down because silent (heartbeat_ms: an
+                          "up" follows when it answers) */
+    AFS_C_HELLO = 7    /* an engine that resolved this one said hello from an address this one
+                          has not resolved: data = that address (len bytes, free with
+                          afs_text_free). Resolving it makes this engine's goodbye reach it
+                          when it closes (shim/keepalive.c); at most 4,096 per engine */
 };
 
 #define AFS_NOTICE_IMMS_DROPPED 1u /* immediates of new values dropped: the table was full */
@@ -190,7 +206,7 @@ typedef struct afs_completion {
     uint64_t watch_new;       /* WATCH: the value seen */
     uint64_t total;           /* NOTICE: how many so far */
     uint32_t peer_pid;        /* PEER: its process id (0: unknown) */
-    uint32_t peer_flags;      /* PEER: 1 watched (same host), | 2 down because stopped */
+    uint32_t peer_flags;      /* PEER: 1 watched (same host), | 2 stopped, | 4 closed, | 8 silent */
 } afs_completion;
 
 #define AFS_NO_IMM (-1)

@@ -43,8 +43,10 @@ static int peer_current(afs_engine *eng, uint64_t peer_id)
     uint64_t later = p ? atomic_load(&p->superseded_by) : 0;
     int32_t down = !later && p ? atomic_load(&p->down) : 0; /* peers.c */
     if (down)
-        return afs_fail(AFS_EPEER, "peer %016llx: its process %s", (unsigned long long)p->incarnation,
-                        down == AFS_PEER_STOPPED ? "is stopped" : "has exited");
+        return afs_fail(AFS_EPEER, "peer %016llx: %s", (unsigned long long)p->incarnation,
+                        afs_peer_down_text(down));
+    if (p && !(atomic_load_explicit(&p->ka, memory_order_relaxed) & AFS_KA_USED))
+        atomic_fetch_or(&p->ka, AFS_KA_USED); /* heartbeats go to it (keepalive.c) */
     return later ? afs_restarted_error(p->incarnation, later) : 0;
 }
 

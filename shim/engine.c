@@ -489,6 +489,8 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     out->imms_dropped = atomic_load_explicit(&n->st_imms_dropped, memory_order_relaxed);
     out->reads = atomic_load_explicit(&n->st_reads, memory_order_relaxed);
     out->read_bytes = atomic_load_explicit(&n->st_read_bytes, memory_order_relaxed);
+    out->ctrl_sent = atomic_load_explicit(&n->st_ctrl_sent, memory_order_relaxed);
+    out->ctrl_received = atomic_load_explicit(&n->st_ctrl_received, memory_order_relaxed);
     return 0;
 }
 
@@ -669,6 +671,7 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         memcpy(p->fi_addr, x->ctrl.fi_addr, sizeof(p->fi_addr));
         p->incarnation = v->incarnation;
         p->max_msg = v->max_msg;
+        p->pid = v->proc.pid;
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
         *peer_id = afs_slots_publish(&eng->peers, index);

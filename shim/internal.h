@@ -136,6 +136,8 @@ int afs_proc_self(afs_proc_id *out);
 typedef struct afs_live afs_live;
 #define AFS_PEER_EXITED 1  /* afs_peer_entry.down: for good */
 #define AFS_PEER_STOPPED 2 /* until the process runs again (afs_config.peer_stop_ms) */
+#define AFS_PEER_CLOSED 3  /* its engine said goodbye (keepalive.c): for good */
+#define AFS_PEER_SILENT 4  /* unanswered heartbeats (afs_config.heartbeat_ms), until it answers */
 void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who);
 void afs_live_destroy(afs_engine *eng);
 
@@ -184,7 +186,7 @@ typedef struct afs_nic {
     /* counters (afs_nic_stats): written by the worker alone, read by anyone */
     _Atomic uint64_t st_writes, st_write_bytes, st_sends, st_recvs, st_imms, st_errors,
         st_retries, st_landed, st_completions, st_rejected, st_rejected_unknown, st_imms_dropped,
-        st_reads, st_read_bytes;
+        st_reads, st_read_bytes, st_ctrl_sent, st_ctrl_received;
     uint32_t *tx_free; /* stack of free tx slots */
     uint32_t tx_free_len;
     /* receive slots the provider would not take back yet ("try again": its queue or context
@@ -210,11 +212,65 @@ typedef struct afs_peer_entry {
     uint64_t fi_addr[AFS_MAX_NICS];
     uint64_t incarnation;
     _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
-    _Atomic int32_t down;           /* peers.c: AFS_PEER_EXITED or AFS_PEER_STOPPED, else 0 */
+    _Atomic int32_t down;           /* peers.c: AFS_PEER_*, else 0 */
+    _Atomic uint32_t ka;            /* AFS_KA_* (keepalive.c, peers.c, api.c) */
+    uint32_t pid;                   /* its process as its address names it (0: unknown) */
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];
 } afs_peer_entry;
+
+#define AFS_KA_USED 1u     /* an operation went to it (api.c): heartbeats go to it */
+#define AFS_KA_KNOWS_US 2u /* it resolved this engine (it said hello): a goodbye goes to it */
+#define AFS_KA_WATCHED 4u  /* its process is watched (peers.c) */
+/* It lives in this process (peers.c): no frames to it. An engine closed in this process is
+ * refused by the provider already (README, Errors), and libfabric 2.5.1's shm crashed in
+ * fi_cq_readfrom when an in-process engine that had been sent to first (here: a hello)
+ * then sent a large message (several frames) to the sender. */
+#define AFS_KA_SAME_PROCESS 8u
+
+/* A peer's down state (afs_peer_entry.down) moves to `why`: EXITED and CLOSED are final,
+ * STOPPED replaces running or SILENT, SILENT only running. True if it moved (the caller
+ * then tells the worker). peers.c and worker.c (keepalive.c's findings). */
+static inline bool afs_peer_set_down(afs_peer_entry *p, int32_t why)
+{
+    int32_t was = atomic_load(&p->down);
+    while (was != AFS_PEER_EXITED && was != AFS_PEER_CLOSED && was != why &&
+           (why != AFS_PEER_SILENT || was == 0))
+        if (atomic_compare_exchange_weak(&p->down, &was, why))
+            return true;
+    return false;
+}
+
+/* ... back to running from `from` (STOPPED or SILENT). */
+static inline bool afs_peer_set_up(afs_peer_entry *p, int32_t from)
+{
+    int32_t was = from;
+    return atomic_compare_exchange_strong(&p->down, &was, 0);
+}
+
+/* AFS_C_PEER's peer_flags for a peer down for `why` (0: up), and back. */
+static inline uint32_t afs_peer_flags(int32_t why, bool watched)
+{
+    return (watched ? 1u : 0u) | (why == AFS_PEER_STOPPED ? 2u : 0u) |
+           (why == AFS_PEER_CLOSED ? 4u : 0u) | (why == AFS_PEER_SILENT ? 8u : 0u);
+}
+
+static inline int32_t afs_peer_flags_why(uint32_t peer_flags)
+{
+    return peer_flags & 2u   ? AFS_PEER_STOPPED
+           : peer_flags & 4u ? AFS_PEER_CLOSED
+           : peer_flags & 8u ? AFS_PEER_SILENT
+                             : AFS_PEER_EXITED;
+}
+
+static inline const char *afs_peer_down_text(int32_t why)
+{
+    return why == AFS_PEER_STOPPED  ? "its process is stopped"
+           : why == AFS_PEER_CLOSED ? "its engine was closed (it said goodbye)"
+           : why == AFS_PEER_SILENT ? "it is silent (heartbeats unanswered)"
+                                    : "its process has exited";
+}
 
 typedef struct afs_remote_entry {
     afs_slot_hdr hdr;
@@ -476,6 +532,7 @@ struct afs_engine {
     afs_live *live; /* peers.c: same-host peers' processes watched (NULL: none yet) */
     uint64_t *down_peers; /* worker-owned: ids of the peers it was told are down, so that */
     uint32_t n_down, cap_down; /* a request taken after that fails instead of posting */
+    struct afs_ka *ka; /* keepalive.c: worker-owned (NULL: nothing sent yet) */
 };
 
 /* One-writer counter bump: a relaxed load and store, no locked instruction. */
@@ -484,6 +541,34 @@ static inline void afs_count(_Atomic uint64_t *c, uint64_t n)
     atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + n,
                           memory_order_relaxed);
 }
+
+/* keepalive.c: the shim's own control frames (hello, heartbeat, goodbye), worker only. It
+ * sits below worker.c: what it finds, the worker acts on through this hook. */
+enum afs_ka_finding {
+    AFS_KA_HEARD = 1,  /* peer_id answered again after it was found silent: up */
+    AFS_KA_SILENT,     /* peer_id left HEARTBEAT_MISSES intervals unanswered: down */
+    AFS_KA_CLOSED,     /* peer_id said goodbye: down for good */
+    AFS_KA_GRACE_OVER, /* fail what is still in flight to peer_id (closed) */
+    AFS_KA_HELLO       /* an engine not resolved here said hello from address blob/len */
+};
+typedef void (*afs_ka_hook)(afs_engine *eng, uint32_t finding, uint64_t peer_id,
+                            const uint8_t *blob, uint32_t len);
+bool afs_ka_owns(uint64_t ctx);          /* a send completion of a control frame */
+void afs_ka_sent(afs_engine *eng, const afp_event *ev);
+bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len, uint64_t src,
+                 afs_ka_hook hook);
+void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status); /* an AFS_REQ_PEER */
+void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook);   /* heartbeats, grace */
+/* After a goodbye, operations in flight to the peer get AFS_KA_GRACE_MS to complete (ones it
+ * took before closing may have their completions still on the way): true if so, and
+ * AFS_KA_GRACE_OVER then fails what is left (an AFS_REQ_PEER with AFS_PEER_GRACE_OVER,
+ * which reports nothing). */
+bool afs_ka_grace(afs_engine *eng, uint64_t peer_id, uint32_t peer_flags);
+#define AFS_KA_GRACE_MS 100u
+#define AFS_PEER_GRACE_OVER 0x100u
+/* Closing: posts the goodbyes not posted yet; true while some are left or in flight. */
+bool afs_ka_goodbye(afs_engine *eng);
+void afs_ka_free(afs_engine *eng);
 
 /* worker.c */
 void *afs_worker_main(void *arg);

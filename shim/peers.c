@@ -139,30 +139,22 @@ static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint3
     x->peer.peer_id = peer_id;
     x->status = status;
     x->peer.pid = pid;
-    x->peer.flags = flags; /* 1: watched; 2: down because stopped (AFS_C_PEER's peer_flags) */
+    x->peer.flags = flags; /* AFS_C_PEER's peer_flags (afs_peer_flags) */
     afs_submit(eng, x);
 }
 
-/* Exited: down for good (from running or stopped). Stopped: down until `mark_up`. */
+/* Exited: down for good (from running, stopped or silent). Stopped: down until `mark_up`. */
 static void mark_down(afs_engine *eng, uint64_t peer_id, uint32_t pid, int32_t why)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    if (!p)
-        return;
-    int32_t was = atomic_load(&p->down);
-    while (was != AFS_PEER_EXITED && was != why) {
-        if (atomic_compare_exchange_weak(&p->down, &was, why)) {
-            tell_worker(eng, peer_id, AFS_EPEER, pid, why == AFS_PEER_STOPPED ? 3u : 1u);
-            return;
-        }
-    }
+    if (p && afs_peer_set_down(p, why))
+        tell_worker(eng, peer_id, AFS_EPEER, pid, afs_peer_flags(why, true));
 }
 
 static void mark_up(afs_engine *eng, uint64_t peer_id, uint32_t pid)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    int32_t was = AFS_PEER_STOPPED;
-    if (p && atomic_compare_exchange_strong(&p->down, &was, 0))
+    if (p && afs_peer_set_up(p, AFS_PEER_STOPPED))
         tell_worker(eng, peer_id, 0, pid, 1u);
 }
 
@@ -273,9 +265,14 @@ out_fail:
 static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
 {
     afs_proc_id me;
-    if (!who->host || !who->pid || afs_proc_self(&me) != 0 || me.host != who->host ||
-        me.pid == who->pid)
+    if (!who->host || !who->pid || afs_proc_self(&me) != 0 || me.host != who->host)
         return 0;
+    if (me.pid == who->pid) { /* this process: the provider sees it close (keepalive.c) */
+        afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+        if (p)
+            atomic_fetch_or(&p->ka, AFS_KA_SAME_PROCESS);
+        return 0;
+    }
     int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)who->pid, 0);
     if (pidfd < 0)
         return errno == ESRCH ? -1 : 0; /* ENOSYS (kernel < 5.3), EMFILE: unwatched */
@@ -306,6 +303,9 @@ static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
         goto out_unlock;
     }
     l->w[l->n++] = (afs_watch){peer_id, pidfd, who->pid, 0, false};
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (p) /* its down/up records say so whoever sends them (keepalive.c's findings too) */
+        atomic_fetch_or(&p->ka, AFS_KA_WATCHED);
 out_unlock:
     pthread_mutex_unlock(&l->lock);
     if (rc != 1)

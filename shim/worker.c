@@ -44,6 +44,7 @@
  * wake it with nothing to report, and napping through those delayed a new peer's first
  * write by 8 s. */
 #define FRUITLESS_WAKES 64u
+#define BYE_WAIT_NS 20000000ull /* closing: the longest wait for goodbyes to go (20 ms) */
 
 /* Whether this process is out of descriptors (so a provider's accept cannot succeed). */
 static bool fds_exhausted(afs_engine *eng)
@@ -1117,6 +1118,44 @@ static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev, uint64_t
     afs_ring_push(&eng->ring, &c);
 }
 
+/* keepalive.c's findings (afs_ka_hook): a peer's state moves, and the worker hears of it
+ * through its queue like any other AFS_REQ_PEER; an address to learn goes up to Python. */
+static void ka_found(afs_engine *eng, uint32_t finding, uint64_t peer_id, const uint8_t *blob,
+                     uint32_t len)
+{
+    if (finding == AFS_KA_HELLO) {
+        uint8_t *copy = malloc(len);
+        if (!copy)
+            return;
+        memcpy(copy, blob, len);
+        afs_completion c = {0};
+        c.kind = AFS_C_HELLO;
+        c.data = (uint64_t)(uintptr_t)copy;
+        c.len = len;
+        afs_ring_push(&eng->ring, &c);
+        return;
+    }
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p)
+        return;
+    bool watched = atomic_load(&p->ka) & AFS_KA_WATCHED;
+    int32_t why = finding == AFS_KA_SILENT ? AFS_PEER_SILENT : AFS_PEER_CLOSED;
+    uint32_t flags = afs_peer_flags(finding == AFS_KA_HEARD ? 0 : why, watched);
+    if (finding == AFS_KA_GRACE_OVER)
+        flags |= AFS_PEER_GRACE_OVER;
+    else if (finding == AFS_KA_HEARD ? !afs_peer_set_up(p, AFS_PEER_SILENT)
+                                     : !afs_peer_set_down(p, why))
+        return;
+    afs_xfer *x = afs_xfer_new(eng, AFS_REQ_PEER);
+    if (!x)
+        return; /* out of memory: the down flag still refuses new operations */
+    x->peer.peer_id = peer_id;
+    x->status = finding == AFS_KA_HEARD ? 0 : AFS_EPEER;
+    x->peer.pid = p->pid;
+    x->peer.flags = flags;
+    afs_submit(eng, x);
+}
+
 static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
 {
     afp_event ev[AFS_POLL_BATCH];
@@ -1129,6 +1168,16 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
     for (uint32_t i = 0; i < n; i++) {
         const afp_event *e = &ev[i];
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
+        if (e->kind != AFP_EV_RECV && e->kind != AFP_EV_IMM && afs_ka_owns(e->ctx)) {
+            afs_ka_sent(eng, e); /* keepalive.c: one of the shim's own frames went */
+            continue;
+        }
+        if (e->kind == AFP_EV_RECV && is_rx && !e->status &&
+            afs_ka_recv(eng, nic, nn->rx_buf + (e->ctx >> 16) * eng->cfg.max_msg_size, e->len,
+                        src[i], ka_found)) {
+            repost_rx(eng, nic, (uint32_t)(e->ctx >> 16)); /* a control frame: not a message */
+            continue;
+        }
         if (eng->allow && (e->kind == AFP_EV_RECV || e->kind == AFP_EV_IMM) &&
             afs_allow_refuse_src(eng, nic, src[i])) {
             if (is_rx) /* dropped before anyone sees it: the buffer goes straight back */
@@ -1248,12 +1297,14 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, req->peer.peer_id);
     if (!p)
         return;
+    uint32_t flags = req->peer.flags;
     note_down(eng, req->peer.peer_id, req->status != 0);
     if (req->status) {
         char msg[96];
-        snprintf(msg, sizeof(msg), "peer process %llu %s", (unsigned long long)req->peer.pid,
-                 req->peer.flags & 2u ? "is stopped" : "has exited");
-        afs_xfer *x = eng->active.head, *next;
+        snprintf(msg, sizeof(msg), "peer (process %llu): %s", (unsigned long long)req->peer.pid,
+                 afs_peer_down_text(afs_peer_flags_why(flags)));
+        /* after a goodbye, what is in flight gets a moment to complete (keepalive.c) */
+        afs_xfer *x = afs_ka_grace(eng, req->peer.peer_id, flags) ? NULL : eng->active.head, *next;
         while (x) {
             next = x->next;
             if (!x->reported && goes_to(eng, x, p)) {
@@ -1271,6 +1322,8 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
             }
         }
     }
+    if (flags & AFS_PEER_GRACE_OVER)
+        return; /* reported when the goodbye came */
     afs_completion c = {0};
     c.id = req->peer.peer_id;
     c.kind = AFS_C_PEER;
@@ -1281,8 +1334,9 @@ static void on_peer(afs_engine *eng, const afs_xfer *req)
     c.data = (uint64_t)(uintptr_t)addr;
     c.len = addr ? p->addr_len : 0;
     c.peer_pid = req->peer.pid; /* 0 if unknown */
-    c.peer_flags = req->peer.flags; /* 1: its process is watched; 2: down because stopped */
+    c.peer_flags = req->peer.flags; /* AFS_C_PEER's peer_flags (peers.c) */
     afs_ring_push(&eng->ring, &c);
+    afs_ka_peer(eng, req->peer.peer_id, req->status); /* keepalive.c: a new peer gets a hello */
 }
 
 static void check_deadlines(afs_engine *eng, uint64_t now)
@@ -1439,6 +1493,8 @@ void *afs_worker_main(void *arg)
             settle_deregs(eng, now);
             did = true; /* keep polling: that is what lands (or refuses) the last bytes */
         }
+        if (eng->ka)
+            afs_ka_tick(eng, now, ka_found); /* keepalive.c: heartbeats, goodbyes' grace */
         if (now - eng->last_deadline_check > DEADLINE_CHECK_NS) {
             eng->last_deadline_check = now;
             if (eng->cfg.op_timeout_ns)
@@ -1463,6 +1519,12 @@ void *afs_worker_main(void *arg)
             now = afs_now_ns(); /* requests taken next are stamped with the time they came */
         }
     }
+    /* Goodbyes to the peers that resolved this engine (keepalive.c), waited for a little:
+     * best effort, closing is not held up for long. */
+    for (uint64_t until = afs_now_ns() + BYE_WAIT_NS; afs_ka_goodbye(eng) && afs_now_ns() < until;)
+        for (uint32_t k = 0; k < eng->nnics; k++)
+            (void)poll_nic(eng, k, afs_now_ns());
+    afs_ka_free(eng);
     fail_queued(eng);
     return NULL;
 }

@@ -82,7 +82,8 @@ async def drain_messages(eng: afabric.Engine) -> None:
 async def victim_target(ctl: Ctl, provider: str, nbytes: int, env: dict[str, str] | None = None) -> bool:
     """A target to be killed (or stopped): registers `nbytes`, publishes (descriptor,
     address), swallows messages, and on "check" answers whether every byte is either
-    untouched (0) or what the writer wrote (pattern seed 7): nothing else may land."""
+    untouched (0) or what the writer wrote (pattern seed 7): nothing else may land. On
+    "close" it closes its engine and lives on."""
     os.environ.update(env or {})
     async with afabric.Engine(provider) as eng:
         buf = np.zeros(nbytes, dtype=np.uint8)
@@ -97,6 +98,10 @@ async def victim_target(ctl: Ctl, provider: str, nbytes: int, env: dict[str, str
                     ctl.put(int(np.count_nonzero((buf != 0) & (buf != want))))
                 elif cmd == "zero?":
                     ctl.put(int(np.count_nonzero(buf)))
+                elif cmd == "close":  # the engine goes, the process stays (until "stop")
+                    sink.cancel()
+                    await eng.aclose()
+                    ctl.put("closed")
                 elif cmd == "stop":
                     return True
         finally:

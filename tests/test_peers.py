@@ -211,14 +211,76 @@ async def test_stopped_peer_reported_down_then_up(provider: str, peers: list[Pee
         assert await victim.result() is True
 
 
+HEARTBEAT = 0.1  # s: the engine's keepalive interval in the test below
+
+
+@pytest.mark.timeout(90)
+async def test_silent_peer_then_closed_engine(provider: str, peers: list[Peer], shm_cleanup: None) -> None:
+    """Peers that do not die (issue 18 item 5): with ``heartbeat``, a peer SIGSTOPped (its
+    pidfd says nothing, peer_stop_timeout is off) is reported down "silent" within
+    HEARTBEAT_MISSES + 1 intervals and operations to it fail with PeerUnreachable; after SIGCONT
+    it answers and is up again. Then the peer closes its engine while its process lives on:
+    its goodbye makes it "closed" within 1 s, and a write waiting in the shim (armed) and a
+    new one fail with PeerUnreachable within 1 s (op_timeout is 20 s)."""
+    victim = Peer(victim_target, provider, REGION)
+    peers.append(victim)
+    desc_b, addr_b, pid = await victim.get()
+    desc, addr = afabric.MrDesc.from_bytes(desc_b), afabric.Address.from_bytes(addr_b)
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT, heartbeat=HEARTBEAT) as eng:
+        src = eng.register(np.ones(WRITE, np.uint8))
+        await eng.write(src, desc, WRITE)
+        events = eng.peer_events()
+        assert (await next_event(events, 10)).reason == "resolved"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            down = await next_event(events, 10)
+            took = time.monotonic() - t0
+            print(f"\n{provider}: stopped peer reported silent after {took * 1e3:.0f} ms (heartbeat 100 ms)")
+            assert (down.kind, down.reason, down.address) == ("down", "silent", addr)
+            # documented: 2-4 intervals after the last answer (one came up to an interval before
+            # the stop, later under load); 1 s leaves room for a loaded machine
+            assert HEARTBEAT <= took < DOWN_WITHIN
+            with pytest.raises(errors.PeerUnreachable, match="silent"):
+                await eng.write(src, desc, WRITE)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        up = await next_event(events, 10)
+        assert (up.kind, up.reason) == ("up", "resumed")
+        await asyncio.wait_for(eng.write(src, desc, WRITE), 10)
+        sent = eng.stats()["nics"][0]["ctrl_sent"]
+        assert sent >= afabric.HEARTBEAT_MISSES, sent  # the keepalives, counted apart from sends
+
+        # a write already handed to the shim, armed on an immediate that never comes
+        armed = asyncio.ensure_future(eng.write(src, desc, WRITE, when=afabric.imm_count(eng.alloc_imm(), 1)))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        victim.put("close")
+        down = await next_event(events, DOWN_WITHIN)
+        assert (down.kind, down.reason, down.address) == ("down", "closed", addr)
+        with pytest.raises(errors.PeerUnreachable, match="closed"):
+            await asyncio.wait_for(armed, DOWN_WITHIN)
+        with pytest.raises(errors.PeerUnreachable, match="closed"):
+            await asyncio.wait_for(eng.write(src, desc, WRITE), DOWN_WITHIN)
+        took = time.monotonic() - t0
+        print(f"{provider}: closed engine reported and refused {took * 1e3:.0f} ms after asking it to close")
+        assert took < DOWN_WITHIN
+        assert await victim.get() == "closed"
+        victim.put("stop")
+        assert await victim.result() is True  # the process lived on throughout
+
+
 def test_peer_stop_timeout_checked() -> None:
     for bad in (0, -1, True, "1", 1e9):
         with pytest.raises(errors.InvalidArgument, match="peer_stop_timeout"):
-            asyncio.run(_make(bad))
+            asyncio.run(_make(peer_stop_timeout=bad))
+    for bad in (0, 0.001, -1, True, "1", 1e9):
+        with pytest.raises(errors.InvalidArgument, match="heartbeat"):
+            asyncio.run(_make(heartbeat=bad))
 
 
-async def _make(timeout: object) -> None:
-    async with afabric.Engine("tcp", peer_stop_timeout=timeout):  # type: ignore[arg-type]
+async def _make(**kw: object) -> None:
+    async with afabric.Engine("tcp", **kw):  # type: ignore[arg-type]
         pass
 
 
