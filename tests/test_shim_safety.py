@@ -16,6 +16,7 @@ import pytest
 import afabric
 from afabric import errors
 
+from .conftest import WITH_CMA
 from .procs import Ctl, Peer
 
 # ---- expect_imm cancelled while arrivals stream in (item 12) ----
@@ -181,6 +182,7 @@ async def big_streamer(ctl: Ctl, provider: str) -> list[int]:
     return ok_per_round
 
 
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_no_byte_lands_after_deregister_returns(provider: str, peers: list[Peer]) -> None:
     """A writer streams 8 MiB writes into a region; the target deregisters it mid-stream,
     paints a canary over it at once, keeps progressing for 200 ms and finds the canary
