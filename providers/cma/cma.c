@@ -205,6 +205,22 @@ static void leave(cma_slot *s)
     pthread_mutex_unlock(&s->lock);
 }
 
+/* Enter one of the peer's slots, then check that the entry is still live (in that order:
+ * deregister revokes, then waits for busy slots). 0 with *out entered, or AFP_EKEY. */
+static int enter_live(afp_domain *d, afn_peer *p, const afn_import *im, uint64_t key,
+                      cma_slot **out)
+{
+    cma_slot *s = enter(d, p->seg.hdr);
+    if (atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr, memory_order_seq_cst) !=
+        key >> 32) {
+        leave(s);
+        return DERR(d, AFP_EKEY, "remote key %016llx was deregistered at the target [cma]",
+                    (unsigned long long)key);
+    }
+    *out = s;
+    return 0;
+}
+
 /* Owner: after revoking an entry, wait until no writer can still be copying under the old
  * generation (one that entered before the revocation). */
 static void drain_writers(afp_domain *d)
@@ -257,6 +273,20 @@ static int copy_failed(afp_domain *d, afn_peer *p, const char *what, int e)
     return DERR(d, AFP_EIO, "%s: %s [cma]", what, strerror(e));
 }
 
+/* Consume `done` bytes from iov[i...]; returns the first index with bytes left. */
+static uint32_t skip_iov(struct iovec *iov, uint32_t i, uint64_t done)
+{
+    while (done) {
+        uint64_t k = done < iov[i].iov_len ? done : iov[i].iov_len;
+        iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
+        iov[i].iov_len -= k;
+        done -= k;
+        if (!iov[i].iov_len)
+            i++;
+    }
+    return i;
+}
+
 /* Copy n iovec pairs (equal total length), resuming after partial transfers. */
 static int copy_iov(afp_domain *d, afn_peer *p, bool write, struct iovec *l, struct iovec *r,
                     uint32_t n)
@@ -275,23 +305,8 @@ static int copy_iov(afp_domain *d, afn_peer *p, bool write, struct iovec *l, str
             return copy_failed(d, p, write ? "process_vm_writev" : "process_vm_readv",
                                got < 0 ? errno : EFAULT);
         want -= (uint64_t)got;
-        uint64_t adv = (uint64_t)got; /* skip what was done on both sides */
-        for (uint64_t a = adv; a;) {
-            uint64_t k = a < l[li].iov_len ? a : l[li].iov_len;
-            l[li].iov_base = (uint8_t *)l[li].iov_base + k;
-            l[li].iov_len -= k;
-            a -= k;
-            if (!l[li].iov_len)
-                li++;
-        }
-        for (uint64_t a = adv; a;) {
-            uint64_t k = a < r[ri].iov_len ? a : r[ri].iov_len;
-            r[ri].iov_base = (uint8_t *)r[ri].iov_base + k;
-            r[ri].iov_len -= k;
-            a -= k;
-            if (!r[ri].iov_len)
-                ri++;
-        }
+        li = skip_iov(l, li, (uint64_t)got); /* skip what was done on both sides */
+        ri = skip_iov(r, ri, (uint64_t)got);
     }
     return 0;
 }
@@ -306,13 +321,9 @@ static int one_copy(afp_domain *d, const afp_write *w, bool write)
     if (rc || w->length == 0)
         return rc;
     afn_peer *p = afn_peer_of(&d->c, w->peer);
-    cma_slot *s = enter(d, p->seg.hdr);
-    if (atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr, memory_order_seq_cst) !=
-        w->remote_key >> 32) {
-        leave(s);
-        return DERR(d, AFP_EKEY, "remote key %016llx was deregistered at the target [cma]",
-                    (unsigned long long)w->remote_key);
-    }
+    cma_slot *s = NULL;
+    if ((rc = enter_live(d, p, im, w->remote_key, &s)))
+        return rc;
     struct iovec l = {w->local_addr, w->length};
     struct iovec r = {(void *)(uintptr_t)w->remote_addr, w->length};
     rc = copy_iov(d, p, write, &l, &r, 1);
@@ -365,13 +376,9 @@ static int paged_copy(afp_domain *d, const afp_paged *p)
     if (rc || p->page_len == 0)
         return rc;
     afn_peer *peer = afn_peer_of(&d->c, p->peer);
-    cma_slot *s = enter(d, peer->seg.hdr);
-    if (atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr, memory_order_seq_cst) !=
-        p->remote_key >> 32) {
-        leave(s);
-        return DERR(d, AFP_EKEY, "remote key %016llx was deregistered at the target [cma]",
-                    (unsigned long long)p->remote_key);
-    }
+    cma_slot *s = NULL;
+    if ((rc = enter_live(d, peer, im, p->remote_key, &s)))
+        return rc;
     uint8_t *src = (uint8_t *)p->local_base + p->src_offset;
     uint64_t dst = p->remote_base + p->dst_offset;
     for (uint64_t k = 0; k < p->count && !rc;) {
