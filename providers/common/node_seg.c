@@ -39,6 +39,19 @@ void mb_wake_name(const mb_kind *k, uint64_t token, struct sockaddr_un *sa, sock
     *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
 }
 
+/* Map the whole segment of s->fd (s->kind's size): 0, or -1 with err set. */
+static int map_seg(mb_seg *s, const char *path, char *err, size_t errlen)
+{
+    void *p = mmap(NULL, mb_seg_bytes(s->kind), PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0);
+    if (p == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+        return -1;
+    }
+    s->hdr = p;
+    s->map_len = mb_seg_bytes(s->kind);
+    return 0;
+}
+
 int mb_create(mb_seg *s, const mb_kind *k, uint64_t token, char *err, size_t errlen)
 {
     memset(s, 0, sizeof *s);
@@ -66,13 +79,8 @@ int mb_create(mb_seg *s, const mb_kind *k, uint64_t token, char *err, size_t err
         (void)unlink(tmp);
         goto out_fail;
     }
-    void *p = mmap(NULL, mb_seg_bytes(k), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+    if (map_seg(s, path, err, errlen) != 0)
         goto out_fail;
-    }
-    s->hdr = p;
-    s->map_len = mb_seg_bytes(k);
     mb_header *h = s->hdr;
     if (pthread_mutexattr_init(&ma) != 0) {
         snprintf(err, errlen, "pthread_mutexattr_init failed");
@@ -132,13 +140,8 @@ int mb_attach(mb_seg *s, const mb_kind *k, const char *name, uint64_t token, cha
         snprintf(err, errlen, "peer segment %s is too small (not a %s domain)", path, k->name);
         goto out_fail;
     }
-    void *p = mmap(NULL, mb_seg_bytes(k), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+    if (map_seg(s, path, err, errlen) != 0)
         goto out_fail;
-    }
-    s->hdr = p;
-    s->map_len = mb_seg_bytes(k);
     mb_header *h = s->hdr;
     if (h->magic != k->magic || h->version != MB_VERSION || h->token != token ||
         h->nexports != MB_EXPORTS || h->ring_bytes != MB_RING_BYTES ||
