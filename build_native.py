@@ -12,6 +12,11 @@ build serves every Python version):
   declarations, providers/verbs/vb_verbs.h, and dlopens libibverbs at run time).
 - ``libafabric_nvlink.so`` from ``providers/nvlink/*.c`` -> ``providers/nvlink/afabric_nvlink/``
   (GPU to GPU within a node through CUDA IPC; needs no CUDA to build: it dlopens libcuda).
+- ``libafabric_cma.so`` from ``providers/cma/*.c`` -> ``providers/cma/afabric_cma/`` (host
+  memory within a node by cross-memory attach, process_vm_writev).
+
+nvlink and cma are both built from ``providers/common/*.c`` too (the node-local segment,
+mailbox, liveness and wakeups they share).
 
 Used by ``setup.py`` (``pip install .`` calls :func:`build` from its build_py step) and
 directly::
@@ -43,15 +48,19 @@ SHIM_DIR = ROOT / "shim"
 OFI_DIR = ROOT / "providers" / "ofi"
 VERBS_DIR = ROOT / "providers" / "verbs"
 NVLINK_DIR = ROOT / "providers" / "nvlink"
+CMA_DIR = ROOT / "providers" / "cma"
+COMMON_DIR = ROOT / "providers" / "common"
 
 SHIM_NAME = "libafabric_shim.so"
 OFI_NAME = "libafabric_ofi.so"
 VERBS_NAME = "libafabric_verbs.so"
 NVLINK_NAME = "libafabric_nvlink.so"
+CMA_NAME = "libafabric_cma.so"
 DEFAULT_SHIM_OUT = ROOT / "afabric" / "_lib"
 DEFAULT_OFI_OUT = OFI_DIR / "afabric_ofi"
 DEFAULT_VERBS_OUT = VERBS_DIR / "afabric_verbs"
 DEFAULT_NVLINK_OUT = NVLINK_DIR / "afabric_nvlink"
+DEFAULT_CMA_OUT = CMA_DIR / "afabric_cma"
 
 BASE_FLAGS = [
     "-std=c11",
@@ -88,21 +97,23 @@ class Library:
     src_dir: Path
     default_out: Path
     needs_libfabric: bool
+    shared: tuple[Path, ...] = ()  # directories of sources compiled into it as well
 
     def sources(self) -> list[Path]:
         # Every .c file here is library code: the standalone C tests and the fuzzer live in
         # tests/native/.
-        return sorted(self.src_dir.glob("*.c"))
+        return sorted(p for d in (self.src_dir, *self.shared) for p in d.glob("*.c"))
 
     def headers(self) -> list[Path]:
-        return sorted(self.src_dir.glob("*.h"))
+        return sorted(p for d in (self.src_dir, *self.shared) for p in d.glob("*.h"))
 
 
 SHIM = Library(SHIM_NAME, SHIM_DIR, DEFAULT_SHIM_OUT, needs_libfabric=False)
 OFI = Library(OFI_NAME, OFI_DIR, DEFAULT_OFI_OUT, needs_libfabric=True)
 # The verbs provider carries its own libibverbs declarations (vb_verbs.h): no -dev package.
 VERBS = Library(VERBS_NAME, VERBS_DIR, DEFAULT_VERBS_OUT, needs_libfabric=False)
-NVLINK = Library(NVLINK_NAME, NVLINK_DIR, DEFAULT_NVLINK_OUT, needs_libfabric=False)
+NVLINK = Library(NVLINK_NAME, NVLINK_DIR, DEFAULT_NVLINK_OUT, needs_libfabric=False, shared=(COMMON_DIR,))
+CMA = Library(CMA_NAME, CMA_DIR, DEFAULT_CMA_OUT, needs_libfabric=False, shared=(COMMON_DIR,))
 
 
 def compiler() -> list[str]:
@@ -241,9 +252,10 @@ def build(
     sanitize: bool = False,
     debug: bool = False,
     verbose: bool = False,
-    only: Sequence[str] = ("shim", "ofi", "verbs", "nvlink"),
+    only: Sequence[str] = ("shim", "ofi", "verbs", "nvlink", "cma"),
     out_dir_verbs: str | os.PathLike[str] | None = None,
     out_dir_nvlink: str | os.PathLike[str] | None = None,
+    out_dir_cma: str | os.PathLike[str] | None = None,
 ) -> dict[str, Path]:
     """Build the shim and/or the providers; returns {"shim": path, "ofi": path, "verbs": path}.
 
@@ -251,13 +263,15 @@ def build(
     goes next to the libfabric one when only out_dir_ofi is given (``--out DIR``). Serial
     on purpose (one compiler at a time). Raises BuildError with the compiler's output.
     """
-    unknown = set(only) - {"shim", "ofi", "verbs", "nvlink"}
+    unknown = set(only) - {"shim", "ofi", "verbs", "nvlink", "cma"}
     if unknown:
-        raise BuildError(f"unknown library {sorted(unknown)}; choose from shim, ofi, verbs, nvlink")
+        raise BuildError(f"unknown library {sorted(unknown)}; choose from shim, ofi, verbs, nvlink, cma")
     if out_dir_verbs is None:
         out_dir_verbs = out_dir_ofi
     if out_dir_nvlink is None:
         out_dir_nvlink = out_dir_ofi
+    if out_dir_cma is None:
+        out_dir_cma = out_dir_ofi
     if "shim" in only:
         check_generated_abi()
     out: dict[str, Path] = {}
@@ -266,6 +280,7 @@ def build(
         ("ofi", OFI, out_dir_ofi),
         ("verbs", VERBS, out_dir_verbs),
         ("nvlink", NVLINK, out_dir_nvlink),
+        ("cma", CMA, out_dir_cma),
     ):
         if key in only:
             out[key] = build_library(lib, dest, sanitize=sanitize, debug=debug, verbose=verbose)
@@ -304,6 +319,7 @@ ENV_VARS = {
     "ofi": "AFABRIC_OFI_LIB",
     "verbs": "AFABRIC_VERBS_LIB",
     "nvlink": "AFABRIC_NVLINK_LIB",
+    "cma": "AFABRIC_CMA_LIB",
 }
 
 
@@ -318,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--debug", action="store_true", help="-O0 -g3")
     ap.add_argument(
         "--only",
-        choices=("shim", "ofi", "verbs", "nvlink"),
+        choices=("shim", "ofi", "verbs", "nvlink", "cma"),
         action="append",
         help="build just this library (repeatable; default: both)",
     )
@@ -337,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sanitize=ns.sanitize,
             debug=ns.debug,
             verbose=ns.verbose,
-            only=tuple(ns.only or ("shim", "ofi", "verbs", "nvlink")),
+            only=tuple(ns.only or ("shim", "ofi", "verbs", "nvlink", "cma")),
         )
         if ns.print_env:
             env = sanitizer_env(built["shim"], built.get("ofi")) if ns.sanitize and "shim" in built else {}

@@ -3,12 +3,13 @@
 - ``build_py`` also compiles the native libraries (build_native.py) straight into the
   build tree, so they land in the wheel as package data: afabric/_lib/libafabric_shim.so
   afabric_ofi/libafabric_ofi.so, afabric_verbs/libafabric_verbs.so and
-  afabric_nvlink/libafabric_nvlink.so.
+  afabric_nvlink/libafabric_nvlink.so and afabric_cma/libafabric_cma.so.
 - The wheel is platform-tagged but Python-version independent (``py3-none-linux_x86_64``):
   the libraries are loaded with ctypes, they are not CPython extensions.
 - ``afabric_ofi`` (the first-party libfabric provider plugin) lives in providers/ofi/,
   ``afabric_verbs`` (the libibverbs one) in providers/verbs/, ``afabric_nvlink`` (CUDA IPC
-  between the GPUs of a node) in providers/nvlink/.
+  between the GPUs of a node) in providers/nvlink/, ``afabric_cma`` (cross-memory attach
+  within a node) in providers/cma/.
 """
 
 from __future__ import annotations
@@ -52,15 +53,17 @@ class BuildPyWithNative(build_py):
             shim_dir, ofi_dir = bn.DEFAULT_SHIM_OUT, bn.DEFAULT_OFI_OUT
             verbs_dir = bn.DEFAULT_VERBS_OUT
             nvlink_dir = bn.DEFAULT_NVLINK_OUT
+            cma_dir = bn.DEFAULT_CMA_OUT
         else:
             shim_dir = Path(self.build_lib) / "afabric" / "_lib"
             ofi_dir = Path(self.build_lib) / "afabric_ofi"
             verbs_dir = Path(self.build_lib) / "afabric_verbs"
             nvlink_dir = Path(self.build_lib) / "afabric_nvlink"
+            cma_dir = Path(self.build_lib) / "afabric_cma"
         try:
             built = bn.build(
                 shim_dir, ofi_dir, out_dir_verbs=verbs_dir, out_dir_nvlink=nvlink_dir,
-                verbose=bool(self.verbose),
+                out_dir_cma=cma_dir, verbose=bool(self.verbose),
             )
         except bn.BuildError as e:
             raise CompileError(f"afabric: native build failed: {e}") from e
@@ -96,16 +99,19 @@ package_data: dict[str, Any] = {
     "afabric_ofi": ["*.so"],
     "afabric_verbs": ["*.so"],
     "afabric_nvlink": ["*.so"],
+    "afabric_cma": ["*.so"],
 }
 
 setup(
     packages=[
         *find_packages(include=["afabric", "afabric.*"]), "afabric_ofi", "afabric_verbs", "afabric_nvlink",
+        "afabric_cma",
     ],
     package_dir={
         "afabric_ofi": "providers/ofi/afabric_ofi",
         "afabric_verbs": "providers/verbs/afabric_verbs",
         "afabric_nvlink": "providers/nvlink/afabric_nvlink",
+        "afabric_cma": "providers/cma/afabric_cma",
     },
     package_data=package_data,
     zip_safe=False,

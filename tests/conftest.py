@@ -18,6 +18,9 @@ except ImportError:  # pragma: no cover - uvloop is a test dependency
     uvloop = None
 
 PROVIDERS = ["tcp", "shm"]
+# The few most informative provider-matrix tests also run on the first-party cma provider
+# (same host, process_vm_writev): @pytest.mark.parametrize("provider", WITH_CMA).
+WITH_CMA = [*PROVIDERS, "cma"]
 
 
 def libfabric_version() -> tuple[int, int]:

@@ -15,7 +15,7 @@ import pytest
 import afabric
 from afabric import errors
 
-from .conftest import libfabric_version
+from .conftest import WITH_CMA, libfabric_version
 
 
 @pytest.fixture
@@ -106,6 +106,7 @@ async def test_pages_checked(pair: tuple[afabric.Engine, afabric.Engine]) -> Non
     await assert_no_arrival(b, imm)
 
 
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_descriptors_truncated_forged_foreign(pair: tuple[afabric.Engine, afabric.Engine]) -> None:
     a, b = pair
     dst = np.zeros(4096, dtype=np.uint8)

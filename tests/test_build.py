@@ -169,6 +169,7 @@ def test_wheel_builds_without_rdma_core_headers(built_wheel: tuple[Path, str]) -
         "afabric_ofi/libafabric_ofi.so",
         "afabric_verbs/libafabric_verbs.so",
         "afabric_nvlink/libafabric_nvlink.so",
+        "afabric_cma/libafabric_cma.so",
     ):
         assert lib in names, sorted(names)
 

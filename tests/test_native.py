@@ -361,7 +361,7 @@ def header_api() -> set[str]:
 
 def test_builds_are_warning_free_by_default(release_build: dict[str, Path]) -> None:
     """The release build (the fixture) compiled with these flags, so without a warning."""
-    assert set(release_build) == {"shim", "ofi", "verbs", "nvlink"}
+    assert set(release_build) == {"shim", "ofi", "verbs", "nvlink", "cma"}
     for mode in ({}, {"sanitize": True}, {"debug": True}):
         flags = bn.flags(**mode)
         for flag in ("-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"):
@@ -380,5 +380,5 @@ def test_shim_exports_only_its_api(release_build: dict[str, Path]) -> None:
 
 
 def test_provider_exports_only_get_ops(release_build: dict[str, Path]) -> None:
-    for provider in ("ofi", "verbs", "nvlink"):
+    for provider in ("ofi", "verbs", "nvlink", "cma"):
         assert exported(release_build[provider]) == {"afp_get_ops"}, provider

@@ -16,7 +16,7 @@ import pytest
 import afabric
 from afabric import _native, errors, testing
 
-from .conftest import libfabric_version, loop_name
+from .conftest import WITH_CMA, libfabric_version, loop_name
 from .procs import Ctl, Peer
 
 MiB = 1 << 20
@@ -108,7 +108,10 @@ async def stop(p: Peer, untouched: int) -> None:
 
 
 @pytest.mark.both_loops
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_contiguous_reads_are_byte_exact(provider: str, peers: list[Peer]) -> None:
+    if provider == "cma" and loop_name() != "asyncio":
+        pytest.skip("cma: one variant is enough (the suite's time budget)")
     total, chunk = 64 * MiB, MiB
     p, (desc,) = await start_source(peers, provider, [(total, 7, "r")])
     assert desc.access == "r" and desc.length == total
@@ -339,6 +342,8 @@ def expect_refused(provider: str, seen: str) -> None:
     """How each provider reports a refused one-sided access (see test_access.py)."""
     if provider == "tcp":
         assert seen.startswith("TransportError") or seen.startswith("RemoteKeyRejected"), seen
+    elif provider == "cma":  # the writer checks the target's export table itself
+        assert seen.startswith("RemoteKeyRejected"), seen
     elif libfabric_version() < (2, 0):
         assert seen.startswith("OperationTimeout"), seen  # 1.17 shm drops it without a completion
 
@@ -351,6 +356,7 @@ async def outcome(op: Any) -> str:
     return "ok"
 
 
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_provider_refuses_a_write_into_a_read_only_region(provider: str, peers: list[Peer]) -> None:
     """A descriptor of an "r" region forged to say "rw" passes the initiator's check; the
     target's provider (registered without FI_REMOTE_WRITE) refuses the write."""
@@ -369,10 +375,12 @@ def _read_access_enforced(provider: str) -> bool:
     """Measured: only libfabric 2.x tcp refuses a remote read the region was not registered
     for. 1.17's tcp;ofi_rxm registers every region FI_REMOTE_READ (its rendezvous reads);
     1.17's shm reads through CMA from the initiator without checking the key at all; 2.5.1's
-    shm reports the refused read as a success (nothing read). README, Security."""
-    return provider == "tcp" and libfabric_version() >= (2, 0)
+    shm reports the refused read as a success (nothing read). README, Security. cma checks
+    the target's export entry (its access bits) before every read."""
+    return provider == "cma" or (provider == "tcp" and libfabric_version() >= (2, 0))
 
 
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_provider_refuses_a_read_of_a_write_only_region(
     provider: str, peers: list[Peer], request: Any
 ) -> None:
@@ -390,8 +398,9 @@ async def test_provider_refuses_a_read_of_a_write_only_region(
     await stop(p, 1)
 
 
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_read_after_deregister_fails(provider: str, peers: list[Peer], request: Any) -> None:
-    if provider != "tcp":
+    if provider not in ("tcp", "cma"):
         request.applymarker(
             pytest.mark.xfail(
                 strict=True, reason="shm 1.17 reads revoked regions (CMA); 2.5.1 reports success"

@@ -22,7 +22,7 @@ from afabric.errors import AfabricError, PluginError, ProviderUnavailable
 from afabric.provider import PROVIDER_ABI_MAJOR, ProviderSpec
 
 FIRST_PARTY = {"efa", "tcp", "shm"}  # the libfabric plugin (afabric_ofi)
-OTHER_FIRST_PARTY = {"verbs", "nvlink"}  # afabric_verbs, afabric_nvlink
+OTHER_FIRST_PARTY = {"verbs", "nvlink", "cma"}  # afabric_verbs, afabric_nvlink, afabric_cma
 PLUGIN_MODULE = "afabric_test_broken_plugins"
 
 

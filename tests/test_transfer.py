@@ -4,6 +4,8 @@ immediates are counted, nothing is lost."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import pytest
 import afabric
 from afabric import errors
 
-from .conftest import libfabric_version, loop_name
+from .conftest import WITH_CMA, libfabric_version, loop_name
 from .procs import Ctl, Peer
 
 MiB = 1 << 20
@@ -103,9 +105,17 @@ async def echo_server(ctl: Ctl, provider: str, rounds: int) -> int:
 # ---- tests ----
 
 
+def skip_cma_variant(provider: str, plain: bool = False) -> None:
+    """cma runs each of these once (asyncio, with immediates): the suite's time budget."""
+    if provider == "cma" and (plain or loop_name() != "asyncio"):
+        pytest.skip("cma: one variant is enough")
+
+
 @pytest.mark.both_loops
 @pytest.mark.parametrize("use_imm", [False, True], ids=["plain", "imm"])
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_64mib_in_chunks(provider: str, use_imm: bool, peers: list[Peer]) -> None:
+    skip_cma_variant(provider, plain=not use_imm)
     total, chunk = 64 * MiB, 1 * MiB
     nchunks = total // chunk
     p = Peer(target_region, provider, total, use_imm, nchunks, 7, loop=loop_name())
@@ -130,7 +140,9 @@ async def test_64mib_in_chunks(provider: str, use_imm: bool, peers: list[Peer]) 
 
 
 @pytest.mark.both_loops
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_10000_shuffled_pages(provider: str, peers: list[Peer]) -> None:
+    skip_cma_variant(provider)
     npages, page_len, seed = 10_000, 256, 99
     p = Peer(paged_target, provider, npages, page_len, seed, loop=loop_name())
     peers.append(p)
@@ -166,7 +178,9 @@ async def test_early_arrivals_are_kept(provider: str, peers: list[Peer]) -> None
 
 
 @pytest.mark.both_loops
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_send_recv_round_trips(provider: str, peers: list[Peer]) -> None:
+    skip_cma_variant(provider)
     async with afabric.Engine(provider) as eng:
         header = len(frame(eng.address, b""))
         # up to one receive buffer, then larger: fragments after a handshake (messages.py)
@@ -192,6 +206,7 @@ async def sink(ctl: Ctl, provider: str, nbytes: int) -> None:
         await asyncio.sleep(3600)
 
 
+@pytest.mark.parametrize("provider", WITH_CMA)
 async def test_killed_target_fails_futures_and_engine_lives_on(
     provider: str, peers: list[Peer], shm_cleanup: None
 ) -> None:
@@ -255,3 +270,59 @@ async def test_killed_target_fails_futures_and_engine_lives_on(
         assert await other.result() is True
         if survivor is not eng:
             await survivor.aclose()
+
+
+
+async def undumpable_target(ctl: Ctl, provider: str) -> None:
+    """Registers a region, then makes itself non-dumpable (prctl PR_SET_DUMPABLE 0): from
+    then on no process without CAP_SYS_PTRACE may process_vm_writev into it."""
+    async with afabric.Engine(provider) as eng:
+        buf = np.zeros(4096, dtype=np.uint8)
+        mr = eng.register(buf)
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+        ctl.put(bytes(mr.descriptor))
+        assert await ctl.get() == "stop"
+        assert not buf.any()
+
+
+async def demoted_writer(ctl: Ctl, provider: str, blob: bytes) -> str:
+    """Writes the first half of a region, drops root for nobody (its target stays root, so
+    the kernel refuses the copies from then on) and tries the second half."""
+    desc = afabric.MrDesc.from_bytes(blob)
+    async with afabric.Engine(provider, op_timeout=5.0) as eng:
+        src = eng.register(np.full(4096, 0xAB, dtype=np.uint8), remote=False)
+        await eng.write(src, desc, 2048)
+        os.setgid(65534)
+        os.setuid(65534)
+        try:
+            await asyncio.wait_for(eng.write(src, desc, 2048, src_offset=2048, dst_offset=2048), 30)
+        except errors.TransportError as e:
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+
+async def test_cma_copy_refused_by_the_kernel_fails_the_write(peers: list[Peer]) -> None:
+    """cma: a copy the kernel refuses at run time (EPERM: as root, a writer that dropped to
+    another uid; otherwise a target that turned non-dumpable after open) fails the operation
+    with an error that says why, and nothing lands."""
+    if os.geteuid() == 0:
+        async with afabric.Engine("cma") as eng:
+            buf = np.zeros(4096, dtype=np.uint8)
+            mr = eng.register(buf)
+            p = Peer(demoted_writer, "cma", bytes(mr.descriptor))
+            peers.append(p)
+            seen = await p.result(timeout=60)
+            print(f"\ncma: write after the writer dropped root -> {seen}")
+            assert seen.startswith("TransportError") and "EPERM" in seen, seen
+            assert (buf[:2048] == 0xAB).all() and not buf[2048:].any()
+        return
+    p = Peer(undumpable_target, "cma")
+    peers.append(p)
+    desc = afabric.MrDesc.from_bytes(await p.get())
+    async with afabric.Engine("cma", op_timeout=5.0) as eng:
+        src = eng.register(np.full(4096, 0xAB, dtype=np.uint8), remote=False)
+        with pytest.raises(errors.TransportError, match="EPERM"):
+            await asyncio.wait_for(eng.write(src, desc, 4096), 30)
+    p.put("stop")
+    await p.result()

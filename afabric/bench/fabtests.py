@@ -42,6 +42,17 @@ def check_dir(path: str) -> str | None:
     return None
 
 
+# afabric providers that are not libfabric ones, and the libfabric provider whose fabtests
+# are their C reference on the same machine: cma (cross-memory attach within a host) is
+# compared with libfabric's same-host provider, shm.
+REFERENCE = {"cma": "shm"}
+
+
+def reference_fabric(provider: str, fabric: str) -> str:
+    """The libfabric provider fi_rma_bw/fi_rdm_pingpong run on beside afabric's `provider`."""
+    return REFERENCE.get(provider, fabric)
+
+
 def rma_iters(size: int, quick: bool) -> int:
     """fi_rma_bw iterations for one size (as the fabtests pair.sh picks them)."""
     n = 500 if size >= 16 << 20 else 4000 if size >= 1 << 20 else 20000

@@ -413,7 +413,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             async with harness.watch(target):  # a target that dies fails the run at once
                 desc_blob = await target.arecv(60)
-                args.provider, args.fabric = provider, fabric
+                args.provider, args.fabric = provider, fabtests.reference_fabric(provider, fabric)
                 if args.fabtests and not fabric:
                     raise RuntimeError(f"--fabtests: provider {provider} is not a libfabric one")
                 rows, lat, eng = await _measure(args, desc_blob)
@@ -428,6 +428,9 @@ def main(args: argparse.Namespace) -> int:
         f"afabric bench p2p — provider {args.provider} ({fabric}), loop {loop}, polling {args.polling}, "
         f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}"
     )
+    if args.fabtests and args.fabric != fabric:
+        ref = args.fabric
+        header += f"\nfabtests reference: libfabric {ref} (fi_rma_bw/fi_rdm_pingpong -p {ref})"
     print(render(rows, lat, header))
     if report.wants_doc(args):
         doc = {

@@ -3,7 +3,8 @@
  * through CUDA IPC, with the transport contract of the other providers.
  *
  *  - Registering device memory exports it: the CUDA IPC handle of the allocation holding it
- *    goes into an entry of this domain's export table (shared memory, nvl_mbox.h); the
+ *    goes into an entry of this domain's export table (shared memory,
+ *    ../common/node_seg.h); the
  *    region's key names the entry and its generation, so deregistration revokes at once.
  *  - A peer's address names its segment. On the first write to a (peer, key) the writer
  *    reads the entry, opens the IPC handle (once per process: nvl_cuda.c) and caches the
@@ -21,42 +22,42 @@
  *
  * Threading: every call on a domain comes from the shim's worker thread (ABI rule), so
  * the domain needs no lock; only the peer-facing mailbox is shared, under its own mutex.
+ *
+ * The CPU side that is not CUDA's (segment, export table, mailbox, peers and their
+ * liveness, imports, completions, send/recv, addresses) is ../common/node_core.c, shared
+ * with the cma provider.
  */
 #include <errno.h>
-#include <poll.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "../common/node_core.h"
 #include "afabric_provider.h"
 #include "nvl_copy_ptx.h"
 #include "nvl_cuda.h"
-#include "nvl_mbox.h"
 
 #define NVL_MAX_DEV 16u
 #define NVL_STREAMS 4u            /* per source GPU, taken in turn by post calls */
 #define NVL_STAGE_BYTES (8u << 20) /* per stream: page indices of paged writes in flight */
 #define NVL_BLOCK 256u             /* copy kernel: 8 warps per block, one page per warp */
 #define NVL_ADDR_MAGIC 0x314c564eu /* "NVL1" */
-#define NVL_LIVENESS_NS 200000ull  /* a peer's flock is probed at most every 200 us */
 #define NVL_MAX_WRITE (1ull << 40)
 
 /* ------------------------------------------------------------------------------------ */
 /* Types                                                                                 */
 
-typedef struct nvl_addr {
-    uint32_t magic;
-    uint32_t version;
-    uint64_t token;
-    uint8_t boot_id[16]; /* same node (kernel boot) as us? */
-    char seg[MB_NAME_LEN];
-} nvl_addr;
+_Static_assert(sizeof(CUipcMemHandle) == MB_HANDLE_BYTES, "an export entry holds one IPC handle");
+
+static const mb_kind NVL_KIND = {
+    .tag = ":afabric-nvl-",
+    .wake = "afabric-nvl-",
+    .name = "nvlink",
+    .magic = 0x314c564e31414641ull, /* "AFA1NVL1" */
+    .extra_bytes = 0,
+};
 
 struct afp_mr {
     int32_t device; /* -1: host memory (local source only) */
@@ -65,36 +66,13 @@ struct afp_mr {
     uint64_t addr, len;
 };
 
-typedef struct nvl_peer {
-    bool used, dead;
-    mb_seg seg;
-    uint64_t token;
-    uint64_t checked_ns;
-    struct sockaddr_un wake;
-    socklen_t wake_len;
-} nvl_peer;
-
-typedef struct nvl_import {
-    uint64_t peer, key; /* 0 key: empty slot */
-    uint64_t gen_addr;  /* where the entry's generation lives (the peer's mapping) */
-    uint64_t base, len; /* owner's registered range */
-    int64_t delta;      /* our address = owner's address + delta */
-    uint32_t access;    /* what the owner allows: AFP_MR_REMOTE | AFP_MR_REMOTE_READ */
-    bool tomb;
-} nvl_import;
-
 typedef struct nvl_map { /* an IPC mapping this domain holds a reference to */
     uint64_t peer;
     CUdeviceptr mapped;
 } nvl_map;
 
 typedef struct nvl_op {
-    uint64_t ctx;
-    uint64_t peer;
-    uint64_t arrivals; /* immediates to deliver once the copy completed (0: none) */
-    uint32_t imm;
-    int32_t status;
-    char *text;
+    afn_op o; /* ctx, peer, immediates to deliver once the copy completed, status */
     CUdeviceptr big_dev; /* page indices of an oversized paged write, freed with the batch */
     void *big_host;
 } nvl_op;
@@ -131,111 +109,27 @@ typedef struct nvl_dev {
     uint32_t nfree_events, free_events_cap;
 } nvl_dev;
 
-typedef struct nvl_ev { /* a completion waiting to be handed to the shim */
-    uint32_t kind, op;
-    int32_t status;
-    uint32_t imm;
-    uint64_t ctx, len;
-    char *text;
-} nvl_ev;
-
-typedef struct nvl_recv {
-    void *buf;
-    uint64_t len, ctx;
-} nvl_recv;
-
 struct afp_domain {
     const struct afnv_cuda *cu;
     int home; /* the GPU named at open: IPC mappings for host sources are made there */
     int ndev;
     nvl_dev dev[NVL_MAX_DEV];
-    uint64_t token;
-    uint8_t boot_id[16];
-    mb_seg seg;     /* ours */
-    int wake_fd;    /* bound to our abstract name: the wait fd */
-    int send_fd;    /* for waking peers */
-    uint32_t free_exports, next_export; /* export slots: free list through export_next */
-    uint32_t *export_next;
-
-    nvl_peer *peers;
-    uint32_t npeers, peers_cap;
-    nvl_import *imports;
-    uint32_t imp_cap, imp_len; /* open addressing, power of two */
+    afn_core c; /* segment, peers, imports, completions, mailbox: node_core.h */
     nvl_map *maps;
     uint32_t nmaps, maps_cap;
 
     uint64_t inflight; /* batches open or not yet complete */
-    nvl_op *held;      /* completed copies whose immediate waits for mailbox room */
-    uint32_t nheld, held_cap;
-    nvl_ev *evq;       /* ring of completions for poll */
-    uint32_t evq_head, evq_len, evq_cap;
-    nvl_recv *rq;      /* posted receives, FIFO ring */
-    uint32_t rq_head, rq_len, rq_cap;
     nvl_batch *free_batches;
-
-    char errbuf[AFP_ERRTEXT_LEN];
 };
 
 /* ------------------------------------------------------------------------------------ */
 /* Errors and small helpers                                                              */
 
-#define DERR(d, code, ...) (afp_errf((d)->errbuf, sizeof (d)->errbuf, __VA_ARGS__), (code))
+#define DERR(d, code, ...) AFN_ERR(&(d)->c, code, __VA_ARGS__)
 
 static int cuda_fail(afp_domain *d, int code, const char *what, CUresult r)
 {
     return DERR(d, code, "%s: %s (CUresult %d) [nvlink]", what, afnv_cuda_errstr(d->cu, r), r);
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void read_boot_id(uint8_t out[16])
-{
-    memset(out, 0, 16);
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (!f)
-        return;
-    char line[64] = "";
-    if (fgets(line, sizeof line, f)) {
-        uint32_t n = 0;
-        for (char *p = line; *p && n < 32; p++) {
-            int v = (*p >= '0' && *p <= '9') ? *p - '0'
-                    : (*p >= 'a' && *p <= 'f') ? *p - 'a' + 10
-                                               : -1;
-            if (v < 0)
-                continue;
-            out[n / 2] |= (uint8_t)(n % 2 ? v : v << 4);
-            n++;
-        }
-    }
-    fclose(f);
-}
-
-static void wake_name(uint64_t token, struct sockaddr_un *sa, socklen_t *len)
-{
-    memset(sa, 0, sizeof *sa);
-    sa->sun_family = AF_UNIX;
-    /* abstract namespace: sun_path[0] = 0, nothing left on the file system */
-    int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "afabric-nvl-%016llx",
-                     (unsigned long long)token);
-    *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
-}
-
-static void *grow(void *p, uint32_t *cap, uint32_t need, size_t elem)
-{
-    if (need <= *cap)
-        return p;
-    uint32_t c = *cap ? *cap : 16;
-    while (c < need)
-        c *= 2;
-    void *q = realloc(p, (size_t)c * elem);
-    if (q)
-        *cap = c;
-    return q;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -450,184 +344,12 @@ static void dev_release(afp_domain *d, nvl_dev *v)
 /* ------------------------------------------------------------------------------------ */
 /* Completions                                                                           */
 
-static void push_ev(afp_domain *d, uint32_t kind, int32_t status, uint64_t ctx, uint32_t imm,
-                    uint64_t len, uint32_t op, char *text)
-{
-    if (d->evq_len == d->evq_cap) {
-        uint32_t cap = d->evq_cap ? d->evq_cap * 2 : 256;
-        nvl_ev *q = malloc((size_t)cap * sizeof *q);
-        if (!q) { /* cannot queue it: the shim's op timeout fails the operation */
-            free(text);
-            return;
-        }
-        for (uint32_t i = 0; i < d->evq_len; i++)
-            q[i] = d->evq[(d->evq_head + i) % d->evq_cap];
-        free(d->evq);
-        d->evq = q;
-        d->evq_cap = cap;
-        d->evq_head = 0;
-    }
-    nvl_ev *e = &d->evq[(d->evq_head + d->evq_len) % d->evq_cap];
-    *e = (nvl_ev){kind, op, status, imm, ctx, len, text};
-    d->evq_len++;
-}
-
-static char *dup_text(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static char *dup_text(const char *fmt, ...)
-{
-    char buf[AFP_ERRTEXT_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    return strdup(buf);
-}
-
-static void write_failed(afp_domain *d, uint64_t ctx, int status, char *text)
-{
-    push_ev(d, AFP_EV_ERROR, status, ctx, 0, 0, AFP_EV_WRITE_DONE, text);
-}
-
 /* ------------------------------------------------------------------------------------ */
-/* Peers                                                                                 */
-
-static nvl_peer *peer_of(afp_domain *d, uint64_t handle)
-{
-    if (handle == 0 || handle > d->npeers || !d->peers[handle - 1].used)
-        return NULL;
-    return &d->peers[handle - 1];
-}
-
-/* Alive, as far as we can tell at most NVL_LIVENESS_NS ago. */
-static bool peer_alive(nvl_peer *p, bool force)
-{
-    if (p->dead)
-        return false;
-    uint64_t t = now_ns();
-    if (force || t - p->checked_ns > NVL_LIVENESS_NS) {
-        p->checked_ns = t;
-        if (!mb_alive(&p->seg))
-            p->dead = true;
-    }
-    return !p->dead;
-}
-
-static void wake_peer(afp_domain *d, nvl_peer *p)
-{
-    if (!atomic_load_explicit(&p->seg.hdr->sleeping, memory_order_acquire) || d->send_fd < 0)
-        return;
-    char one = 1;
-    (void)sendto(d->send_fd, &one, 1, MSG_DONTWAIT, (struct sockaddr *)&p->wake, p->wake_len);
-}
-
-/* Deliver `arrivals` of an immediate. 0, AFP_EAGAIN (mailbox full) or AFP_EPEER. */
-static int deliver_imm(afp_domain *d, uint64_t peer, uint32_t imm, uint64_t arrivals)
-{
-    nvl_peer *p = peer_of(d, peer);
-    if (!p || !peer_alive(p, false))
-        return AFP_EPEER;
-    int rc = mb_push(p->seg.hdr, MB_REC_IMM, imm, arrivals, NULL, 0);
-    if (rc == -EAGAIN)
-        return peer_alive(p, true) ? AFP_EAGAIN : AFP_EPEER;
-    wake_peer(d, p);
-    return 0;
-}
-
-static void finish_op(afp_domain *d, nvl_op *op)
-{
-    if (op->status) {
-        write_failed(d, op->ctx, op->status, op->text);
-        op->text = NULL;
-        return;
-    }
-    if (op->arrivals) {
-        int rc = deliver_imm(d, op->peer, op->imm, op->arrivals);
-        if (rc == AFP_EAGAIN) { /* the target is not draining: retry on the next poll */
-            nvl_op *h = grow(d->held, &d->held_cap, d->nheld + 1, sizeof *h);
-            if (h) {
-                d->held = h;
-                d->held[d->nheld++] = *op;
-                return;
-            }
-            rc = AFP_ENOMEM;
-        }
-        if (rc) {
-            write_failed(d, op->ctx, rc,
-                         dup_text("immediate %u not delivered: %s [nvlink]", op->imm,
-                                  rc == AFP_EPEER ? "target process is gone" : "out of memory"));
-            return;
-        }
-    }
-    push_ev(d, AFP_EV_WRITE_DONE, 0, op->ctx, 0, 0, 0, NULL);
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Imports: (peer, key) -> our address for the peer's region                             */
-
-static uint64_t imp_hash(uint64_t peer, uint64_t key)
-{
-    uint64_t x = key ^ (peer * 0x9e3779b97f4a7c15ull);
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    return x;
-}
-
-static nvl_import *imp_find(afp_domain *d, uint64_t peer, uint64_t key)
-{
-    if (!d->imp_cap)
-        return NULL;
-    uint32_t mask = d->imp_cap - 1;
-    for (uint32_t i = (uint32_t)imp_hash(peer, key) & mask, n = 0; n < d->imp_cap;
-         i = (i + 1) & mask, n++) {
-        nvl_import *e = &d->imports[i];
-        if (!e->key && !e->tomb)
-            return NULL;
-        if (!e->tomb && e->key == key && e->peer == peer)
-            return e;
-    }
-    return NULL;
-}
-
-static nvl_import *imp_insert(afp_domain *d, uint64_t peer, uint64_t key)
-{
-    if ((d->imp_len + 1) * 2 > d->imp_cap) {
-        uint32_t cap = d->imp_cap ? d->imp_cap * 2 : 256;
-        nvl_import *old = d->imports;
-        uint32_t old_cap = d->imp_cap;
-        nvl_import *t = calloc(cap, sizeof *t);
-        if (!t)
-            return NULL;
-        d->imports = t;
-        d->imp_cap = cap;
-        d->imp_len = 0;
-        for (uint32_t i = 0; i < old_cap; i++)
-            if (old[i].key && !old[i].tomb) {
-                nvl_import *e = imp_insert(d, old[i].peer, old[i].key);
-                *e = old[i];
-            }
-        free(old);
-    }
-    uint32_t mask = d->imp_cap - 1;
-    uint32_t i = (uint32_t)imp_hash(peer, key) & mask;
-    while (d->imports[i].key && !d->imports[i].tomb)
-        i = (i + 1) & mask;
-    nvl_import *e = &d->imports[i];
-    memset(e, 0, sizeof *e);
-    e->peer = peer;
-    e->key = key;
-    d->imp_len++;
-    return e;
-}
-
-static void imp_remove(nvl_import *e)
-{
-    e->tomb = true;
-}
+/* Imports: (peer, key) -> our address for the peer's region (node_core.c)              */
 
 static int remember_map(afp_domain *d, uint64_t peer, CUdeviceptr mapped)
 {
-    nvl_map *m = grow(d->maps, &d->maps_cap, d->nmaps + 1, sizeof *m);
+    nvl_map *m = afn_grow(d->maps, &d->maps_cap, d->nmaps + 1, sizeof *m);
     if (!m)
         return AFP_ENOMEM;
     d->maps = m;
@@ -635,22 +357,24 @@ static int remember_map(afp_domain *d, uint64_t peer, CUdeviceptr mapped)
     return 0;
 }
 
-/* Copy a live export entry out of the peer's table (seqlock): 0, or AFP_EKEY if the key
- * does not name a live entry. */
-static int read_export(nvl_peer *p, uint64_t key, mb_export *out)
+/* node_core's afn_map_fn: maps the IPC handle of an entry seen for the first time. */
+static int map_export(void *arg, uint64_t peer, const mb_export *e, int64_t *delta)
 {
-    uint32_t idx = (uint32_t)(key & 0xffffffffu);
-    uint64_t gen = key >> 32;
-    if (idx >= p->seg.hdr->nexports || !(gen & 1u))
-        return AFP_EKEY;
-    mb_export *e = &mb_exports(p->seg.hdr)[idx];
-    uint64_t g1 = atomic_load_explicit(&e->gen, memory_order_acquire);
-    memcpy((uint8_t *)out + sizeof out->gen, (uint8_t *)e + sizeof e->gen,
-           sizeof *e - sizeof e->gen);
-    atomic_thread_fence(memory_order_acquire);
-    uint64_t g2 = atomic_load_explicit(&e->gen, memory_order_relaxed);
-    if (g1 != gen || g2 != gen)
-        return AFP_EKEY;
+    afp_domain *d = arg;
+    if (e->proc_token == afnv_process_token() && e->pid == (int32_t)getpid()) {
+        *delta = 0; /* our own process: the owner's addresses are ours */
+        return 0;
+    }
+    CUdeviceptr mapped = 0;
+    CUresult cr;
+    if (afnv_ipc_open(d->cu, (const CUipcMemHandle *)(const void *)e->handle, &mapped, &cr) != 0)
+        return cr ? cuda_fail(d, AFP_EKEY, "cuIpcOpenMemHandle", cr)
+                  : DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
+    if (remember_map(d, peer, mapped)) {
+        afnv_ipc_close(d->cu, mapped);
+        return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
+    }
+    *delta = (int64_t)(mapped - e->alloc_base);
     return 0;
 }
 
@@ -660,55 +384,10 @@ static int read_export(nvl_peer *p, uint64_t key, mb_export *out)
 static int translate(afp_domain *d, uint64_t peer, uint64_t key, uint64_t raddr, uint64_t len,
                      uint32_t need, uint64_t *out)
 {
-    nvl_peer *p = peer_of(d, peer);
-    if (!p)
-        return DERR(d, AFP_EPEER, "unknown peer handle %llu [nvlink]", (unsigned long long)peer);
-    if (!peer_alive(p, false))
-        return DERR(d, AFP_EPEER, "peer process %d is gone [nvlink]", p->seg.hdr->pid);
-    nvl_import *im = imp_find(d, peer, key);
-    if (im && atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr,
-                                   memory_order_acquire) != key >> 32) {
-        imp_remove(im); /* deregistered since: refused below */
-        im = NULL;
-    }
-    if (!im) {
-        mb_export e;
-        if (read_export(p, key, &e))
-            return DERR(d, AFP_EKEY, "remote key %016llx is not (or no longer) registered at the "
-                                     "target [nvlink]", (unsigned long long)key);
-        int64_t delta;
-        if (e.proc_token == afnv_process_token() && e.pid == (int32_t)getpid()) {
-            delta = 0; /* our own process: the owner's addresses are ours */
-        } else {
-            CUdeviceptr mapped = 0;
-            CUresult cr;
-            if (afnv_ipc_open(d->cu, &e.handle, &mapped, &cr) != 0)
-                return cr ? cuda_fail(d, AFP_EKEY, "cuIpcOpenMemHandle", cr)
-                          : DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
-            if (remember_map(d, peer, mapped)) {
-                afnv_ipc_close(d->cu, mapped);
-                return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
-            }
-            delta = (int64_t)(mapped - e.alloc_base);
-        }
-        im = imp_insert(d, peer, key);
-        if (!im)
-            return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
-        im->gen_addr = (uint64_t)(uintptr_t)&mb_exports(p->seg.hdr)[key & 0xffffffffu].gen;
-        im->base = e.base;
-        im->len = e.len;
-        im->delta = delta;
-        im->access = e.access ? e.access : AFP_MR_REMOTE;
-    }
-    if (!(im->access & need))
-        return DERR(d, AFP_EKEY, "remote region does not allow %s (registered without it) "
-                                 "[nvlink]", need == AFP_MR_REMOTE_READ ? "reads" : "writes");
-    if (raddr < im->base || len > im->len || raddr - im->base > im->len - len)
-        return DERR(d, AFP_EKEY,
-                    "remote access [%llx, +%llu) outside the registered region [%llx, +%llu) "
-                    "[nvlink]",
-                    (unsigned long long)raddr, (unsigned long long)len,
-                    (unsigned long long)im->base, (unsigned long long)im->len);
+    afn_import *im = NULL;
+    int rc = afn_translate(&d->c, peer, key, raddr, len, need, map_export, d, &im);
+    if (rc)
+        return rc;
     *out = (uint64_t)((int64_t)raddr + im->delta);
     return 0;
 }
@@ -749,7 +428,7 @@ static void batch_free(afp_domain *d, nvl_batch *b)
 {
     if (b->ev) {
         nvl_dev *v = &d->dev[b->dev];
-        CUevent *e = grow(v->free_events, &v->free_events_cap, v->nfree_events + 1, sizeof *e);
+        CUevent *e = afn_grow(v->free_events, &v->free_events_cap, v->nfree_events + 1, sizeof *e);
         if (e) {
             v->free_events = e;
             v->free_events[v->nfree_events++] = b->ev;
@@ -771,7 +450,7 @@ static void batch_free(afp_domain *d, nvl_batch *b)
 
 static nvl_op *batch_add(nvl_batch *b)
 {
-    nvl_op *ops = grow(b->ops, &b->cap, b->nops + 1, sizeof *ops);
+    nvl_op *ops = afn_grow(b->ops, &b->cap, b->nops + 1, sizeof *ops);
     if (!ops)
         return NULL;
     b->ops = ops;
@@ -799,12 +478,12 @@ static void batch_submit(afp_domain *d, nvl_stream *s, nvl_batch *b)
     if (r != CUDA_SUCCESS) {
         (void)d->cu->stream_synchronize(s->s); /* the copies must be done before we report */
         for (uint32_t i = 0; i < b->nops; i++)
-            if (!b->ops[i].status) {
-                b->ops[i].status = AFP_EIO;
-                b->ops[i].text = dup_text("cuEventRecord: %s [nvlink]", afnv_cuda_errstr(d->cu, r));
+            if (!b->ops[i].o.status) {
+                b->ops[i].o.status = AFP_EIO;
+                b->ops[i].o.text = afn_dup_text("cuEventRecord: %s [nvlink]", afnv_cuda_errstr(d->cu, r));
             }
         for (uint32_t i = 0; i < b->nops; i++)
-            finish_op(d, &b->ops[i]);
+            afn_finish_op(&d->c, &b->ops[i].o);
         s->stage_head = b->stage_end > s->stage_head ? b->stage_end : s->stage_head;
         d->inflight--;
         batch_free(d, b);
@@ -864,14 +543,14 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
         int rc = dev_ready(d, dev);
         if (rc)
             return *posted ? 0 : rc;
-        nvl_op op = {w->ctx, w->peer, w->has_imm ? 1u : 0u, w->imm, 0, NULL, 0, NULL};
+        nvl_op op = {{w->ctx, w->peer, w->has_imm ? 1u : 0u, w->imm, 0, NULL}, 0, NULL};
         uint64_t dst = 0;
         int trc = translate(d, w->peer, w->remote_key, w->remote_addr, w->length, AFP_MR_REMOTE,
                             &dst);
         if (trc || w->length == 0) { /* nothing for the GPU: done (or failed) now */
-            op.status = trc;
-            op.text = trc ? strdup(d->errbuf) : NULL;
-            finish_op(d, &op);
+            op.o.status = trc;
+            op.o.text = trc ? strdup(d->c.errbuf) : NULL;
+            afn_finish_op(&d->c, &op.o);
             (*posted)++;
             continue;
         }
@@ -884,10 +563,10 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
                                          s->s);
         if (r != CUDA_SUCCESS) {
             b->nops--; /* not in flight: fails now */
-            op.status = AFP_EIO;
-            op.text = dup_text("cuMemcpyAsync of %llu bytes: %s [nvlink]",
+            op.o.status = AFP_EIO;
+            op.o.text = afn_dup_text("cuMemcpyAsync of %llu bytes: %s [nvlink]",
                                (unsigned long long)w->length, afnv_cuda_errstr(d->cu, r));
-            finish_op(d, &op);
+            afn_finish_op(&d->c, &op.o);
         } else {
             *slot = op;
         }
@@ -908,14 +587,14 @@ static int nvl_post_reads(afp_domain *d, const afp_write *rd, uint32_t n, uint32
         int rc = dev_ready(d, dev);
         if (rc)
             return *posted ? 0 : rc;
-        nvl_op op = {w->ctx, w->peer, 0u, 0u, 0, NULL, 0, NULL};
+        nvl_op op = {{w->ctx, w->peer, 0u, 0u, 0, NULL}, 0, NULL};
         uint64_t src = 0;
         int trc = translate(d, w->peer, w->remote_key, w->remote_addr, w->length,
                             AFP_MR_REMOTE_READ, &src);
         if (trc || w->length == 0) {
-            op.status = trc;
-            op.text = trc ? strdup(d->errbuf) : NULL;
-            finish_op(d, &op);
+            op.o.status = trc;
+            op.o.text = trc ? strdup(d->c.errbuf) : NULL;
+            afn_finish_op(&d->c, &op.o);
             (*posted)++;
             continue;
         }
@@ -928,10 +607,10 @@ static int nvl_post_reads(afp_domain *d, const afp_write *rd, uint32_t n, uint32
                                          s->s);
         if (r != CUDA_SUCCESS) {
             b->nops--;
-            op.status = AFP_EIO;
-            op.text = dup_text("cuMemcpyAsync (read) of %llu bytes: %s [nvlink]",
+            op.o.status = AFP_EIO;
+            op.o.text = afn_dup_text("cuMemcpyAsync (read) of %llu bytes: %s [nvlink]",
                                (unsigned long long)w->length, afnv_cuda_errstr(d->cu, r));
-            finish_op(d, &op);
+            afn_finish_op(&d->c, &op.o);
         } else {
             *slot = op;
         }
@@ -993,7 +672,7 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
         return rc;
     if (p->count == 0)
         return DERR(d, AFP_EINVAL, "paged write of no pages [nvlink]");
-    nvl_op op = {p->ctx, p->peer, p->has_imm ? p->count : 0, p->imm, 0, NULL, 0, NULL};
+    nvl_op op = {{p->ctx, p->peer, p->has_imm ? p->count : 0, p->imm, 0, NULL}, 0, NULL};
     /* the shim checked the pages against the descriptor's length; the owner's export entry
      * is what counts (a descriptor can be forged) */
     uint64_t span = (uint64_t)max_index(p->dst_idx, p->count) * p->dst_stride + p->page_len;
@@ -1001,9 +680,9 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
     int trc = translate(d, p->peer, p->remote_key, p->remote_base + p->dst_offset, span,
                         AFP_MR_REMOTE, &dst);
     if (trc || p->page_len == 0) { /* refused, or only arrivals to deliver */
-        op.status = trc;
-        op.text = trc ? strdup(d->errbuf) : NULL;
-        finish_op(d, &op);
+        op.o.status = trc;
+        op.o.text = trc ? strdup(d->c.errbuf) : NULL;
+        afn_finish_op(&d->c, &op.o);
         return 0;
     }
     nvl_stream *s = pick_stream(d, dev);
@@ -1041,8 +720,8 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
                                  NULL);
     }
     if (r != CUDA_SUCCESS) { /* stays in the batch: copies before it may still be running */
-        op.status = AFP_EIO;
-        op.text = dup_text("paged copy of %llu pages: %s [nvlink]", (unsigned long long)p->count,
+        op.o.status = AFP_EIO;
+        op.o.text = afn_dup_text("paged copy of %llu pages: %s [nvlink]", (unsigned long long)p->count,
                            afnv_cuda_errstr(d->cu, r));
     }
     *slot = op;
@@ -1053,41 +732,13 @@ static int nvl_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
                          uint64_t ctx)
 {
     (void)desc;
-    nvl_peer *p = peer_of(d, peer);
-    if (!p || !peer_alive(p, false)) {
-        push_ev(d, AFP_EV_ERROR, AFP_EPEER, ctx, 0, 0, AFP_EV_SEND_DONE,
-                dup_text("send: peer process is gone [nvlink]"));
-        return 0;
-    }
-    int rc = mb_push(p->seg.hdr, MB_REC_MSG, 0, len, buf, len);
-    if (rc == -EAGAIN)
-        return peer_alive(p, true) ? AFP_EAGAIN : DERR(d, AFP_EPEER, "peer is gone [nvlink]");
-    if (rc == -EINVAL)
-        return DERR(d, AFP_ETOOBIG, "message of %llu bytes exceeds nvlink's %u [nvlink]",
-                    (unsigned long long)len, MB_MAX_MSG);
-    wake_peer(d, p);
-    push_ev(d, AFP_EV_SEND_DONE, 0, ctx, 0, len, 0, NULL);
-    return 0;
+    return afn_post_send(&d->c, peer, buf, len, ctx);
 }
 
 static int nvl_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uint64_t ctx)
 {
     (void)desc;
-    if (d->rq_len == d->rq_cap) {
-        uint32_t cap = d->rq_cap ? d->rq_cap * 2 : 64;
-        nvl_recv *q = malloc((size_t)cap * sizeof *q);
-        if (!q)
-            return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
-        for (uint32_t i = 0; i < d->rq_len; i++)
-            q[i] = d->rq[(d->rq_head + i) % d->rq_cap];
-        free(d->rq);
-        d->rq = q;
-        d->rq_cap = cap;
-        d->rq_head = 0;
-    }
-    d->rq[(d->rq_head + d->rq_len) % d->rq_cap] = (nvl_recv){buf, len, ctx};
-    d->rq_len++;
-    return 0;
+    return afn_post_recv(&d->c, buf, len, ctx);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1112,12 +763,12 @@ static void reap_streams(afp_domain *d)
                     break;
                 for (uint32_t i = 0; i < b->nops; i++) {
                     nvl_op *op = &b->ops[i];
-                    if (r != CUDA_SUCCESS && !op->status) {
-                        op->status = AFP_EIO;
-                        op->text = dup_text("copy failed: %s (CUresult %d) [nvlink]",
+                    if (r != CUDA_SUCCESS && !op->o.status) {
+                        op->o.status = AFP_EIO;
+                        op->o.text = afn_dup_text("copy failed: %s (CUresult %d) [nvlink]",
                                             afnv_cuda_errstr(d->cu, r), r);
                     }
-                    finish_op(d, op);
+                    afn_finish_op(&d->c, &op->o);
                 }
                 s->head = b->next;
                 if (!s->head)
@@ -1130,95 +781,15 @@ static void reap_streams(afp_domain *d)
     }
 }
 
-static void retry_held(afp_domain *d)
-{
-    uint32_t n = d->nheld;
-    d->nheld = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        nvl_op op = d->held[i];
-        finish_op(d, &op); /* re-holds it if the mailbox is still full */
-    }
-}
-
-/* Our mailbox: immediates and messages from peers. */
-static uint32_t drain_mailbox(afp_domain *d, uint32_t room)
-{
-    mb_header *h = d->seg.hdr;
-    if (atomic_load_explicit(&h->tail_pub, memory_order_acquire) == h->head)
-        return 0;
-    uint32_t made = 0;
-    mb_lock(h);
-    mb_rec *r;
-    while (made < room && (r = mb_peek(h)) != NULL) {
-        if (r->kind == MB_REC_IMM) {
-            while (r->arg && made < room) {
-                push_ev(d, AFP_EV_IMM, 0, 0, r->imm, 0, 0, NULL);
-                r->arg--;
-                made++;
-            }
-            if (r->arg)
-                break;
-            mb_pop(h);
-        } else if (r->kind == MB_REC_MSG) {
-            if (!d->rq_len)
-                break; /* no receive posted: the message waits (the ring applies backpressure) */
-            nvl_recv rv = d->rq[d->rq_head];
-            d->rq_head = (d->rq_head + 1) % d->rq_cap;
-            d->rq_len--;
-            if (r->arg > rv.len) {
-                push_ev(d, AFP_EV_ERROR, AFP_ETOOBIG, rv.ctx, 0, r->arg, AFP_EV_RECV,
-                        dup_text("message of %llu bytes truncated by a %llu-byte receive [nvlink]",
-                                 (unsigned long long)r->arg, (unsigned long long)rv.len));
-            } else {
-                memcpy(rv.buf, r + 1, r->arg);
-                push_ev(d, AFP_EV_RECV, 0, rv.ctx, 0, r->arg, 0, NULL);
-            }
-            made++;
-            mb_pop(h);
-        } else {
-            mb_pop(h); /* unknown record kind: skip it */
-        }
-    }
-    mb_unlock(h);
-    return made;
-}
-
 static int nvl_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
 {
     *n = 0;
-    if (atomic_load_explicit(&d->seg.hdr->sleeping, memory_order_relaxed)) {
-        atomic_store(&d->seg.hdr->sleeping, 0);
-        char junk[64];
-        while (d->wake_fd >= 0 && recv(d->wake_fd, junk, sizeof junk, MSG_DONTWAIT) > 0) {
-        }
-    }
     if (d->inflight) {
         flush_batches(d);
         reap_streams(d);
     }
-    if (d->nheld)
-        retry_held(d);
-    if (d->evq_len < max)
-        drain_mailbox(d, max - d->evq_len);
-    uint32_t k = 0;
-    while (k < max && d->evq_len) {
-        nvl_ev *e = &d->evq[d->evq_head];
-        afp_event *o = &ev[k++];
-        o->kind = e->kind;
-        o->status = e->status;
-        o->ctx = e->ctx;
-        o->len = e->len;
-        o->imm = e->imm;
-        o->op = e->op;
-        o->errtext[0] = '\0';
-        if (e->text) {
-            snprintf(o->errtext, sizeof o->errtext, "%s", e->text);
-            free(e->text);
-        }
-        d->evq_head = (d->evq_head + 1) % d->evq_cap;
-        d->evq_len--;
-    }
-    if (k == 0 && k < max && (d->inflight || d->nheld)) {
+    uint32_t k = afn_poll_events(&d->c, ev, max);
+    if (k == 0 && k < max && (d->inflight || d->c.nheld)) {
         /* Copies still on the GPU signal no fd: say "progressing" so that an adaptive worker
          * keeps polling instead of napping up to a millisecond past their completion. */
         ev[k++] = (afp_event){.kind = AFP_EV_ACTIVITY, .len = 0};
@@ -1229,15 +800,7 @@ static int nvl_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
 
 static int nvl_trywait(afp_domain *d)
 {
-    if (d->wake_fd < 0 || d->inflight || d->nheld || d->evq_len)
-        return AFP_EAGAIN;
-    atomic_store(&d->seg.hdr->sleeping, 1);
-    atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load(&d->seg.hdr->tail_pub) != d->seg.hdr->head) {
-        atomic_store(&d->seg.hdr->sleeping, 0);
-        return AFP_EAGAIN;
-    }
-    return 0;
+    return afn_trywait(&d->c, d->inflight != 0);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1303,31 +866,23 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
                         "as torch's expandable segments cannot) [nvlink]",
                         afnv_cuda_errstr(cu, r), r);
         }
-        if (d->free_exports == UINT32_MAX && d->next_export >= MB_EXPORTS) {
+        uint32_t idx = afn_export_take(&d->c);
+        if (idx == UINT32_MAX) {
             free(m);
             return DERR(d, AFP_ENOMEM, "more than %u regions registered [nvlink]", MB_EXPORTS);
         }
-        uint32_t idx;
-        if (d->free_exports != UINT32_MAX) {
-            idx = d->free_exports;
-            d->free_exports = d->export_next[idx];
-        } else {
-            idx = d->next_export++;
-        }
-        mb_export *e = &mb_exports(d->seg.hdr)[idx];
-        uint64_t gen = atomic_load(&e->gen); /* even: free */
+        mb_export *e = &mb_exports(d->c.seg.hdr)[idx];
         e->base = (uint64_t)p;
         e->len = len;
         e->alloc_base = base;
         e->proc_token = afnv_process_token();
         e->pid = (int32_t)getpid();
         e->device = device;
-        e->handle = h;
+        memcpy(e->handle, &h, sizeof h);
         e->access = flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ);
-        atomic_store_explicit(&e->gen, gen + 1, memory_order_release); /* live */
+        *rkey = afn_export_publish(&d->c, idx); /* live */
         m->export_idx = idx;
         m->exported = true;
-        *rkey = ((gen + 1) << 32) | idx;
     }
     *out = m;
     *local_desc = m;
@@ -1339,12 +894,8 @@ static int nvl_dereg_mr(afp_domain *d, struct afp_mr *m)
 {
     if (!m)
         return 0;
-    if (m->exported) {
-        mb_export *e = &mb_exports(d->seg.hdr)[m->export_idx];
-        atomic_store_explicit(&e->gen, atomic_load(&e->gen) + 1, memory_order_release); /* revoked */
-        d->export_next[m->export_idx] = d->free_exports;
-        d->free_exports = m->export_idx;
-    }
+    if (m->exported)
+        afn_export_revoke(&d->c, m->export_idx); /* revoked */
     free(m);
     return 0;
 }
@@ -1407,35 +958,11 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     d->cu = cu;
     d->home = home;
     d->ndev = ndev < (int)NVL_MAX_DEV ? ndev : (int)NVL_MAX_DEV;
-    d->wake_fd = d->send_fd = -1;
-    d->seg.fd = -1;
-    d->free_exports = UINT32_MAX;
-    d->token = afnv_process_token() ^ (uint64_t)(uintptr_t)d ^ now_ns();
-    d->token = d->token ? d->token : 1;
-    read_boot_id(d->boot_id);
-    d->export_next = calloc(MB_EXPORTS, sizeof *d->export_next);
-    if (!d->export_next) {
-        afp_errf(err, errlen, "out of memory");
-        rc = AFP_ENOMEM;
+    uint64_t token = afnv_process_token() ^ (uint64_t)(uintptr_t)d ^ afn_now_ns();
+    if ((rc = afn_open(&d->c, &NVL_KIND, NVL_ADDR_MAGIC, token, err, errlen)) != 0)
         goto out_fail;
-    }
-    mb_reap(); /* segments of killed processes */
-    if (mb_create(&d->seg, d->token, err, errlen) != 0) {
-        rc = AFP_EIO;
-        goto out_fail;
-    }
-    /* wakeups: optional (without them the shim naps at most 1 ms between polls) */
-    struct sockaddr_un sa;
-    socklen_t sl;
-    wake_name(d->token, &sa, &sl);
-    d->wake_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (d->wake_fd >= 0 && bind(d->wake_fd, (struct sockaddr *)&sa, sl) != 0) {
-        close(d->wake_fd);
-        d->wake_fd = -1;
-    }
-    d->send_fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if ((rc = dev_ready(d, home))) {
-        afp_errf(err, errlen, "%s", d->errbuf);
+        afp_errf(err, errlen, "%s", d->c.errbuf);
         goto out_fail;
     }
     *out = d;
@@ -1478,9 +1005,6 @@ static void nvl_close(afp_domain *d)
     sync_all(d); /* nothing of ours may still be writing into a mapping we close */
     reap_streams(d);
     forget_maps(d, 0);
-    for (uint32_t i = 0; i < d->npeers; i++)
-        if (d->peers[i].used)
-            mb_detach(&d->peers[i].seg, false);
     for (int k = 0; k < d->ndev && k < (int)NVL_MAX_DEV; k++)
         dev_release(d, &d->dev[k]);
     while (d->free_batches) {
@@ -1489,28 +1013,14 @@ static void nvl_close(afp_domain *d)
         free(b->ops);
         free(b);
     }
-    for (uint32_t i = 0; i < d->evq_len; i++)
-        free(d->evq[(d->evq_head + i) % d->evq_cap].text);
-    for (uint32_t i = 0; i < d->nheld; i++)
-        free(d->held[i].text);
-    mb_detach(&d->seg, true);
-    if (d->wake_fd >= 0)
-        close(d->wake_fd);
-    if (d->send_fd >= 0)
-        close(d->send_fd);
-    free(d->evq);
-    free(d->rq);
-    free(d->held);
+    afn_close(&d->c);
     free(d->maps);
-    free(d->imports);
-    free(d->peers);
-    free(d->export_next);
     free(d);
 }
 
 static const char *nvl_errbuf(afp_domain *d)
 {
-    return d->errbuf;
+    return d->c.errbuf;
 }
 
 static int nvl_caps(afp_domain *d, afp_caps *out)
@@ -1522,79 +1032,30 @@ static int nvl_caps(afp_domain *d, afp_caps *out)
     out->imm_size = 4;
     out->max_msg_size = NVL_MAX_WRITE;
     out->inject_size = 0;
-    out->addr_len = sizeof(nvl_addr);
-    out->wait_fd = d->wake_fd;
+    out->addr_len = sizeof(afn_addr);
+    out->wait_fd = d->c.wake_fd;
     return 0;
 }
 
 static int nvl_address(afp_domain *d, void *buf, size_t *len)
 {
-    if (*len < sizeof(nvl_addr))
-        return DERR(d, AFP_ERANGE, "address needs %zu bytes [nvlink]", sizeof(nvl_addr));
-    nvl_addr a;
-    memset(&a, 0, sizeof a);
-    a.magic = NVL_ADDR_MAGIC;
-    a.version = MB_VERSION;
-    a.token = d->token;
-    memcpy(a.boot_id, d->boot_id, sizeof a.boot_id);
-    snprintf(a.seg, sizeof a.seg, "%s", d->seg.name);
-    memcpy(buf, &a, sizeof a);
-    *len = sizeof a;
-    return 0;
+    return afn_address(&d->c, buf, len);
 }
 
 static int nvl_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *peer)
 {
-    nvl_addr a;
-    if (len != sizeof a)
-        return DERR(d, AFP_EBADDESC, "not an nvlink address (%zu bytes) [nvlink]", len);
-    memcpy(&a, addr, sizeof a);
-    if (a.magic != NVL_ADDR_MAGIC || a.version != MB_VERSION || a.seg[MB_NAME_LEN - 1] != '\0')
-        return DERR(d, AFP_EBADDESC, "not an nvlink address (bad magic or version) [nvlink]");
-    if (memcmp(a.boot_id, d->boot_id, sizeof a.boot_id) != 0)
-        return DERR(d, AFP_EPEER, "peer is on another node: nvlink reaches the processes of "
-                                  "one node only [nvlink]");
-    for (uint32_t i = 0; i < d->npeers; i++)
-        if (d->peers[i].used && d->peers[i].token == a.token) {
-            *peer = i + 1;
-            return 0;
-        }
-    nvl_peer *ps = grow(d->peers, &d->peers_cap, d->npeers + 1, sizeof *ps);
-    if (!ps)
-        return DERR(d, AFP_ENOMEM, "out of memory [nvlink]");
-    d->peers = ps;
-    nvl_peer *p = &d->peers[d->npeers];
-    memset(p, 0, sizeof *p);
-    if (mb_attach(&p->seg, a.seg, a.token, d->errbuf, sizeof d->errbuf) != 0)
-        return AFP_EPEER;
-    if (!mb_alive(&p->seg)) {
-        mb_detach(&p->seg, false);
-        return DERR(d, AFP_EPEER, "peer %s is gone [nvlink]", a.seg);
-    }
-    p->used = true;
-    p->token = a.token;
-    p->checked_ns = now_ns();
-    wake_name(a.token, &p->wake, &p->wake_len);
-    d->npeers++;
-    *peer = d->npeers;
-    return 0;
+    return afn_resolve(&d->c, addr, len, peer);
 }
 
 static int nvl_forget(afp_domain *d, uint64_t peer)
 {
-    nvl_peer *p = peer_of(d, peer);
-    if (!p)
+    if (!afn_peer_of(&d->c, peer))
         return DERR(d, AFP_EINVAL, "unknown peer [nvlink]");
     flush_batches(d);
     sync_all(d);
     reap_streams(d);
-    for (uint32_t i = 0; i < d->imp_cap; i++)
-        if (d->imports[i].peer == peer && d->imports[i].key && !d->imports[i].tomb)
-            imp_remove(&d->imports[i]);
     forget_maps(d, peer);
-    mb_detach(&p->seg, false);
-    p->used = false;
-    return 0;
+    return afn_forget(&d->c, peer);
 }
 
 static const struct afp_ops nvl_ops = {

@@ -1,5 +1,5 @@
-/* The shared-memory segment of an nvlink domain: see nvl_mbox.h. */
-#include "nvl_mbox.h"
+/* The shared-memory segment of a node-local domain (nvlink, cma): see node_seg.h. */
+#include "node_seg.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -12,22 +12,52 @@
 #include <unistd.h>
 
 #define MB_DIR "/dev/shm/"
-/* "<pid>:afabric-nvl-<token>": the "<pid>:" convention of libfabric's shm files, so tools
- * (and the test suite's leak check) tell a live process's files from a dead one's */
-#define MB_TAG ":afabric-nvl-"
+/* "<pid><tag><token>", the tag ":afabric-nvl-" (mb_kind): the "<pid>:" convention of
+ * libfabric's shm files, so tools (and the test suite's leak check) tell a live process's
+ * files from a dead one's */
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 static size_t exports_off(void) { return align_up(sizeof(mb_header), 4096); }
 static size_t ring_off(void) { return align_up(exports_off() + MB_EXPORTS * sizeof(mb_export), 4096); }
 
-size_t mb_seg_bytes(void) { return ring_off() + MB_RING_BYTES; }
+size_t mb_seg_bytes(const mb_kind *k) { return ring_off() + MB_RING_BYTES + k->extra_bytes; }
 
-int mb_create(mb_seg *s, uint64_t token, char *err, size_t errlen)
+uint64_t mb_pidns(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+void mb_wake_name(const mb_kind *k, uint64_t token, struct sockaddr_un *sa, socklen_t *len)
+{
+    memset(sa, 0, sizeof *sa);
+    sa->sun_family = AF_UNIX;
+    /* abstract namespace: sun_path[0] = 0, nothing left on the file system */
+    int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "%s%016llx", k->wake,
+                     (unsigned long long)token);
+    *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* Map the whole segment of s->fd (s->kind's size): 0, or -1 with err set. */
+static int map_seg(mb_seg *s, const char *path, char *err, size_t errlen)
+{
+    void *p = mmap(NULL, mb_seg_bytes(s->kind), PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0);
+    if (p == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+        return -1;
+    }
+    s->hdr = p;
+    s->map_len = mb_seg_bytes(s->kind);
+    return 0;
+}
+
+int mb_create(mb_seg *s, const mb_kind *k, uint64_t token, char *err, size_t errlen)
 {
     memset(s, 0, sizeof *s);
     s->fd = -1;
-    snprintf(s->name, sizeof s->name, "%d" MB_TAG "%016llx", (int)getpid(),
+    s->kind = k;
+    snprintf(s->name, sizeof s->name, "%d%s%016llx", (int)getpid(), k->tag,
              (unsigned long long)token);
     char path[MB_NAME_LEN + 16], tmp[MB_NAME_LEN + 24];
     snprintf(path, sizeof path, MB_DIR "%s", s->name);
@@ -43,19 +73,14 @@ int mb_create(mb_seg *s, uint64_t token, char *err, size_t errlen)
         return -1;
     }
     s->fd = fd;
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || ftruncate(fd, (off_t)mb_seg_bytes()) != 0 ||
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0 || ftruncate(fd, (off_t)mb_seg_bytes(k)) != 0 ||
         rename(tmp, path) != 0) {
         snprintf(err, errlen, "cannot lock, size or name %s: %s", path, strerror(errno));
         (void)unlink(tmp);
         goto out_fail;
     }
-    void *p = mmap(NULL, mb_seg_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+    if (map_seg(s, path, err, errlen) != 0)
         goto out_fail;
-    }
-    s->hdr = p;
-    s->map_len = mb_seg_bytes();
     mb_header *h = s->hdr;
     if (pthread_mutexattr_init(&ma) != 0) {
         snprintf(err, errlen, "pthread_mutexattr_init failed");
@@ -76,9 +101,10 @@ int mb_create(mb_seg *s, uint64_t token, char *err, size_t errlen)
     h->ring_bytes = MB_RING_BYTES;
     h->exports_off = exports_off();
     h->ring_off = ring_off();
+    h->pidns = mb_pidns();
     atomic_store(&h->tail_pub, 0);
     atomic_thread_fence(memory_order_release);
-    h->magic = MB_MAGIC; /* last: a peer attaching early sees no magic and retries/fails */
+    h->magic = k->magic; /* last: a peer attaching early sees no magic and retries/fails */
     return 0;
 out_fail:
     if (ma_init)
@@ -88,13 +114,15 @@ out_fail:
     return -1;
 }
 
-int mb_attach(mb_seg *s, const char *name, uint64_t token, char *err, size_t errlen)
+int mb_attach(mb_seg *s, const mb_kind *k, const char *name, uint64_t token, char *err,
+              size_t errlen)
 {
     memset(s, 0, sizeof *s);
     s->fd = -1;
-    if (strlen(name) >= MB_NAME_LEN || !strstr(name, MB_TAG) || name[0] == '.' ||
+    s->kind = k;
+    if (strlen(name) >= MB_NAME_LEN || !strstr(name, k->tag) || name[0] == '.' ||
         strchr(name, '/')) {
-        snprintf(err, errlen, "bad nvlink segment name in peer address");
+        snprintf(err, errlen, "bad %s segment name in peer address", k->name);
         return -1;
     }
     snprintf(s->name, sizeof s->name, "%s", name);
@@ -108,19 +136,14 @@ int mb_attach(mb_seg *s, const char *name, uint64_t token, char *err, size_t err
     }
     s->fd = fd;
     struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size < mb_seg_bytes()) {
-        snprintf(err, errlen, "peer segment %s is too small (not an nvlink domain)", path);
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size < mb_seg_bytes(k)) {
+        snprintf(err, errlen, "peer segment %s is too small (not a %s domain)", path, k->name);
         goto out_fail;
     }
-    void *p = mmap(NULL, mb_seg_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map %s: %s", path, strerror(errno));
+    if (map_seg(s, path, err, errlen) != 0)
         goto out_fail;
-    }
-    s->hdr = p;
-    s->map_len = mb_seg_bytes();
     mb_header *h = s->hdr;
-    if (h->magic != MB_MAGIC || h->version != MB_VERSION || h->token != token ||
+    if (h->magic != k->magic || h->version != MB_VERSION || h->token != token ||
         h->nexports != MB_EXPORTS || h->ring_bytes != MB_RING_BYTES ||
         h->exports_off != exports_off() || h->ring_off != ring_off()) {
         snprintf(err, errlen, "peer segment %s does not match the address (stale or foreign)",
@@ -163,14 +186,14 @@ bool mb_alive(mb_seg *s)
     return errno == EWOULDBLOCK || errno == EINTR;
 }
 
-void mb_reap(void)
+void mb_reap(const mb_kind *k)
 {
     DIR *d = opendir(MB_DIR);
     if (!d)
         return;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
-        if (e->d_name[0] == '.' || !strstr(e->d_name, MB_TAG))
+        if (e->d_name[0] == '.' || !strstr(e->d_name, k->tag))
             continue;
         int fd = openat(dirfd(d), e->d_name, O_RDWR | O_CLOEXEC);
         if (fd < 0)

@@ -1,0 +1,589 @@
+/*
+ * afabric provider "cma": host-memory writes and reads between processes (and engines) of
+ * one node, by cross-memory attach: the WRITER copies into the target's memory itself with
+ * process_vm_writev(2) (reads: process_vm_readv), as UCX's cma transport does. The target's
+ * worker is not on the data's path: it only counts immediates, which arrive through its
+ * shared-memory mailbox after the copy returned (so it counts them after the data is in
+ * its memory: the transport contract), and is woken by a datagram only when it sleeps.
+ *
+ *  - Registering a region with remote access exports it: owner pid, address range,
+ *    generation and access (write, read) go into an entry of this domain's export table
+ *    (shared memory, ../common/node_seg.h); the key names the entry and its generation, so
+ *    deregistration revokes at once. A writer checks every access against that entry (the
+ *    target's own memory), never against the descriptor, which a peer could forge.
+ *  - Nothing lands after deregister returns: a writer holds one of the target's writer slots
+ *    (a process-shared robust mutex in the target's segment, `busy` set) from before it
+ *    checks the entry's generation until its copy returned; deregister revokes the entry and
+ *    then waits for every busy slot (lock, unlock). A writer that dies holding a slot
+ *    releases it with it (EOWNERDEAD): the wait is bounded by the writer's copy or its life.
+ *  - Copies run in post (synchronously, on the shim's worker thread); completions are
+ *    reported by the next poll. Paged writes are iovec batches of IOV_MAX pages.
+ *  - SEND appends the message to the target's mailbox; posted receives take them in order.
+ *  - Peer death: the owner of a segment holds an exclusive flock on it for its whole life;
+ *    a dead peer's operations fail at once (EPEER), live peers are unaffected.
+ *
+ * Permissions: process_vm_writev needs ptrace access to the target (PTRACE_MODE_ATTACH:
+ * same uid, target dumpable; Yama ptrace_scope 1 allows it only for a target that named us
+ * its tracer, so open calls prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY); scope 2 needs
+ * CAP_SYS_PTRACE, 3 forbids it; container seccomp profiles may refuse the syscall). open and
+ * list_nics probe these and fail with AFP_ENODEV saying which; a copy refused at run time
+ * (EPERM) fails its operation with a text that says why.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "../common/node_core.h"
+#include "afabric_provider.h"
+
+#define CMA_ADDR_MAGIC 0x31414d43u /* "CMA1" */
+#define CMA_SLOTS 64u              /* writer slots in each domain's segment */
+#define CMA_IOV 1024u              /* IOV_MAX on Linux: pages per process_vm_writev call */
+#define CMA_MAX_WRITE (1ull << 40)
+
+typedef struct cma_slot {
+    pthread_mutex_t lock; /* process-shared, robust: held by a writer around check + copy */
+    _Atomic uint32_t busy;
+    uint8_t pad[64 - (sizeof(pthread_mutex_t) + sizeof(uint32_t)) % 64];
+} cma_slot;
+
+static const mb_kind CMA_KIND = {
+    .tag = ":afabric-cma-",
+    .wake = "afabric-cma-",
+    .name = "cma",
+    .magic = 0x31414d4331414641ull, /* "AFA1CMA1" */
+    .extra_bytes = CMA_SLOTS * sizeof(cma_slot),
+};
+
+struct afp_mr {
+    uint32_t export_idx;
+    bool exported;
+};
+
+struct afp_domain {
+    afn_core c;
+    uint64_t token;
+    pid_t pid;
+    struct iovec liov[CMA_IOV], riov[CMA_IOV];
+};
+
+#define DERR(d, code, ...) AFN_ERR(&(d)->c, code, __VA_ARGS__)
+
+static cma_slot *slots(mb_header *h) { return (cma_slot *)(void *)mb_extra(h); }
+
+/* ------------------------------------------------------------------------------------ */
+/* Permissions                                                                           */
+
+static int read_int_file(const char *path, int *v)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    int ok = fscanf(f, "%d", v) == 1 ? 0 : -1;
+    fclose(f);
+    return ok;
+}
+
+static bool has_cap_sys_ptrace(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f)
+        return false;
+    char line[256];
+    unsigned long long caps = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "CapEff: %llx", &caps) == 1)
+            break;
+    fclose(f);
+    return (caps >> 19) & 1u; /* CAP_SYS_PTRACE */
+}
+
+/* Can peers of our uid copy into this process, and can we copy into theirs? 0, or
+ * AFP_ENODEV with the reason in err. `arm`: make it so where we can (Yama scope 1). */
+static int probe_access(bool arm, char *err, size_t errlen)
+{
+    int scope = 0;
+    if (read_int_file("/proc/sys/kernel/yama/ptrace_scope", &scope) == 0) {
+        if (scope >= 3) {
+            afp_errf(err, errlen, "Yama ptrace_scope is 3: cross-memory attach "
+                                  "(process_vm_writev) is disabled on this machine [cma]");
+            return AFP_ENODEV;
+        }
+        if (scope == 2 && !has_cap_sys_ptrace()) {
+            afp_errf(err, errlen, "Yama ptrace_scope is 2: process_vm_writev needs "
+                                  "CAP_SYS_PTRACE, which this process lacks [cma]");
+            return AFP_ENODEV;
+        }
+        /* scope 1: only a tracer the target names may attach; every cma domain is a
+         * target, so it names any process (of the same uid: the usual rules still hold) */
+        if (scope == 1 && arm && prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0) {
+            afp_errf(err, errlen, "Yama ptrace_scope is 1 and prctl(PR_SET_PTRACER) failed: "
+                                  "%s [cma]", strerror(errno));
+            return AFP_ENODEV;
+        }
+    }
+    int dumpable = prctl(PR_GET_DUMPABLE, 0, 0, 0, 0);
+    if (dumpable != 1) {
+        afp_errf(err, errlen, "this process is not dumpable (prctl PR_GET_DUMPABLE = %d: "
+                              "setuid, or PR_SET_DUMPABLE 0): peers cannot copy into it [cma]",
+                 dumpable);
+        return AFP_ENODEV;
+    }
+    char probe = 0, out = 1;
+    struct iovec l = {&out, 1}, r = {&probe, 1};
+    if (process_vm_readv(getpid(), &l, 1, &r, 1, 0) != 1) {
+        afp_errf(err, errlen, "process_vm_readv is refused here (%s): a seccomp profile "
+                              "(containers: allow it, or CAP_SYS_PTRACE) or a kernel without "
+                              "CONFIG_CROSS_MEMORY_ATTACH [cma]", strerror(errno));
+        return AFP_ENODEV;
+    }
+    return 0;
+}
+
+static int cma_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t max,
+                         uint32_t *n, char *err, size_t errlen)
+{
+    *n = 0;
+    int rc = probe_access(false, err, errlen);
+    if (rc)
+        return rc;
+    if (args && args->nic && *args->nic && strcmp(args->nic, "cma") != 0) {
+        afp_errf(err, errlen, "the cma provider has one NIC, \"cma\" (got \"%s\")", args->nic);
+        return AFP_ENODEV;
+    }
+    if (max) {
+        memset(out, 0, sizeof *out);
+        snprintf(out->name, sizeof out->name, "cma");
+        snprintf(out->fabric, sizeof out->fabric, "node");
+        snprintf(out->provider, sizeof out->provider, "cma;process_vm_writev");
+        out->numa_node = -1;
+    }
+    *n = 1;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Writer slots                                                                          */
+
+static void lock_slot(cma_slot *s)
+{
+    if (pthread_mutex_lock(&s->lock) == EOWNERDEAD) /* its writer died: nothing in flight */
+        pthread_mutex_consistent(&s->lock);
+}
+
+/* Take one of the target's slots (any free one; else wait for ours) and mark it busy. */
+static cma_slot *enter(afp_domain *d, mb_header *h)
+{
+    cma_slot *t = slots(h);
+    uint32_t first = (uint32_t)(d->token % CMA_SLOTS);
+    cma_slot *s = NULL;
+    for (uint32_t i = 0; i < CMA_SLOTS && !s; i++) {
+        cma_slot *c = &t[(first + i) % CMA_SLOTS];
+        int rc = pthread_mutex_trylock(&c->lock);
+        if (rc == EOWNERDEAD)
+            pthread_mutex_consistent(&c->lock);
+        if (rc == 0 || rc == EOWNERDEAD)
+            s = c;
+    }
+    if (!s) {
+        s = &t[first];
+        lock_slot(s);
+    }
+    atomic_store_explicit(&s->busy, 1, memory_order_seq_cst);
+    return s;
+}
+
+static void leave(cma_slot *s)
+{
+    atomic_store_explicit(&s->busy, 0, memory_order_release);
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* Enter one of the peer's slots, then check that the entry is still live (in that order:
+ * deregister revokes, then waits for busy slots). 0 with *out entered, or AFP_EKEY. */
+static int enter_live(afp_domain *d, afn_peer *p, const afn_import *im, uint64_t key,
+                      cma_slot **out)
+{
+    cma_slot *s = enter(d, p->seg.hdr);
+    if (atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr, memory_order_seq_cst) !=
+        key >> 32) {
+        leave(s);
+        return DERR(d, AFP_EKEY, "remote key %016llx was deregistered at the target [cma]",
+                    (unsigned long long)key);
+    }
+    *out = s;
+    return 0;
+}
+
+/* Owner: after revoking an entry, wait until no writer can still be copying under the old
+ * generation (one that entered before the revocation). */
+static void drain_writers(afp_domain *d)
+{
+    cma_slot *t = slots(d->c.seg.hdr);
+    atomic_thread_fence(memory_order_seq_cst);
+    for (uint32_t i = 0; i < CMA_SLOTS; i++)
+        if (atomic_load_explicit(&t[i].busy, memory_order_seq_cst)) {
+            lock_slot(&t[i]);
+            pthread_mutex_unlock(&t[i].lock);
+        }
+}
+
+static int init_slots(afp_domain *d, char *err, size_t errlen)
+{
+    pthread_mutexattr_t ma;
+    if (pthread_mutexattr_init(&ma) != 0) {
+        afp_errf(err, errlen, "pthread_mutexattr_init failed [cma]");
+        return AFP_EIO;
+    }
+    int rc = 0;
+    if (pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED) != 0 ||
+        pthread_mutexattr_setrobust(&ma, PTHREAD_MUTEX_ROBUST) != 0)
+        rc = AFP_EIO;
+    cma_slot *t = slots(d->c.seg.hdr);
+    for (uint32_t i = 0; i < CMA_SLOTS && !rc; i++)
+        if (pthread_mutex_init(&t[i].lock, &ma) != 0)
+            rc = AFP_EIO;
+    pthread_mutexattr_destroy(&ma);
+    if (rc)
+        afp_errf(err, errlen, "cannot make process-shared robust mutexes [cma]");
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Copies                                                                                */
+
+/* Describes a failed copy (errno `e`) for the operation's error. */
+static int copy_failed(afp_domain *d, afn_peer *p, const char *what, int e)
+{
+    if (e == ESRCH || !afn_peer_alive(p, true))
+        return DERR(d, AFP_EPEER, "%s: target process %d is gone [cma]", what, p->seg.hdr->pid);
+    if (e == EPERM)
+        return DERR(d, AFP_EIO, "%s: permission denied (EPERM) copying into process %d: it "
+                                "must have our uid and be dumpable, and Yama/seccomp must allow "
+                                "process_vm_writev [cma]", what, p->seg.hdr->pid);
+    if (e == EFAULT)
+        return DERR(d, AFP_EIO, "%s: an address is not mapped (EFAULT): the target's region "
+                                "(or ours) was unmapped while registered [cma]", what);
+    return DERR(d, AFP_EIO, "%s: %s [cma]", what, strerror(e));
+}
+
+/* Consume `done` bytes from iov[i...]; returns the first index with bytes left. */
+static uint32_t skip_iov(struct iovec *iov, uint32_t i, uint64_t done)
+{
+    while (done) {
+        uint64_t k = done < iov[i].iov_len ? done : iov[i].iov_len;
+        iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
+        iov[i].iov_len -= k;
+        done -= k;
+        if (!iov[i].iov_len)
+            i++;
+    }
+    return i;
+}
+
+/* Copy n iovec pairs (equal total length), resuming after partial transfers. */
+static int copy_iov(afp_domain *d, afn_peer *p, bool write, struct iovec *l, struct iovec *r,
+                    uint32_t n)
+{
+    pid_t pid = p->seg.hdr->pid;
+    uint64_t want = 0;
+    for (uint32_t i = 0; i < n; i++)
+        want += r[i].iov_len;
+    uint32_t li = 0, ri = 0;
+    while (want) {
+        ssize_t got = write ? process_vm_writev(pid, l + li, n - li, r + ri, n - ri, 0)
+                            : process_vm_readv(pid, l + li, n - li, r + ri, n - ri, 0);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            return copy_failed(d, p, write ? "process_vm_writev" : "process_vm_readv",
+                               got < 0 ? errno : EFAULT);
+        want -= (uint64_t)got;
+        li = skip_iov(l, li, (uint64_t)got); /* skip what was done on both sides */
+        ri = skip_iov(r, ri, (uint64_t)got);
+    }
+    return 0;
+}
+
+/* One contiguous write or read, checked and copied under a writer slot. */
+static int one_copy(afp_domain *d, const afp_write *w, bool write)
+{
+    uint32_t need = write ? AFP_MR_REMOTE : AFP_MR_REMOTE_READ;
+    afn_import *im = NULL;
+    int rc = afn_translate(&d->c, w->peer, w->remote_key, w->remote_addr, w->length, need, NULL,
+                           NULL, &im);
+    if (rc || w->length == 0)
+        return rc;
+    afn_peer *p = afn_peer_of(&d->c, w->peer);
+    cma_slot *s = NULL;
+    if ((rc = enter_live(d, p, im, w->remote_key, &s)))
+        return rc;
+    struct iovec l = {w->local_addr, w->length};
+    struct iovec r = {(void *)(uintptr_t)w->remote_addr, w->length};
+    rc = copy_iov(d, p, write, &l, &r, 1);
+    leave(s);
+    return rc;
+}
+
+static int post_copies(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted,
+                       bool write)
+{
+    *posted = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const afp_write *w = &wr[i];
+        int rc = one_copy(d, w, write);
+        afn_op op = {w->ctx, w->peer, write && w->has_imm ? 1u : 0u, w->imm, rc,
+                     rc ? strdup(d->c.errbuf) : NULL};
+        afn_finish_op(&d->c, &op);
+        (*posted)++;
+    }
+    return 0;
+}
+
+static int cma_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted)
+{
+    return post_copies(d, wr, n, posted, true);
+}
+
+static int cma_post_reads(afp_domain *d, const afp_write *rd, uint32_t n, uint32_t *posted)
+{
+    return post_copies(d, rd, n, posted, false);
+}
+
+static int paged_copy(afp_domain *d, const afp_paged *p)
+{
+    if (p->count == 0)
+        return DERR(d, AFP_EINVAL, "paged write of no pages [cma]");
+    /* the shim checked the pages against the descriptor; the owner's entry is what counts */
+    int64_t lo = 0, hi = 0;
+    for (uint64_t k = 0; k < p->count; k++) {
+        lo = p->dst_idx[k] < lo ? p->dst_idx[k] : lo;
+        hi = p->dst_idx[k] > hi ? p->dst_idx[k] : hi;
+    }
+    uint64_t span = 0;
+    if (lo < 0 || __builtin_mul_overflow((uint64_t)hi, p->dst_stride, &span) ||
+        __builtin_add_overflow(span, p->page_len, &span))
+        return DERR(d, AFP_EKEY, "paged write outside the remote region [cma]");
+    afn_import *im = NULL;
+    int rc = afn_translate(&d->c, p->peer, p->remote_key, p->remote_base + p->dst_offset, span,
+                           AFP_MR_REMOTE, NULL, NULL, &im);
+    if (rc || p->page_len == 0)
+        return rc;
+    afn_peer *peer = afn_peer_of(&d->c, p->peer);
+    cma_slot *s = NULL;
+    if ((rc = enter_live(d, peer, im, p->remote_key, &s)))
+        return rc;
+    uint8_t *src = (uint8_t *)p->local_base + p->src_offset;
+    uint64_t dst = p->remote_base + p->dst_offset;
+    for (uint64_t k = 0; k < p->count && !rc;) {
+        uint32_t m = 0;
+        for (; m < CMA_IOV && k < p->count; m++, k++) {
+            d->liov[m] = (struct iovec){src + (uint64_t)p->src_idx[k] * p->src_stride,
+                                        p->page_len};
+            d->riov[m] = (struct iovec){
+                (void *)(uintptr_t)(dst + (uint64_t)p->dst_idx[k] * p->dst_stride), p->page_len};
+        }
+        rc = copy_iov(d, peer, true, d->liov, d->riov, m);
+    }
+    leave(s);
+    return rc;
+}
+
+static int cma_post_paged(afp_domain *d, const afp_paged *p)
+{
+    int rc = paged_copy(d, p);
+    if (rc == AFP_EINVAL)
+        return rc;
+    afn_op op = {p->ctx, p->peer, p->has_imm ? p->count : 0, p->imm, rc,
+                 rc ? strdup(d->c.errbuf) : NULL};
+    afn_finish_op(&d->c, &op);
+    return 0;
+}
+
+static int cma_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t len, void *desc,
+                         uint64_t ctx)
+{
+    (void)desc;
+    return afn_post_send(&d->c, peer, buf, len, ctx);
+}
+
+static int cma_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uint64_t ctx)
+{
+    (void)desc;
+    return afn_post_recv(&d->c, buf, len, ctx);
+}
+
+static int cma_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
+{
+    *n = afn_poll_events(&d->c, ev, max);
+    return 0;
+}
+
+static int cma_trywait(afp_domain *d) { return afn_trywait(&d->c, false); }
+
+/* ------------------------------------------------------------------------------------ */
+/* Memory                                                                                */
+
+static int cma_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, int32_t device,
+                      uint64_t requested_key, struct afp_mr **out, void **local_desc,
+                      uint64_t *rkey, uint64_t *remote_base)
+{
+    (void)requested_key; /* keys name export entries: the provider picks them */
+    (void)device;
+    if (flags & AFP_MR_DEVICE)
+        return DERR(d, AFP_EUNSUPPORTED, "cma moves host memory only (CUDA memory: use the "
+                                         "nvlink provider) [cma]");
+    struct afp_mr *m = calloc(1, sizeof *m);
+    if (!m)
+        return DERR(d, AFP_ENOMEM, "out of memory [cma]");
+    *rkey = 0;
+    if (flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) {
+        uint32_t idx = afn_export_take(&d->c);
+        if (idx == UINT32_MAX) {
+            free(m);
+            return DERR(d, AFP_ENOMEM, "more than %u regions registered [cma]", MB_EXPORTS);
+        }
+        mb_export *e = &mb_exports(d->c.seg.hdr)[idx];
+        memset((uint8_t *)e + sizeof e->gen, 0, sizeof *e - sizeof e->gen);
+        e->base = (uint64_t)(uintptr_t)addr;
+        e->len = len;
+        e->pid = (int32_t)d->pid;
+        e->device = -1;
+        e->access = flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ);
+        *rkey = afn_export_publish(&d->c, idx);
+        m->export_idx = idx;
+        m->exported = true;
+    }
+    *out = m;
+    *local_desc = m;
+    *remote_base = (uint64_t)(uintptr_t)addr;
+    return 0;
+}
+
+static int cma_dereg_mr(afp_domain *d, struct afp_mr *m)
+{
+    if (!m)
+        return 0;
+    if (m->exported) {
+        afn_export_revoke(&d->c, m->export_idx);
+        drain_writers(d); /* a writer that checked the entry before has finished its copy */
+    }
+    free(m);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Domain                                                                                */
+
+static void cma_close(afp_domain *d)
+{
+    if (!d)
+        return;
+    afn_close(&d->c);
+    free(d);
+}
+
+static int cma_open(const afp_open_args *args, afp_domain **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    uint32_t n = 0;
+    afp_nic_info info;
+    int rc = cma_list_nics(args, &info, 1, &n, err, errlen);
+    if (rc)
+        return rc;
+    if ((rc = probe_access(true, err, errlen)))
+        return rc;
+    afp_domain *d = calloc(1, sizeof *d);
+    if (!d) {
+        afp_errf(err, errlen, "out of memory");
+        return AFP_ENOMEM;
+    }
+    d->pid = getpid();
+    uint64_t seed = 0;
+    FILE *f = fopen("/dev/urandom", "r");
+    if (!f || fread(&seed, sizeof seed, 1, f) != 1)
+        seed = (uint64_t)(uintptr_t)d * 0x9e3779b97f4a7c15ull;
+    if (f)
+        fclose(f);
+    d->token = seed ^ afn_now_ns() ^ ((uint64_t)d->pid << 32);
+    if ((rc = afn_open(&d->c, &CMA_KIND, CMA_ADDR_MAGIC, d->token, err, errlen)) != 0 ||
+        (rc = init_slots(d, err, errlen)) != 0) {
+        cma_close(d);
+        return rc;
+    }
+    *out = d;
+    return 0;
+}
+
+static const char *cma_errbuf(afp_domain *d) { return d->c.errbuf; }
+
+static int cma_caps(afp_domain *d, afp_caps *out)
+{
+    memset(out, 0, sizeof *out);
+    snprintf(out->provider, sizeof out->provider, "cma;process_vm_writev");
+    out->flags = AFP_CAP_VIRT_ADDR | AFP_CAP_PROV_KEY | AFP_CAP_DELIVERY_COMPLETE;
+    out->imm_size = 4;
+    out->max_msg_size = CMA_MAX_WRITE;
+    out->inject_size = 0;
+    out->addr_len = sizeof(afn_addr);
+    out->wait_fd = d->c.wake_fd;
+    return 0;
+}
+
+static int cma_address(afp_domain *d, void *buf, size_t *len)
+{
+    return afn_address(&d->c, buf, len);
+}
+
+static int cma_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *peer)
+{
+    int rc = afn_resolve(&d->c, addr, len, peer);
+    if (rc)
+        return rc;
+    afn_peer *p = afn_peer_of(&d->c, *peer);
+    mb_header *h = p->seg.hdr;
+    uint64_t ns = mb_pidns();
+    if (h->pid <= 0 || (h->pidns && ns && h->pidns != ns)) {
+        (void)afn_forget(&d->c, *peer);
+        return DERR(d, AFP_EPEER, "peer process %d is in another PID namespace: cma copies "
+                                  "need both in one [cma]", h->pid);
+    }
+    return 0;
+}
+
+static int cma_forget(afp_domain *d, uint64_t peer) { return afn_forget(&d->c, peer); }
+
+static const struct afp_ops cma_ops = {
+    .size = sizeof(struct afp_ops),
+    .major = AFP_ABI_MAJOR,
+    .minor = AFP_ABI_MINOR,
+    .name = "cma",
+    .list_nics = cma_list_nics,
+    .open = cma_open,
+    .close = cma_close,
+    .errbuf = cma_errbuf,
+    .caps = cma_caps,
+    .address = cma_address,
+    .reg_mr = cma_reg_mr,
+    .dereg_mr = cma_dereg_mr,
+    .resolve = cma_resolve,
+    .forget = cma_forget,
+    .post_writes = cma_post_writes,
+    .post_send = cma_post_send,
+    .post_recv = cma_post_recv,
+    .poll = cma_poll,
+    .trywait = cma_trywait,
+    .post_paged = cma_post_paged,
+    .post_reads = cma_post_reads,
+};
+
+__attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)
+{
+    return &cma_ops;
+}
