@@ -75,7 +75,7 @@ def test_declared_by_an_entry_point_like_first_party(sockets_plugin: metadata.Di
     eps = [ep for ep in sockets_plugin.entry_points if ep.group == registry.GROUP]
     assert [(ep.name, ep.value) for ep in eps] == [("sockets", "afabric_sockets:sockets")]
     first_party = [ep for ep in metadata.distribution("afabric").entry_points if ep.group == registry.GROUP]
-    assert {ep.name for ep in first_party} == {"efa", "tcp", "shm", "verbs", "nvlink"}
+    assert {ep.name for ep in first_party} == {"efa", "tcp", "shm", "verbs", "nvlink", "cma"}
     registry.clear_cache()
     (entry,) = registry.entries()["sockets"]
     assert (entry.distribution, entry.value) == (DIST, "afabric_sockets:sockets")
