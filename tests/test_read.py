@@ -340,8 +340,9 @@ async def test_access_is_checked_before_posting(provider: str, peers: list[Peer]
 
 def expect_refused(provider: str, seen: str) -> None:
     """How each provider reports a refused one-sided access (see test_access.py)."""
-    if provider == "tcp":
-        assert seen.startswith("TransportError") or seen.startswith("RemoteKeyRejected"), seen
+    if provider == "tcp":  # refused, or failed by the connection the refusal reset: 2.x's tcp
+        # may close it before the refusal's completion arrives (README, known limitations)
+        assert seen.startswith(("TransportError", "RemoteKeyRejected", "PeerUnreachable")), seen
     elif provider == "cma":  # the writer checks the target's export table itself
         assert seen.startswith("RemoteKeyRejected"), seen
     elif libfabric_version() < (2, 0):
