@@ -7,7 +7,7 @@ first engine is created).
 from . import errors
 from .address import Address
 from .descriptor import MrDesc
-from .engine import Engine
+from .engine import WORKER_STUCK_S, Engine
 from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import MemoryRegion
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HEARTBEAT_MISSES",
     "TAG_MAX",
+    "WORKER_STUCK_S",
     "Address",
     "Engine",
     "EngineStats",

@@ -33,6 +33,7 @@ from ._native_decl import (
     C_NOTICE,
     C_PEER,
     C_RECV,
+    C_STUCK,
     C_WATCH,
     CFG_FORCE_EFA_MODES,
     CFG_TIMING,
@@ -660,7 +661,7 @@ class NativeEngine:
                         release.append(c.slot)
                     if room is not None:
                         room -= 1
-                elif kind == C_DONE:
+                elif kind in (C_DONE, C_STUCK):
                     text = None
                     if c.data:
                         text = ctypes.string_at(c.data).decode(errors="replace")

@@ -39,6 +39,9 @@ from .triggers import Trigger
 from .watcher import UvmWatcher
 
 IMM_MAX = 0xFFFFFFFF
+# A worker inside one provider call this long is stuck: the engine fails everything in
+# flight with errors.EngineStuck and closes itself (the shim's AFS_STUCK_MS).
+WORKER_STUCK_S = _native.STUCK_MS / 1000
 _NO_IMM = _native.NO_IMM
 U64_MAX = (1 << 64) - 1
 _REMOTE_CACHE_MAX = 65536
@@ -329,6 +332,7 @@ class Engine(MessagingMixin):
         self._created_at = traceback.format_stack() if self._loop.get_debug() else None
         self._loop.add_reader(self._fd, _on_ready, weakref.ref(self))
         self._closed = False
+        self._stuck: errors.AfabricError | None = None  # why the engine closed itself
         _track(self)
         self.log.info("engine open: provider %s (%s); %s", self.provider, self.fabric_provider, why)
 
@@ -391,6 +395,10 @@ class Engine(MessagingMixin):
             return
         if threading.get_ident() != self._thread and not self._loop.is_closed():
             self._refuse()
+        self._shut(errors.EngineClosed("engine closed while the operation was in flight"))
+
+    def _shut(self, exc: errors.AfabricError) -> None:
+        """Close, failing what is pending with ``exc``."""
         self._closed = True
         with contextlib.suppress(RuntimeError, ValueError, OSError):  # loop already closed
             self._loop.remove_reader(self._fd)
@@ -402,7 +410,7 @@ class Engine(MessagingMixin):
             self._regions = {}
             raise
         finally:
-            self._fail_all(errors.EngineClosed("engine closed while the operation was in flight"))
+            self._fail_all(exc)
         regions, self._regions = self._regions, {}
         for mr in regions.values():
             mr._unpin()
@@ -472,7 +480,8 @@ class Engine(MessagingMixin):
                 "through fork and cannot use it (create an engine here)"
             )
         if self._closed:
-            raise errors.EngineClosed(f"engine {self.name} is closed")
+            why = f" (it closed itself: {self._stuck})" if self._stuck else ""
+            raise errors.EngineClosed(f"engine {self.name} is closed{why}")
         if threading.get_ident() != self._thread:
             raise errors.UsageError(
                 f"engine {self.name} belongs to its event loop's thread, not this thread; from another "
@@ -1085,12 +1094,24 @@ class Engine(MessagingMixin):
                 self._learn(ev.payload or b"")
             elif ev.kind == _native.C_RECV:
                 self._deliver(ev.payload or b"", ev.slot, ev.id)
+            elif ev.kind == _native.C_STUCK:
+                self._on_stuck(ev)
+                return
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:
                 self.log.warning(
                     "%d immediate(s) of new values dropped so far: the counter table holds "
                     "max_imm_values=%d distinct values (expect them before they arrive, or "
                     "raise the limit)", ev.total, self._max_imm_values,
                 )  # fmt: skip
+
+    def _on_stuck(self, ev: _native.Event) -> None:
+        """The worker is stuck for good (shim/peers.c): nothing in flight will complete.
+        Fail it all with EngineStuck and close (the native close does not wait for the
+        worker; what it may still touch stays allocated and pinned, as close() does)."""
+        self._stuck = self._n.error(ev.status, f"engine {self.name}", ev.text)
+        self.log.error("%s", self._stuck)
+        with contextlib.suppress(errors.AfabricError):  # the worker did not stop: known
+            self._shut(self._stuck)
 
     def _done(self, ev: _native.Event) -> None:
         op = self._ops.pop(ev.id, None)

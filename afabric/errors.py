@@ -105,6 +105,13 @@ class OperationTimeout(TransportError, TimeoutError):
     """No completion within the engine's operation timeout."""
 
 
+class EngineStuck(TransportError):
+    """The engine's worker thread has been inside one provider call for
+    ``afabric.WORKER_STUCK_S`` seconds and will not come back (seen with libfabric 1.17 shm:
+    a same-host peer SIGKILLed while it held the lock of its shared region). Everything in
+    flight failed with this error and the engine was closed; create a new one."""
+
+
 class RemoteKeyRejected(TransportError, PermissionError):
     """The target refused the remote key or the range (deregistered or forged descriptor)."""
 
@@ -138,6 +145,7 @@ _BY_NAME: dict[str, type[AfabricError]] = {
     "EWRONGPROV": WrongProvider,
     "EREG": RegistrationError,
     "EDENIED": PeerNotAllowed,
+    "ESTUCK": EngineStuck,
 }
 
 

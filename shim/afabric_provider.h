@@ -8,8 +8,9 @@
  * so a newer shim can load an older provider that lacks trailing operations.
  *
  * Threading: every operation on a domain is called from one thread at a time (the
- * shim's worker for that domain group). `afp_list_nics` may be called from any thread
- * and must not keep state between calls.
+ * shim's worker for that domain group), except `peer_exited`, called from the shim's watch
+ * thread while the worker may be inside any other. `afp_list_nics` may be called from any
+ * thread and must not keep state between calls.
  *
  * Return values: 0 on success or a negative AFP_E* code (below). Detail text
  * for a failure goes to the buffer given by `afp_errbuf` (per domain) or, for calls
@@ -24,8 +25,8 @@
 #include <stdio.h>
 
 #define AFP_ABI_MAJOR 1u
-#define AFP_ABI_MINOR 4u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from; 4: post_reads,
-                            AFP_MR_REMOTE_READ */
+#define AFP_ABI_MINOR 5u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from; 4: post_reads,
+                            AFP_MR_REMOTE_READ; 5: peer_exited */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
@@ -55,6 +56,8 @@ enum afp_error {
     AFP_EWRONGPROV = -18,  /* descriptor or address belongs to another provider */
     AFP_EREG = -19,        /* memory registration failed */
     AFP_EDENIED = -20,     /* peer is not on the engine's allow-list */
+    AFP_ESTUCK = -21,      /* the engine's worker is stuck inside the provider (the shim's own:
+                              providers never return it) */
 };
 
 /* For provider authors: formats an error text into `buf` (a domain's errbuf or a call's
@@ -239,6 +242,13 @@ struct afp_ops {
      * key or range) is AFS_EKEY where the provider can tell. Without it, reads are
      * AFS_EUNSUPPORTED. */
     int (*post_reads)(afp_domain *dom, const afp_write *rd, uint32_t n, uint32_t *posted);
+    /* Optional (minor 5): the process `pid` behind the peer at `addr` (the address `resolve`
+     * was given) has exited; the shim saw it (pidfd) and is about to fail everything to that
+     * peer. For a provider whose calls can wait on something that process held (a lock in
+     * memory it shared): make them stop waiting. Called from the shim's watch thread, while
+     * the worker may be inside any other call on `dom` (even stuck in one): touch only what
+     * is safe for that. */
+    void (*peer_exited)(afp_domain *dom, const void *addr, size_t len, uint32_t pid);
 };
 
 typedef const struct afp_ops *(*afp_get_ops_fn)(void);

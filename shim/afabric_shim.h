@@ -21,14 +21,15 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 5u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 6u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
                               4: afs_submit_req (one afs_request per operation), named
                               afs_completion fields;
                               5: afs_config.heartbeat_ms, afs_nic_stats.ctrl_sent/received,
-                              AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO */
+                              AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO;
+                              6: AFS_ESTUCK, AFS_C_STUCK, AFS_STUCK_MS */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -59,7 +60,8 @@
     X(ENODEV, -17, "no usable NIC or domain")                                                   \
     X(EWRONGPROV, -18, "descriptor or address belongs to another provider")                     \
     X(EREG, -19, "memory registration failed")                                              \
-    X(EDENIED, -20, "peer is not on the engine's allow-list")
+    X(EDENIED, -20, "peer is not on the engine's allow-list")                                   \
+    X(ESTUCK, -21, "the engine's worker is stuck inside the provider")
 
 #define AFS_ENUM_ITEM(name, value, text) AFS_##name = (value),
 enum afs_error { AFS_ERROR_TABLE(AFS_ENUM_ITEM) };
@@ -176,11 +178,24 @@ enum afs_completion_kind {
                           stopped (an "up" follows when it runs again), | 4 down because its
                           engine closed (final), | 8 down because silent (heartbeat_ms: an
                           "up" follows when it answers) */
-    AFS_C_HELLO = 7    /* an engine that resolved this one said hello from an address this one
+    AFS_C_HELLO = 7,   /* an engine that resolved this one said hello from an address this one
                           has not resolved: data = that address (len bytes, free with
                           afs_text_free). Resolving it makes this engine's goodbye reach it
                           when it closes (shim/keepalive.c); at most 4,096 per engine */
+    AFS_C_STUCK = 8    /* the worker has spent AFS_STUCK_MS in one turn of its loop (inside a
+                          provider call that does not return: seen with libfabric 1.17 shm, a
+                          same-host peer SIGKILLed while it held the lock of its shared
+                          region). status AFS_ESTUCK, data = text (free with afs_text_free).
+                          Final: the engine refuses everything with AFS_ESTUCK from now on,
+                          nothing in flight will complete; close it (afs_engine_destroy then
+                          does not wait for the worker). Reported once, after the records
+                          the worker pushed before it stopped. */
 };
+
+/* How long one turn of the worker's loop may take before the engine is stuck (AFS_C_STUCK):
+ * far above any provider call's duration (microseconds to milliseconds), so that only a
+ * worker that will not come back is declared stuck. */
+#define AFS_STUCK_MS 5000u
 
 #define AFS_NOTICE_IMMS_DROPPED 1u /* immediates of new values dropped: the table was full */
 

@@ -96,7 +96,8 @@ int32_t afs_allow_peers(afs_engine *eng, const uint8_t *blobs, const uint32_t *l
         eng->allow_book = a;
     }
     pthread_mutex_unlock(&eng->peer_lock);
-    afs_xfer_free(x);
+    if (rc != AFS_ESTUCK) /* stuck: x stays the worker's (run_ctrl will not read `a`) */
+        afs_xfer_free(x);
     afs_allow_free(rc ? a : old); /* the worker holds neither any more */
     return rc;
 }

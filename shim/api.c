@@ -548,6 +548,17 @@ int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *
     if (!eng || !out || !count)
         return afs_fail(AFS_EINVAL, "drain: NULL argument");
     *count = afs_ring_drain(&eng->ring, out, max);
+    /* A stuck worker (peers.c) is reported once, after everything it pushed before. */
+    if (*count < max && !eng->stuck_reported &&
+        atomic_load_explicit(&eng->stuck, memory_order_acquire)) {
+        afs_completion *c = &out[(*count)++];
+        memset(c, 0, sizeof(*c));
+        c->kind = AFS_C_STUCK;
+        c->status = AFS_ESTUCK;
+        char *text = strdup(eng->stuck_text);
+        c->data = (uint64_t)(uintptr_t)text;
+        eng->stuck_reported = true;
+    }
     return 0;
 }
 
@@ -685,6 +696,10 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
             break;
         if (atomic_load(&eng->closed)) {
             rc = afs_fail(AFS_ECLOSED, "engine closed during benchmark");
+            break;
+        }
+        if (atomic_load(&eng->stuck)) { /* what is in flight will never be reported */
+            rc = afs_fail(AFS_ESTUCK, "%s", eng->stuck_text);
             break;
         }
         /* Small writes: refill once a quarter of the window has completed (a wakeup per

@@ -274,6 +274,7 @@ static int check_config(const afs_config *cfg)
 
 static void engine_free(afs_engine *eng)
 {
+    afs_live_destroy(eng); /* (a no-op when afs_engine_destroy already stopped it) */
     for (uint32_t i = 0; i < eng->nnics; i++)
         close_nic(eng, &eng->nics[i]);
     if (eng->lib)
@@ -299,6 +300,8 @@ static void engine_free(afs_engine *eng)
     free(eng);
 }
 
+static void engine_teardown(afs_engine *eng);
+
 int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
 {
     int rc = check_config(cfg);
@@ -311,6 +314,7 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
         return afs_fail(AFS_ENOMEM, "engine: out of memory");
     eng->wake_fd = -1;
     eng->ring.event_fd = -1;
+    eng->teardown = engine_teardown;
     eng->cfg = *cfg;
     if (!eng->cfg.max_imm_values)
         eng->cfg.max_imm_values = AFS_MAX_IMM_VALUES_DEFAULT;
@@ -375,6 +379,10 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
                               eng->address, sizeof(eng->address), &eng->address_len)))
         goto out_free;
 
+    if ((rc = afs_live_start(eng))) { /* peers.c: watches same-host peers and the worker */
+        rc = afs_fail(rc, "cannot start the engine's watch thread");
+        goto out_free;
+    }
     if (pthread_create(&eng->worker, NULL, afs_worker_main, eng) != 0) {
         rc = afs_fail(AFS_ENOMEM, "cannot start the worker thread");
         goto out_free;
@@ -388,7 +396,31 @@ out_free:
 }
 
 /* How long closing waits for the worker to stop before giving up on it. */
-#define AFS_CLOSE_WAIT_S 10
+#define AFS_CLOSE_WAIT_S 10ull
+
+/* Waits for the worker until `deadline_ns` (afs_now_ns), telling providers of peers that
+ * exit meanwhile: closing often follows a peer's death at once (the application saw the
+ * process go before its pidfd said so), and the worker may be spinning on what it held. */
+static int join_worker(afs_engine *eng, uint64_t deadline_ns)
+{
+    for (;;) {
+        afs_live_sweep(eng);
+        uint64_t now = afs_now_ns();
+        uint64_t slice = deadline_ns > now ? deadline_ns - now : 0;
+        if (slice > 20000000ull)
+            slice = 20000000ull;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += (long)slice;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        int rc = pthread_timedjoin_np(eng->worker, NULL, &until);
+        if (rc != ETIMEDOUT || afs_now_ns() >= deadline_ns)
+            return rc;
+    }
+}
 
 int32_t afs_engine_destroy(afs_engine *eng)
 {
@@ -399,27 +431,40 @@ int32_t afs_engine_destroy(afs_engine *eng)
         atomic_store(&eng->watch_stop, 1);
         pthread_join(eng->watch_thread, NULL);
     }
-    afs_live_destroy(eng); /* before the worker: it submits to the worker's queue */
+    afs_live_stop(eng); /* before the worker: it submits to the worker's queue */
     if (eng->worker_started) {
         atomic_store(&eng->stop, 1);
         uint64_t one = 1;
         ssize_t w = write(eng->wake_fd, &one, sizeof(one));
         (void)w; /* the worker also wakes on its sleep timeout */
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_sec += AFS_CLOSE_WAIT_S;
-        if (pthread_timedjoin_np(eng->worker, NULL, &until) != 0) {
+        /* known stuck: a moment, in case it just came back */
+        uint64_t wait_ns = atomic_load(&eng->stuck) ? 100000000ull : AFS_CLOSE_WAIT_S * 1000000000ull;
+        if (join_worker(eng, afs_now_ns() + wait_ns) != 0) {
             /* The worker is stuck inside the provider (seen: libfabric 1.17 shm spinning on a
              * lock in the shared region that a SIGKILLed peer held). Closing must not hang
              * the caller forever, and nothing the worker may still touch can be freed: the
-             * thread is detached and the engine's memory left in place (a bounded leak). */
-            pthread_detach(eng->worker);
-            return afs_fail(AFS_ETIMEDOUT,
-                            "closing: the worker did not stop within %d s (stuck inside provider "
-                            "%s); the engine's memory is left allocated",
-                            AFS_CLOSE_WAIT_S, eng->provider_full);
+             * engine becomes the worker's, freed by it if it ever returns (or left
+             * allocated: a bounded leak). Nothing of `eng` is read after the handoff. */
+            pthread_t worker = eng->worker;
+            char provider[sizeof(eng->provider_full)];
+            memcpy(provider, eng->provider_full, sizeof(provider));
+            if (atomic_exchange(&eng->handoff, AFS_HANDOFF_CLOSER_LEFT) != AFS_HANDOFF_WORKER_DONE) {
+                pthread_detach(worker);
+                return afs_fail(AFS_ETIMEDOUT,
+                                "closing: the worker did not stop (stuck inside provider %s); "
+                                "the engine is freed if it ever does",
+                                provider);
+            }
+            pthread_join(worker, NULL); /* it returned just now */
         }
     }
+    engine_teardown(eng);
+    return 0;
+}
+
+/* What closing does once the worker has returned: watchers, registrations, the rest. */
+static void engine_teardown(afs_engine *eng)
+{
     afs_watchers_destroy(eng);
     /* deregister what the application left registered before closing the domains */
     for (uint32_t i = 0; i < eng->mrs.n_alloc; i++) {
@@ -431,7 +476,6 @@ int32_t afs_engine_destroy(afs_engine *eng)
                 eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
     }
     engine_free(eng);
-    return 0;
 }
 
 int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out)
@@ -545,6 +589,8 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
     x->ctrl.op = AFS_CTRL_REG;
     x->ctrl.mr = m;
     rc = afs_ctrl_call(eng, x);
+    if (rc == AFS_ESTUCK)
+        return rc; /* x and the entry stay the worker's */
     afs_xfer_free(x);
     if (rc)
         goto out_slot;
@@ -558,7 +604,8 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
             if (d) {
                 d->ctrl.op = AFS_CTRL_DEREG;
                 d->ctrl.mr = m;
-                (void)afs_ctrl_call(eng, d);
+                if (afs_ctrl_call(eng, d) == AFS_ESTUCK)
+                    return rc; /* d and the entry stay the worker's */
                 afs_xfer_free(d);
             }
             goto out_slot;
@@ -587,7 +634,8 @@ int32_t afs_mr_deregister(afs_engine *eng, uint64_t mr_id)
     x->ctrl.op = AFS_CTRL_DEREG;
     x->ctrl.mr = m;
     rc = afs_ctrl_call(eng, x);
-    afs_xfer_free(x);
+    if (rc != AFS_ESTUCK) /* else x stays the worker's */
+        afs_xfer_free(x);
     return rc;
 }
 
@@ -674,6 +722,12 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         p->pid = v->proc.pid;
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
+        for (uint32_t k = 0; k < v->nics; k++) { /* v was parsed from blob: they point in it */
+            uintptr_t at = (uintptr_t)v->nic_addr[k], from = (uintptr_t)blob;
+            bool inside = at >= from && at - from + v->nic_addr_len[k] <= blob_len;
+            p->nic_off[k] = inside ? (uint16_t)(at - from) : 0;
+            p->nic_len[k] = inside ? (uint16_t)v->nic_addr_len[k] : 0;
+        }
         *peer_id = afs_slots_publish(&eng->peers, index);
         afs_live_watch(eng, *peer_id, &v->proc); /* peers.c: reported up; watched if local */
         /* Earlier incarnations at these NIC addresses are dead: refuse their descriptors
@@ -681,10 +735,11 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         for (uint32_t i = 0; i < n_older; i++)
             if (!atomic_load(&older[i]->superseded_by))
                 atomic_store(&older[i]->superseded_by, v->incarnation);
-    } else {
+    } else if (rc != AFS_ESTUCK) { /* stuck: x and the entry stay the worker's */
         afs_slots_release(&eng->peers, index);
     }
-    afs_xfer_free(x);
+    if (rc != AFS_ESTUCK)
+        afs_xfer_free(x);
 out_unlock:
     pthread_mutex_unlock(&eng->peer_lock);
     return rc;

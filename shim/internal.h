@@ -139,6 +139,12 @@ typedef struct afs_live afs_live;
 #define AFS_PEER_CLOSED 3  /* its engine said goodbye (keepalive.c): for good */
 #define AFS_PEER_SILENT 4  /* unanswered heartbeats (afs_config.heartbeat_ms), until it answers */
 void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who);
+int afs_live_start(afs_engine *eng); /* the thread, at engine creation: it watches the worker */
+/* Closing: stop the thread (it submits to the worker), then, while waiting for the worker,
+ * sweep for peers that exited since (their provider is told: a worker may be spinning on
+ * what one held), then destroy. */
+void afs_live_stop(afs_engine *eng);
+void afs_live_sweep(afs_engine *eng);
 void afs_live_destroy(afs_engine *eng);
 
 /* ---- codec.c: address and descriptor blobs ---- */
@@ -218,6 +224,7 @@ typedef struct afs_peer_entry {
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];
+    uint16_t nic_off[AFS_MAX_NICS], nic_len[AFS_MAX_NICS]; /* each NIC's address in `addr` */
 } afs_peer_entry;
 
 #define AFS_KA_USED 1u     /* an operation went to it (api.c): heartbeats go to it */
@@ -479,6 +486,9 @@ typedef struct afs_xfer_list {
     size_t len;
 } afs_xfer_list;
 
+#define AFS_HANDOFF_CLOSER_LEFT 1 /* afs_engine_destroy returned without the worker */
+#define AFS_HANDOFF_WORKER_DONE 2 /* the worker returned */
+
 struct afs_engine {
     afs_config cfg;
     char *provider_lib, *provider_name, *fabric_provider, *nic_name, *bind_addr;
@@ -497,6 +507,17 @@ struct afs_engine {
     _Atomic int stop;
     _Atomic int closed;
     _Atomic int worker_sleeping;
+    /* The worker's heartbeat: the time of its loop's last turn, and whether it was found
+     * stuck in one (peers.c's thread watches it; AFS_C_STUCK). `stuck_text` is written
+     * once, before `stuck` is set; `stuck_reported` belongs to the draining thread. */
+    _Atomic uint64_t beat_ns;
+    _Atomic int stuck;
+    char stuck_text[320];
+    bool stuck_reported;
+    /* Closing gave up waiting for a stuck worker (engine.c): whichever of the two finishes
+     * last frees the engine, the worker through `teardown` (set by engine.c). */
+    _Atomic int handoff; /* AFS_HANDOFF_* */
+    void (*teardown)(afs_engine *eng);
     int wake_fd; /* eventfd: submitters wake a sleeping worker */
     afs_mpsc submitq;
     _Atomic uint64_t next_id;
@@ -573,7 +594,9 @@ void afs_ka_free(afs_engine *eng);
 /* worker.c */
 void *afs_worker_main(void *arg);
 void afs_submit(afs_engine *eng, afs_xfer *x);
-int afs_ctrl_call(afs_engine *eng, afs_xfer *x); /* synchronous control request */
+/* A synchronous control request. On AFS_ESTUCK the worker keeps `x`: leave it (and what it
+ * points to) allocated. */
+int afs_ctrl_call(afs_engine *eng, afs_xfer *x);
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind);
 void afs_xfer_free(afs_xfer *x);
 
@@ -676,6 +699,8 @@ static inline int afs_engine_check_open(afs_engine *eng)
         return afs_fail(AFS_EINVAL, "NULL engine");
     if (atomic_load_explicit(&eng->closed, memory_order_acquire))
         return afs_fail(AFS_ECLOSED, "engine is closed");
+    if (atomic_load_explicit(&eng->stuck, memory_order_acquire))
+        return afs_fail(AFS_ESTUCK, "%s", eng->stuck_text);
     return 0;
 }
 int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);

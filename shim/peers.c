@@ -13,8 +13,8 @@
  * first, then /proc/<pid>/stat is read and must show the same start time (a pidfd pins its
  * process, so a match means it is the right one).
  *
- * One thread per engine (started with the first watched peer) sleeps in epoll_wait on those
- * pidfds and an eventfd that stops it. When a peer's process is gone it marks the peer down
+ * One thread per engine (started with the engine) sleeps in epoll_wait on those pidfds and
+ * an eventfd that stops it. When a peer's process is gone it marks the peer down
  * (api.c then refuses every new operation to it before posting, with AFS_EPEER) and hands
  * the worker an AFS_REQ_PEER request: the worker fails every operation in flight to that
  * peer at once and reports a peer-down record (AFS_C_PEER). Resolving a peer reports it up.
@@ -24,6 +24,14 @@
  * the thread also reads each watched process's state from /proc (every peer_stop_ms / 4, at
  * least 10 ms apart) and reports one stopped for peer_stop_ms down the same way, until it
  * runs again (then up: operations to it are accepted again). Off by default.
+ *
+ * The same thread watches the worker itself, once a second: a worker whose loop has not
+ * turned for AFS_STUCK_MS while awake is stuck inside its provider (seen: libfabric 1.17
+ * shm spinning on the lock of a SIGKILLed peer's shared region, which nothing will ever
+ * release). Nothing it holds can complete, so waiting callers would wait forever: the engine
+ * is marked stuck (every call then fails with AFS_ESTUCK), the completion fd is made readable
+ * and the next drain reports AFS_C_STUCK once (api.c), on which the caller fails everything
+ * in flight and closes the engine.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -63,6 +71,7 @@ struct afs_live {
     pthread_mutex_t lock; /* the watch list: callers add, the thread removes */
     afs_watch *w;
     size_t n, cap;
+    uint64_t last_check, seen_beat, seen_since; /* check_worker's, this thread's own */
 };
 
 static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
@@ -186,6 +195,50 @@ static void check_stopped(afs_engine *eng, afs_live *l, uint64_t now)
     pthread_mutex_unlock(&l->lock);
 }
 
+/* The provider's part in a peer's exit (afp_ops.peer_exited): e.g. libfabric 1.17's shm
+ * lets go of a lock the dead process held, on which the worker may be spinning. */
+static void tell_provider(afs_engine *eng, uint64_t peer_id, uint32_t pid)
+{
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p || !AFP_HAS_OP(eng->ops, peer_exited))
+        return;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        eng->ops->peer_exited(eng->nics[k].dom, p->addr + p->nic_off[k], p->nic_len[k], pid);
+}
+
+#define WORKER_CHECK_MS 1000
+
+/* Marks the engine stuck when its worker has been awake in one turn of its loop for
+ * AFS_STUCK_MS (see the top of this file), as this thread saw it: checks at most 2 s apart
+ * all along, so that a process that was itself stopped (SIGSTOP, a debugger, a frozen VM)
+ * is not taken for a stuck worker when it runs again. */
+static void check_worker(afs_engine *eng, afs_live *l, uint64_t now)
+{
+    uint64_t beat = atomic_load(&eng->beat_ns);
+    bool gap = now - l->last_check > 2 * WORKER_CHECK_MS * 1000000ull;
+    l->last_check = now;
+    if (atomic_load(&eng->stuck))
+        return;
+    if (gap || !beat || beat != l->seen_beat || atomic_load(&eng->worker_sleeping)) {
+        l->seen_beat = beat; /* the loop turned (or we cannot tell): watch from now */
+        l->seen_since = now;
+        return;
+    }
+    if (now - l->seen_since < (uint64_t)AFS_STUCK_MS * 1000000ull)
+        return;
+    bool shm = strncmp(eng->provider_full, "shm", 3) == 0;
+    snprintf(eng->stuck_text, sizeof(eng->stuck_text),
+             "the engine's worker has been inside provider %s for %.1f s and will not come "
+             "back%s; nothing in flight will complete: close this engine",
+             eng->provider_full, (double)(now - beat) / 1e9,
+             shm ? " (libfabric 1.17 shm: a same-host peer died holding its shared region's lock)"
+                 : "");
+    atomic_store_explicit(&eng->stuck, 1, memory_order_release);
+    uint64_t one = 1;
+    ssize_t w = write(eng->ring.event_fd, &one, sizeof(one)); /* the caller drains, sees it */
+    (void)w; /* EAGAIN: the counter is huge, the fd readable anyway */
+}
+
 static void *live_main(void *arg)
 {
     afs_engine *eng = arg;
@@ -193,26 +246,34 @@ static void *live_main(void *arg)
     struct epoll_event ev[16];
     /* with peer_stop_ms, states are read 4 times per period (at most every 10 ms) */
     uint32_t tick_ms = eng->cfg.peer_stop_ms / 4 < 10 ? 10 : eng->cfg.peer_stop_ms / 4;
-    uint64_t next_tick = 0;
+    uint64_t next_tick = 0, next_check = 0;
     for (;;) {
-        int timeout = -1;
+        uint64_t now = afs_now_ns();
+        if (now >= next_check) {
+            check_worker(eng, l, now);
+            next_check = now + WORKER_CHECK_MS * 1000000ull;
+        }
+        uint64_t until = next_check;
         if (eng->cfg.peer_stop_ms) {
-            uint64_t now = afs_now_ns();
             if (now >= next_tick) {
                 check_stopped(eng, l, now);
                 next_tick = now + (uint64_t)tick_ms * 1000000ull;
             }
-            timeout = (int)((next_tick - now + 999999ull) / 1000000ull);
+            until = next_tick < until ? next_tick : until;
         }
+        int timeout = (int)((until - now + 999999ull) / 1000000ull);
         int n = epoll_wait(l->epfd, ev, 16, timeout);
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0)
             return NULL;
+        bool stop = false; /* after the exits that came with it: the provider hears of them */
         for (int i = 0; i < n; i++) {
             uint64_t key = ev[i].data.u64;
-            if (key == STOP_KEY)
-                return NULL;
+            if (key == STOP_KEY) {
+                stop = true;
+                continue;
+            }
             uint32_t pid = 0;
             pthread_mutex_lock(&l->lock);
             for (size_t k = 0; k < l->n; k++) {
@@ -225,13 +286,17 @@ static void *live_main(void *arg)
                 break;
             }
             pthread_mutex_unlock(&l->lock);
-            if (pid)
+            if (pid) {
+                tell_provider(eng, key, pid);
                 mark_down(eng, key, pid, AFS_PEER_EXITED);
+            }
         }
+        if (stop)
+            return NULL;
     }
 }
 
-static int live_start(afs_engine *eng)
+int afs_live_start(afs_engine *eng)
 {
     afs_live *l = calloc(1, sizeof(*l));
     if (!l)
@@ -280,7 +345,7 @@ static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
         close(pidfd);
         return -1;
     }
-    if (!eng->live && live_start(eng) != 0) {
+    if (!eng->live && afs_live_start(eng) != 0) {
         close(pidfd);
         return 0;
     }
@@ -323,16 +388,41 @@ void afs_live_watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
         mark_down(eng, peer_id, who->pid, AFS_PEER_EXITED);
 }
 
+void afs_live_stop(afs_engine *eng)
+{
+    afs_live *l = eng->live;
+    if (!l || !l->started)
+        return;
+    uint64_t one = 1;
+    ssize_t w = write(l->stop_fd, &one, sizeof(one));
+    (void)w;
+    pthread_join(l->thread, NULL);
+    l->started = false;
+}
+
+void afs_live_sweep(afs_engine *eng)
+{
+    afs_live *l = eng->live;
+    if (!l || l->started)
+        return; /* the thread does it */
+    for (size_t k = 0; k < l->n;) {
+        struct pollfd pfd = {.fd = l->w[k].pidfd, .events = POLLIN};
+        if (poll(&pfd, 1, 0) != 1) {
+            k++;
+            continue;
+        }
+        tell_provider(eng, l->w[k].peer_id, l->w[k].pid);
+        close(l->w[k].pidfd);
+        l->w[k] = l->w[--l->n];
+    }
+}
+
 void afs_live_destroy(afs_engine *eng)
 {
     afs_live *l = eng->live;
     if (!l)
         return;
-    uint64_t one = 1;
-    ssize_t w = write(l->stop_fd, &one, sizeof(one));
-    (void)w;
-    if (l->started)
-        pthread_join(l->thread, NULL);
+    afs_live_stop(eng);
     for (size_t k = 0; k < l->n; k++)
         close(l->w[k].pidfd);
     free(l->w);

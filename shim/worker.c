@@ -144,7 +144,21 @@ int afs_ctrl_call(afs_engine *eng, afs_xfer *x)
     if (sem_init(&x->ctrl.done, 0, 0) != 0)
         return afs_fail(AFS_ENOMEM, "sem_init failed");
     afs_submit(eng, x);
-    while (sem_wait(&x->ctrl.done) != 0 && errno == EINTR) {
+    /* Waits in slices so that a stuck worker (peers.c) fails the call instead of hanging
+     * it: then `x` stays the worker's (never freed, its semaphore never destroyed: a worker
+     * that came back would still post it), and the caller must leave it alone. */
+    for (;;) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 100000000L;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        if (sem_timedwait(&x->ctrl.done, &until) == 0)
+            break; /* else ETIMEDOUT or EINTR (nothing else for a valid semaphore) */
+        if (atomic_load_explicit(&eng->stuck, memory_order_acquire))
+            return afs_fail(AFS_ESTUCK, "%s", eng->stuck_text);
     }
     sem_destroy(&x->ctrl.done);
     if (x->ctrl.rc)
@@ -934,6 +948,14 @@ static void ctrl_resolve(afs_engine *eng, afs_xfer *x)
 
 static void run_ctrl(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
+    if (atomic_load_explicit(&eng->stuck, memory_order_acquire)) {
+        /* back from being stuck: its caller may have given up (afs_ctrl_call), and what
+         * the request points to may be gone; only the semaphore is still its */
+        x->ctrl.rc = AFS_ESTUCK;
+        snprintf(x->ctrl.err, sizeof(x->ctrl.err), "the engine's worker was stuck");
+        sem_post(&x->ctrl.done);
+        return;
+    }
     switch (x->ctrl.op) {
     case AFS_CTRL_REG:
         ctrl_reg(eng, x);
@@ -1482,6 +1504,7 @@ void *afs_worker_main(void *arg)
     uint64_t now = idle_since;
     uint32_t fruitless = 0; /* provider wake-ups in a row with nothing to do (FRUITLESS_WAKES) */
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
+        atomic_store_explicit(&eng->beat_ns, now, memory_order_relaxed); /* peers.c watches it */
         bool did = take_requests(eng, now);
         if (eng->postq_head)
             did |= progress_posts(eng);
@@ -1526,6 +1549,8 @@ void *afs_worker_main(void *arg)
             (void)poll_nic(eng, k, afs_now_ns());
     afs_ka_free(eng);
     fail_queued(eng);
+    if (atomic_exchange(&eng->handoff, AFS_HANDOFF_WORKER_DONE) == AFS_HANDOFF_CLOSER_LEFT)
+        eng->teardown(eng); /* closing gave up on this thread: the engine is its to free */
     return NULL;
 }
 

@@ -44,6 +44,7 @@
 
 #include "afabric_provider.h"
 #include "ofi_lib.h"
+#include "ofi_shmfence.h"
 
 /* The API version of the headers we were built with: a newer libfabric then keeps the
  * semantics (and struct layouts) we were written against. */
@@ -123,6 +124,7 @@ struct afp_domain {
     bool hmem;
     bool delivery_complete;
     bool zero_len_dc; /* zero-length writes are sent delivery-complete too (ofi_open) */
+    bool shm117;      /* libfabric 1.17's shm: a dead peer's region is fenced (ofi_shmfence.c) */
     bool rma_event;
     bool reads; /* opened with FI_READ | FI_REMOTE_READ (else post_reads and readable
                    regions are refused: a provider without RMA read still serves writes) */
@@ -952,6 +954,9 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
      * measured: 1.17 never completes a zero-length FI_DELIVERY_COMPLETE write and stalls its
      * queue behind it, 2.5.1 reports success either way (README, known limitations). */
     d->zero_len_dc = d->delivery_complete && strcmp(d->prov_name, "shm") != 0;
+    /* core providers' prov_version is FI_VERSION(major * 100 + minor, revision * 10) */
+    d->shm117 = strcmp(d->prov_name, "shm") == 0 &&
+                FI_MAJOR(info->fabric_attr->prov_version) == 117;
     d->next_key = 1;
     d->max_msg_size = info->ep_attr->max_msg_size;
     d->inject_size = info->tx_attr->inject_size;
@@ -1588,6 +1593,18 @@ static int ofi_trywait(afp_domain *d)
     return AFP_EAGAIN;
 }
 
+/* The watch thread's news of a dead same-host peer (any thread; `d->shm117` and the address
+ * are all it reads). */
+static void ofi_peer_exited(afp_domain *d, const void *addr, size_t len, uint32_t pid)
+{
+    if (!d->shm117)
+        return;
+    char *path = shm_path(addr, len);
+    if (path)
+        (void)ofi_shm_fence(path, pid); /* best effort: the shim's stuck-worker watch stays */
+    free(path);
+}
+
 /* ------------------------------------------------------------------------------------ */
 
 static const struct afp_ops g_ops = {
@@ -1612,6 +1629,7 @@ static const struct afp_ops g_ops = {
     .trywait = ofi_trywait,
     .poll_from = ofi_poll_from,
     .post_reads = ofi_post_reads,
+    .peer_exited = ofi_peer_exited,
 };
 
 __attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)

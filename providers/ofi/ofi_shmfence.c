@@ -1,0 +1,119 @@
+/*
+ * libfabric 1.17's shm: cutting this process loose from a dead peer's shared region.
+ *
+ * Each shm endpoint lives in a /dev/shm file that every peer maps. Its header holds a
+ * pthread spin lock that a writer to that endpoint takes to queue a command, and that the
+ * owner takes to progress its queue. A process SIGKILLed while it holds its own lock (it
+ * holds it for the whole of a progress pass, so this happens: `afabric bench p2p`'s target,
+ * CI) leaves every writer to it spinning in fi_writemsg for ever: our worker with it, and
+ * every other peer's operation behind it. libfabric 2.x queues commands without a lock.
+ *
+ * When the shim's watch thread sees the peer's process exit (pidfd), ofi_shm_fence replaces
+ * this process's mapping of that peer's file with a private copy of its header in which the
+ * lock is free and the command count is 0: a writer spinning on the lock gets it, sees no
+ * room (1.17 checks `cmd_cnt < 2` under the lock and returns -FI_EAGAIN) and returns; every
+ * later post to the dead peer does the same until the shim has failed its operations (peer
+ * down). The copy is private, so no other process shares that lock with us any more, and
+ * whatever a writer already inside the critical section writes lands in pages of our own.
+ * Nothing is done unless the header is the layout measured for 1.17 (below: the dead
+ * process's pid, the region's size) and the mapping covers exactly that region.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ofi_shmfence.h"
+
+/* struct smr_region of libfabric 1.17 (prov/shm/src/smr_util.h), the fields used here:
+ * uint8 version, resv; uint16 flags; int pid (4); uint8 cma caps x2, uint32 max_sar_buf
+ * (8); void *base_addr (16); pthread_spinlock_t lock (24); ofi_atomic32 signal (28);
+ * struct smr_map *map (32); size_t total_size (40); size_t cmd_cnt (48). */
+#define SMR117_PID 4
+#define SMR117_BASE 16
+#define SMR117_LOCK 24
+#define SMR117_TOTAL 40
+#define SMR117_CMD_CNT 48
+#define SMR117_HEADER 56
+
+/* Every mapping of `path` in this process: start addresses and lengths (at most `max`). */
+static size_t find_mappings(const char *path, uintptr_t *start, size_t *len, size_t max)
+{
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f)
+        return 0;
+    size_t n = 0, plen = strlen(path);
+    char line[4352];
+    while (n < max && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        int name_at = 0;
+        if (sscanf(line, "%lx-%lx %*s %*s %*s %*s %n", &lo, &hi, &name_at) != 2 || !name_at)
+            continue;
+        const char *name = line + name_at;
+        if (strncmp(name, path, plen) != 0)
+            continue;
+        const char *rest = name + plen; /* "\n", or " (deleted)\n" once the file is unlinked */
+        if (strcmp(rest, "\n") != 0 && strcmp(rest, " (deleted)\n") != 0)
+            continue;
+        start[n] = (uintptr_t)lo;
+        len[n] = (size_t)(hi - lo);
+        n++;
+    }
+    fclose(f);
+    return n;
+}
+
+int ofi_shm_fence(const char *path, uint32_t pid)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    if (page < SMR117_HEADER)
+        return 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0; /* never mapped, or already gone with its mappings */
+    uint8_t *copy = malloc((size_t)page);
+    struct stat st;
+    int fenced = 0;
+    if (!copy || fstat(fd, &st) != 0 || pread(fd, copy, (size_t)page, 0) != page)
+        goto out;
+    int32_t owner;
+    uint64_t base, total;
+    memcpy(&owner, copy + SMR117_PID, sizeof owner);
+    memcpy(&base, copy + SMR117_BASE, sizeof base);
+    memcpy(&total, copy + SMR117_TOTAL, sizeof total);
+    if ((uint32_t)owner != pid || !base || total != (uint64_t)st.st_size || total < (uint64_t)page)
+        goto out; /* not the 1.17 layout, or not that process's region */
+    pthread_spinlock_t free_lock;
+    if (pthread_spin_init(&free_lock, PTHREAD_PROCESS_SHARED) != 0)
+        goto out;
+    int free_value = free_lock; /* what a free lock holds in this libc (x86-64 glibc: 1) */
+    pthread_spin_destroy(&free_lock);
+    _Static_assert(sizeof(pthread_spinlock_t) == sizeof(int), "glibc's spin lock is an int");
+    memcpy(copy + SMR117_LOCK, &free_value, sizeof free_value);
+    memset(copy + SMR117_CMD_CNT, 0, sizeof(uint64_t));
+    uintptr_t start[4];
+    size_t len[4];
+    size_t n = find_mappings(path, start, len, 4);
+    for (size_t i = 0; i < n; i++) {
+        if (len[i] != total)
+            continue; /* only whole-region mappings (1.17 maps the region once, whole) */
+        void *at = (void *)start[i];
+        if (mmap(at, len[i], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+                 -1, 0) != at)
+            continue;
+        memcpy(at, copy, (size_t)page);
+        fenced++;
+    }
+out:
+    free(copy);
+    close(fd);
+    return fenced;
+}

@@ -1,0 +1,12 @@
+/* libfabric 1.17's shm: a dead peer's shared region, replaced in this process by a private
+ * copy whose lock is free and whose command queue is full (ofi_shmfence.c). */
+#ifndef OFI_SHMFENCE_H
+#define OFI_SHMFENCE_H
+
+#include <stdint.h>
+
+/* Fences this process's mappings of the region file `path` ("/dev/shm/NAME") of exited
+ * process `pid`; returns how many. Safe from any thread, while others call libfabric. */
+__attribute__((visibility("hidden"))) int ofi_shm_fence(const char *path, uint32_t pid);
+
+#endif
