@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,14 +26,17 @@ PROVIDERS = ["tcp", "shm"]
 WITH_CMA = [*PROVIDERS, "cma"]
 
 
+@functools.cache
 def libfabric_version() -> tuple[int, int]:
     """Version of the libfabric the provider library will load (AFABRIC_LIBFABRIC or the
-    system's), for tests of behaviour that differs between libfabric releases."""
-    import ctypes
-
-    lib = ctypes.CDLL(os.environ.get("AFABRIC_LIBFABRIC", "libfabric.so.1"))
-    lib.fi_version.restype = ctypes.c_uint32
-    v = int(lib.fi_version())
+    system's), for tests of behaviour that differs between libfabric releases. Asked in a
+    child process: loading Debian's libfabric.so.1 outside the shim (which keeps the
+    process's signal dispositions) would let libinfinipath take over SIGSEGV & co. here."""
+    code = (
+        "import ctypes, os; lib = ctypes.CDLL(os.environ.get('AFABRIC_LIBFABRIC', 'libfabric.so.1'));"
+        " lib.fi_version.restype = ctypes.c_uint32; print(lib.fi_version())"
+    )
+    v = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
     return v >> 16, v & 0xFFFF
 
 
