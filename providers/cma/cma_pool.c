@@ -59,7 +59,9 @@ void cma_pool_init(cma_pool *p)
     CPU_ZERO(&set);
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
         cpus = (uint32_t)CPU_COUNT(&set);
-    uint64_t copiers = cpus < CMA_DEFAULT_COPIERS ? cpus : CMA_DEFAULT_COPIERS;
+    /* half the CPUs we may use (the target, our loop and the worker need the rest: on 2
+     * CPUs a second copier only slowed the copy), 4 at most */
+    uint64_t copiers = cpus / 2 < CMA_DEFAULT_COPIERS ? cpus / 2 : CMA_DEFAULT_COPIERS;
     copiers = env_bytes("AFABRIC_CMA_THREADS", copiers); /* an explicit count is taken as is */
     p->copiers = copiers < 1 ? 1u : copiers > CMA_MAX_COPIERS ? CMA_MAX_COPIERS : (uint32_t)copiers;
     p->min_part = env_bytes("AFABRIC_CMA_MIN_PART", CMA_DEFAULT_MIN_PART);

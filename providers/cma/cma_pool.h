@@ -10,7 +10,7 @@
  * Operations below `split_at` never touch the pool (no lock, no wakeup on their path).
  *
  * Threads are created on the first operation that splits, at most copiers - 1 of them
- * (copiers: AFABRIC_CMA_THREADS, default min(4, CPUs in sched_getaffinity)). An idle thread
+ * (copiers: AFABRIC_CMA_THREADS, default min(4, half the CPUs in sched_getaffinity)). An idle thread
  * spins at most CMA_SPIN_NS after its last part (back-to-back operations find it awake),
  * then sleeps on its condition variable: an idle engine's threads use no CPU. Close joins
  * them; no part can be in flight then (a split copy returns only when all parts did), so
