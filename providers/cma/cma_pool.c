@@ -7,8 +7,8 @@
 #include <string.h>
 #include <time.h>
 
-#define CMA_DEFAULT_COPIERS 4u
-#define CMA_DEFAULT_MIN_PART (256ull << 10)
+#define CMA_DEFAULT_COPIERS 8u
+#define CMA_DEFAULT_MIN_PART (128ull << 10)
 #define CMA_DEFAULT_SPLIT_AT (1ull << 20)
 #define CMA_ALIGN 4096ull /* parts start on page boundaries of the operation */
 
@@ -60,7 +60,9 @@ void cma_pool_init(cma_pool *p)
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
         cpus = (uint32_t)CPU_COUNT(&set);
     /* half the CPUs we may use (the target, our loop and the worker need the rest: on 2
-     * CPUs a second copier only slowed the copy), 4 at most */
+     * CPUs a second copier only slowed the copy), 8 at most: on the 16-core GPU machine 4
+     * copiers of 256 KiB moved 1 MiB writes at 13.6-13.9 GB/s (0.83x fi_rma_bw shm), 8 of
+     * 128 KiB at 14.6-23.3 (BENCHMARKS.md, cma copy threads) */
     uint64_t copiers = cpus / 2 < CMA_DEFAULT_COPIERS ? cpus / 2 : CMA_DEFAULT_COPIERS;
     copiers = env_bytes("AFABRIC_CMA_THREADS", copiers); /* an explicit count is taken as is */
     p->copiers = copiers < 1 ? 1u : copiers > CMA_MAX_COPIERS ? CMA_MAX_COPIERS : (uint32_t)copiers;

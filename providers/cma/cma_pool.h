@@ -1,6 +1,6 @@
 /*
  * The cma domain's copy threads (issue 15): one process_vm_writev runs at 4-5 GB/s on the
- * 16-core GPU machine (docs/bench/issue15/cmabw.c), four in parallel at 18-23. A large
+ * 16-core GPU machine (docs/bench/issue15/cmabw.c), four in parallel 18-29, eight 38-61. A large
  * contiguous write or read (and a large paged write) is split into parts of at least
  * `min_part` bytes, at most `copiers` of them: the worker thread hands all but the first
  * to the pool, copies the first itself, then waits for every part. So the whole operation
@@ -10,7 +10,9 @@
  * Operations below `split_at` never touch the pool (no lock, no wakeup on their path).
  *
  * Threads are created on the first operation that splits, at most copiers - 1 of them
- * (copiers: AFABRIC_CMA_THREADS, default min(4, half the CPUs in sched_getaffinity)). An idle thread
+ * (copiers: AFABRIC_CMA_THREADS, default min(8, half the CPUs in sched_getaffinity);
+ * parts of AFABRIC_CMA_MIN_PART bytes at least, default 128 KiB, for operations of
+ * AFABRIC_CMA_SPLIT_AT bytes and more, default 1 MiB). An idle thread
  * spins at most CMA_SPIN_NS after its last part (back-to-back operations find it awake),
  * then sleeps on its condition variable: an idle engine's threads use no CPU. Close joins
  * them; no part can be in flight then (a split copy returns only when all parts did), so
