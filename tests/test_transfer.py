@@ -350,6 +350,14 @@ async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
         bad = np.flatnonzero(got[::-1] != want[::-1])
         assert bad.size == 0, f"{bad.size} words missing at the immediate, the last one too"
         ctl.put("verified")
+        npages, page_len, stride = await ctl.get()  # a paged write, parts cutting pages
+        await eng.expect_imm(imm, npages, timeout=30)
+        src_idx, dst_idx = ctl_pages(npages, seed)
+        cols = np.arange(page_len)
+        got = buf.view(np.uint8)[dst_idx[:, None] * stride + cols]
+        src = pattern(total // 8, seed).view(np.uint8)
+        assert np.array_equal(got, src[src_idx[:, None] * stride + cols]), "paged write differs"
+        ctl.put("paged")
         assert await ctl.get() == "unmap"
         libc = ctypes.CDLL(None, use_errno=True)
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -365,12 +373,12 @@ async def test_cma_large_copies_split_over_copy_threads(
     peers: list[Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cma splits a large write/read over the domain's copy threads (3 copiers here: the
-    worker and two threads, each thread's part held back 100 ms by a testing hook): the
+    worker and two threads, each thread's part held back 50 ms by a testing hook): the
     immediate reaches the target only after every part landed, a read comes back byte-exact,
-    a part that meets an unmapped page fails the write once with EFAULT and delivers no
-    immediate, and idle copy threads sleep."""
+    so does a paged write whose parts cut pages, a part that meets an unmapped page fails
+    the write once with EFAULT and delivers no immediate, and idle copy threads sleep."""
     monkeypatch.setenv("AFABRIC_CMA_THREADS", "3")
-    monkeypatch.setenv("AFABRIC_CMA_TEST_PART_DELAY_US", "100000")
+    monkeypatch.setenv("AFABRIC_CMA_TEST_PART_DELAY_US", "50000")
     nbytes, seed = 8 * MiB, 11
     p = Peer(cma_split_target, nbytes, seed)
     peers.append(p)
@@ -381,10 +389,24 @@ async def test_cma_large_copies_split_over_copy_threads(
         t0 = time.monotonic()
         await eng.write(src, desc, nbytes, imm=imm)
         assert await p.get() == "verified"  # the target found every part at the immediate
-        assert time.monotonic() - t0 >= 0.1  # the threads' parts ran (the hook held them)
+        assert time.monotonic() - t0 >= 0.05  # the threads' parts ran (the hook held them)
         back = np.zeros(nbytes // 8, dtype=np.uint64)
         await eng.read(eng.register(back, remote=False), desc, nbytes)
         assert np.array_equal(back, pattern(nbytes // 8, seed))
+        # 1100 pages of 1000 bytes 1024 apart: 1.1 MB, split into parts that begin and end
+        # inside pages
+        npages, page_len, stride = 1100, 1000, 1024
+        src_idx, dst_idx = ctl_pages(npages, seed)
+        p.put((npages, page_len, stride))
+        await eng.write_paged(
+            src,
+            desc,
+            page_len=page_len,
+            src_pages=afabric.Pages(src_idx, stride),
+            dst_pages=afabric.Pages(dst_idx, stride),
+            imm=imm,
+        )
+        assert await p.get() == "paged"
         p.put("unmap")
         assert await p.get() == "unmapped"
         with pytest.raises(errors.TransportError, match="EFAULT"):  # the last part's range
