@@ -177,37 +177,38 @@ static void *copier_main(void *arg)
     }
 }
 
-/* Start threads until `want` run (or creation fails: then keep those that run). */
+/* One copy thread with its mutex and condition variable: 0, or -1 with nothing left. */
+static int start_copier(cma_pool *p, cma_copier *c)
+{
+    c->pool = p;
+    if (pthread_mutex_init(&c->mu, NULL) != 0)
+        goto out_fail;
+    if (pthread_cond_init(&c->cv, NULL) != 0)
+        goto out_mutex;
+    if (pthread_create(&c->th, NULL, copier_main, c) != 0)
+        goto out_cond;
+    return 0;
+out_cond:
+    pthread_cond_destroy(&c->cv);
+out_mutex:
+    pthread_mutex_destroy(&c->mu);
+out_fail:
+    return -1;
+}
+
+/* Start threads until `want` run (or creation fails: then keep those that run, and try no
+ * more). Returns how many of them the caller may use. */
 static uint32_t ensure_threads(cma_pool *p, uint32_t want)
 {
-    if (p->nthreads >= want || p->no_more)
-        return p->nthreads < want ? p->nthreads : want;
-    if (!p->c) {
+    if (p->nthreads < want && !p->no_more && !p->c) {
         p->c = calloc(p->copiers - 1, sizeof *p->c);
-        if (!p->c) {
-            p->no_more = true;
-            return 0;
-        }
+        p->no_more = p->c == NULL;
     }
-    while (p->nthreads < want) {
-        cma_copier *c = &p->c[p->nthreads];
-        c->pool = p;
-        if (pthread_mutex_init(&c->mu, NULL) != 0) {
+    while (p->nthreads < want && !p->no_more) {
+        if (start_copier(p, &p->c[p->nthreads]) != 0)
             p->no_more = true;
-            break;
-        }
-        if (pthread_cond_init(&c->cv, NULL) != 0) {
-            pthread_mutex_destroy(&c->mu);
-            p->no_more = true;
-            break;
-        }
-        if (pthread_create(&c->th, NULL, copier_main, c) != 0) {
-            pthread_cond_destroy(&c->cv);
-            pthread_mutex_destroy(&c->mu);
-            p->no_more = true;
-            break;
-        }
-        p->nthreads++;
+        else
+            p->nthreads++;
     }
     return p->nthreads < want ? p->nthreads : want;
 }
