@@ -18,7 +18,7 @@
  *    releases it with it (EOWNERDEAD): the wait is bounded by the writer's copy or its life.
  *  - Copies run in post (synchronously, on the shim's worker thread); completions are
  *    reported by the next poll. Paged writes are iovec batches of IOV_MAX pages. Large
- *    copies (1 MiB and more by default) are split over the domain's copy threads
+ *    copies (256 KiB and more by default) are split over the domain's copy threads
  *    (cma_pool.h); post still returns only after every part returned, so the slot below is
  *    held, and the immediate waits, until all of them are done, and a failing part fails
  *    the operation once (the first failing part's error).

@@ -9,7 +9,8 @@
 
 #define CMA_DEFAULT_COPIERS 8u
 #define CMA_DEFAULT_MIN_PART (128ull << 10)
-#define CMA_DEFAULT_SPLIT_AT (1ull << 20)
+/* 16-core GPU machine: 256 / 512 KiB writes 4.1 / 4.7 GB/s whole, 7.1 / 12.1 split */
+#define CMA_DEFAULT_SPLIT_AT (256ull << 10)
 #define CMA_ALIGN 4096ull /* parts start on page boundaries of the operation */
 
 static uint64_t now_ns(void)

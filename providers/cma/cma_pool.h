@@ -12,7 +12,7 @@
  * Threads are created on the first operation that splits, at most copiers - 1 of them
  * (copiers: AFABRIC_CMA_THREADS, default min(8, half the CPUs in sched_getaffinity);
  * parts of AFABRIC_CMA_MIN_PART bytes at least, default 128 KiB, for operations of
- * AFABRIC_CMA_SPLIT_AT bytes and more, default 1 MiB). An idle thread
+ * AFABRIC_CMA_SPLIT_AT bytes and more, default 256 KiB). An idle thread
  * spins at most CMA_SPIN_NS after its last part (back-to-back operations find it awake),
  * then sleeps on its condition variable: an idle engine's threads use no CPU. Close joins
  * them; no part can be in flight then (a split copy returns only when all parts did), so
