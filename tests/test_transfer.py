@@ -335,8 +335,9 @@ async def test_cma_copy_refused_by_the_kernel_fails_the_write(peers: list[Peer])
 
 async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
     """A region of `nbytes` + 1 MiB in a mapping of its own: check the one large write as soon
-    as its immediate arrives (end first: the copy threads' parts come last), stay for the
-    read back, then unmap the last MiB for the failing write and count its immediates."""
+    as its immediate arrives (the copy threads' parts, held back, land last), then a paged
+    write, stay for the read back, then unmap the last MiB for the failing write and check
+    that its immediate never comes."""
     total = nbytes + MiB
     m = mmap.mmap(-1, total)
     buf = np.frombuffer(m, dtype=np.uint64)
@@ -346,9 +347,8 @@ async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
         ctl.put((bytes(mr.descriptor), imm))
         await eng.expect_imm(imm, 1, timeout=30)
         want = pattern(nbytes // 8, seed)
-        got = buf[: nbytes // 8]
-        bad = np.flatnonzero(got[::-1] != want[::-1])
-        assert bad.size == 0, f"{bad.size} words missing at the immediate, the last one too"
+        bad = np.flatnonzero(buf[: nbytes // 8] != want)
+        assert bad.size == 0, f"{bad.size} words differ at the immediate, first at word {bad[0]}"
         ctl.put("verified")
         npages, page_len, stride = await ctl.get()  # a paged write, parts cutting pages
         await eng.expect_imm(imm, npages, timeout=30)
