@@ -184,10 +184,17 @@ async def big_streamer(ctl: Ctl, provider: str) -> list[int]:
 
 
 @pytest.mark.parametrize("provider", WITH_CMA)
-async def test_no_byte_lands_after_deregister_returns(provider: str, peers: list[Peer]) -> None:
+async def test_no_byte_lands_after_deregister_returns(
+    provider: str, peers: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A writer streams 8 MiB writes into a region; the target deregisters it mid-stream,
     paints a canary over it at once, keeps progressing for 200 ms and finds the canary
-    intact: deregister() returned only once nothing more could land. Several rounds."""
+    intact: deregister() returned only once nothing more could land. Several rounds.
+    cma's writer splits each write over 3 copiers, its threads' parts held back 20 ms by a
+    testing hook: deregister must wait for those parts too (the writer slot covers them)."""
+    if provider == "cma":
+        monkeypatch.setenv("AFABRIC_CMA_THREADS", "3")
+        monkeypatch.setenv("AFABRIC_CMA_TEST_PART_DELAY_US", "20000")
     writer = Peer(big_streamer, provider)
     peers.append(writer)
     rng = np.random.default_rng(3)

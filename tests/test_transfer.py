@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import mmap
 import os
+import time
 
 import numpy as np
 import pytest
@@ -326,3 +328,92 @@ async def test_cma_copy_refused_by_the_kernel_fails_the_write(peers: list[Peer])
             await asyncio.wait_for(eng.write(src, desc, 4096), 30)
     p.put("stop")
     await p.result()
+
+
+# ---- cma: large copies split over the domain's copy threads (issue 15) ----
+
+
+async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
+    """A region of `nbytes` + 1 MiB in a mapping of its own: check the one large write as soon
+    as its immediate arrives (the copy threads' parts, held back, land last), then a paged
+    write, stay for the read back, then unmap the last MiB for the failing write and check
+    that its immediate never comes."""
+    total = nbytes + MiB
+    m = mmap.mmap(-1, total)
+    buf = np.frombuffer(m, dtype=np.uint64)
+    async with afabric.Engine("cma") as eng:
+        mr = eng.register(buf, remote="rw")
+        imm = eng.alloc_imm()
+        ctl.put((bytes(mr.descriptor), imm))
+        await eng.expect_imm(imm, 1, timeout=30)
+        want = pattern(nbytes // 8, seed)
+        bad = np.flatnonzero(buf[: nbytes // 8] != want)
+        assert bad.size == 0, f"{bad.size} words differ at the immediate, first at word {bad[0]}"
+        ctl.put("verified")
+        npages, page_len, stride = await ctl.get()  # a paged write, parts cutting pages
+        await eng.expect_imm(imm, npages, timeout=30)
+        src_idx, dst_idx = ctl_pages(npages, seed)
+        cols = np.arange(page_len)
+        got = buf.view(np.uint8)[dst_idx[:, None] * stride + cols]
+        src = pattern(total // 8, seed).view(np.uint8)
+        assert np.array_equal(got, src[src_idx[:, None] * stride + cols]), "paged write differs"
+        ctl.put("paged")
+        assert await ctl.get() == "unmap"
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        assert libc.munmap(buf.ctypes.data + nbytes, MiB) == 0, os.strerror(ctypes.get_errno())
+        ctl.put("unmapped")
+        assert await ctl.get() == "done"
+        with pytest.raises(errors.OperationTimeout):  # the failed write's immediate never came
+            await eng.expect_imm(imm, 1, timeout=0.3)
+        return 1
+
+
+async def test_cma_large_copies_split_over_copy_threads(
+    peers: list[Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cma splits a large write/read over the domain's copy threads (3 copiers here: the
+    worker and two threads, each thread's part held back 50 ms by a testing hook): the
+    immediate reaches the target only after every part landed, a read comes back byte-exact,
+    so does a paged write whose parts cut pages, a part that meets an unmapped page fails
+    the write once with EFAULT and delivers no immediate, and idle copy threads sleep."""
+    monkeypatch.setenv("AFABRIC_CMA_THREADS", "3")
+    monkeypatch.setenv("AFABRIC_CMA_TEST_PART_DELAY_US", "50000")
+    nbytes, seed = 8 * MiB, 11
+    p = Peer(cma_split_target, nbytes, seed)
+    peers.append(p)
+    desc_b, imm = await p.get()
+    desc = afabric.MrDesc.from_bytes(desc_b)
+    async with afabric.Engine("cma") as eng:
+        src = eng.register(pattern((nbytes + MiB) // 8, seed), remote=False)
+        t0 = time.monotonic()
+        await eng.write(src, desc, nbytes, imm=imm)
+        assert await p.get() == "verified"  # the target found every part at the immediate
+        assert time.monotonic() - t0 >= 0.05  # the threads' parts ran (the hook held them)
+        back = np.zeros(nbytes // 8, dtype=np.uint64)
+        await eng.read(eng.register(back, remote=False), desc, nbytes)
+        assert np.array_equal(back, pattern(nbytes // 8, seed))
+        # 1100 pages of 1000 bytes 1024 apart: 1.1 MB, split into parts that begin and end
+        # inside pages
+        npages, page_len, stride = 1100, 1000, 1024
+        src_idx, dst_idx = ctl_pages(npages, seed)
+        p.put((npages, page_len, stride))
+        await eng.write_paged(
+            src,
+            desc,
+            page_len=page_len,
+            src_pages=afabric.Pages(src_idx, stride),
+            dst_pages=afabric.Pages(dst_idx, stride),
+            imm=imm,
+        )
+        assert await p.get() == "paged"
+        p.put("unmap")
+        assert await p.get() == "unmapped"
+        with pytest.raises(errors.TransportError, match="EFAULT"):  # the last part's range
+            await eng.write(src, desc, nbytes + MiB, imm=imm)
+        await eng.write(src, desc, 4096)  # the engine goes on
+        cpu = time.process_time()
+        await asyncio.sleep(0.3)
+        assert time.process_time() - cpu < 0.1  # the copy threads sleep when idle
+        p.put("done")
+        assert await p.result() == 1

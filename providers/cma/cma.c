@@ -17,7 +17,11 @@
  *    then waits for every busy slot (lock, unlock). A writer that dies holding a slot
  *    releases it with it (EOWNERDEAD): the wait is bounded by the writer's copy or its life.
  *  - Copies run in post (synchronously, on the shim's worker thread); completions are
- *    reported by the next poll. Paged writes are iovec batches of IOV_MAX pages.
+ *    reported by the next poll. Paged writes are iovec batches of IOV_MAX pages. Large
+ *    copies (256 KiB and more by default) are split over the domain's copy threads
+ *    (cma_pool.h); post still returns only after every part returned, so the slot below is
+ *    held, and the immediate waits, until all of them are done, and a failing part fails
+ *    the operation once (the first failing part's error).
  *  - SEND appends the message to the target's mailbox; posted receives take them in order.
  *  - Peer death: the owner of a segment holds an exclusive flock on it for its whole life;
  *    a dead peer's operations fail at once (EPEER), live peers are unaffected.
@@ -41,10 +45,10 @@
 
 #include "../common/node_core.h"
 #include "afabric_provider.h"
+#include "cma_pool.h"
 
 #define CMA_ADDR_MAGIC 0x31414d43u /* "CMA1" */
 #define CMA_SLOTS 64u              /* writer slots in each domain's segment */
-#define CMA_IOV 1024u              /* IOV_MAX on Linux: pages per process_vm_writev call */
 #define CMA_MAX_WRITE (1ull << 40)
 
 typedef struct cma_slot {
@@ -70,7 +74,7 @@ struct afp_domain {
     afn_core c;
     uint64_t token;
     pid_t pid;
-    struct iovec liov[CMA_IOV], riov[CMA_IOV];
+    cma_pool pool; /* copy threads for large copies (cma_pool.h) */
 };
 
 #define DERR(d, code, ...) AFN_ERR(&(d)->c, code, __VA_ARGS__)
@@ -273,44 +277,6 @@ static int copy_failed(afp_domain *d, afn_peer *p, const char *what, int e)
     return DERR(d, AFP_EIO, "%s: %s [cma]", what, strerror(e));
 }
 
-/* Consume `done` bytes from iov[i...]; returns the first index with bytes left. */
-static uint32_t skip_iov(struct iovec *iov, uint32_t i, uint64_t done)
-{
-    while (done) {
-        uint64_t k = done < iov[i].iov_len ? done : iov[i].iov_len;
-        iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
-        iov[i].iov_len -= k;
-        done -= k;
-        if (!iov[i].iov_len)
-            i++;
-    }
-    return i;
-}
-
-/* Copy n iovec pairs (equal total length), resuming after partial transfers. */
-static int copy_iov(afp_domain *d, afn_peer *p, bool write, struct iovec *l, struct iovec *r,
-                    uint32_t n)
-{
-    pid_t pid = p->seg.hdr->pid;
-    uint64_t want = 0;
-    for (uint32_t i = 0; i < n; i++)
-        want += r[i].iov_len;
-    uint32_t li = 0, ri = 0;
-    while (want) {
-        ssize_t got = write ? process_vm_writev(pid, l + li, n - li, r + ri, n - ri, 0)
-                            : process_vm_readv(pid, l + li, n - li, r + ri, n - ri, 0);
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got <= 0)
-            return copy_failed(d, p, write ? "process_vm_writev" : "process_vm_readv",
-                               got < 0 ? errno : EFAULT);
-        want -= (uint64_t)got;
-        li = skip_iov(l, li, (uint64_t)got); /* skip what was done on both sides */
-        ri = skip_iov(r, ri, (uint64_t)got);
-    }
-    return 0;
-}
-
 /* One contiguous write or read, checked and copied under a writer slot. */
 static int one_copy(afp_domain *d, const afp_write *w, bool write)
 {
@@ -324,11 +290,11 @@ static int one_copy(afp_domain *d, const afp_write *w, bool write)
     cma_slot *s = NULL;
     if ((rc = enter_live(d, p, im, w->remote_key, &s)))
         return rc;
-    struct iovec l = {w->local_addr, w->length};
-    struct iovec r = {(void *)(uintptr_t)w->remote_addr, w->length};
-    rc = copy_iov(d, p, write, &l, &r, 1);
+    cma_part op = {.pid = p->seg.hdr->pid, .write = write, .local = w->local_addr,
+                   .remote = w->remote_addr};
+    int e = cma_pool_copy(&d->pool, &op, w->length); /* every part returned */
     leave(s);
-    return rc;
+    return e ? copy_failed(d, p, write ? "process_vm_writev" : "process_vm_readv", e) : 0;
 }
 
 static int post_copies(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *posted,
@@ -366,7 +332,9 @@ static int paged_copy(afp_domain *d, const afp_paged *p)
         lo = p->dst_idx[k] < lo ? p->dst_idx[k] : lo;
         hi = p->dst_idx[k] > hi ? p->dst_idx[k] : hi;
     }
-    uint64_t span = 0;
+    uint64_t span = 0, total = 0;
+    if (__builtin_mul_overflow(p->count, p->page_len, &total))
+        return DERR(d, AFP_EINVAL, "paged write of more than 2^64 bytes [cma]");
     if (lo < 0 || __builtin_mul_overflow((uint64_t)hi, p->dst_stride, &span) ||
         __builtin_add_overflow(span, p->page_len, &span))
         return DERR(d, AFP_EKEY, "paged write outside the remote region [cma]");
@@ -379,20 +347,12 @@ static int paged_copy(afp_domain *d, const afp_paged *p)
     cma_slot *s = NULL;
     if ((rc = enter_live(d, peer, im, p->remote_key, &s)))
         return rc;
-    uint8_t *src = (uint8_t *)p->local_base + p->src_offset;
-    uint64_t dst = p->remote_base + p->dst_offset;
-    for (uint64_t k = 0; k < p->count && !rc;) {
-        uint32_t m = 0;
-        for (; m < CMA_IOV && k < p->count; m++, k++) {
-            d->liov[m] = (struct iovec){src + (uint64_t)p->src_idx[k] * p->src_stride,
-                                        p->page_len};
-            d->riov[m] = (struct iovec){
-                (void *)(uintptr_t)(dst + (uint64_t)p->dst_idx[k] * p->dst_stride), p->page_len};
-        }
-        rc = copy_iov(d, peer, true, d->liov, d->riov, m);
-    }
+    cma_part op = {.pid = peer->seg.hdr->pid, .write = true, .pg = p,
+                   .local = (uint8_t *)p->local_base + p->src_offset,
+                   .remote = p->remote_base + p->dst_offset};
+    int e = cma_pool_copy(&d->pool, &op, total); /* every part returned */
     leave(s);
-    return rc;
+    return e ? copy_failed(d, peer, "process_vm_writev", e) : 0;
 }
 
 static int cma_post_paged(afp_domain *d, const afp_paged *p)
@@ -485,6 +445,7 @@ static void cma_close(afp_domain *d)
 {
     if (!d)
         return;
+    cma_pool_fini(&d->pool); /* idle: a split copy returns only after all its parts */
     afn_close(&d->c);
     free(d);
 }
@@ -505,6 +466,7 @@ static int cma_open(const afp_open_args *args, afp_domain **out, char *err, size
         return AFP_ENOMEM;
     }
     d->pid = getpid();
+    cma_pool_init(&d->pool);
     uint64_t seed = 0;
     FILE *f = fopen("/dev/urandom", "r");
     if (!f || fread(&seed, sizeof seed, 1, f) != 1)
