@@ -43,7 +43,7 @@ def nvlink() -> ProviderSpec:
         fabric_provider="nvlink",
         priority=0,
         abi_major=PROVIDER_ABI_MAJOR,
-        hint="needs two or more CUDA GPUs with peer access (NVLink or PCIe P2P) and the CUDA "
-        "driver (libcuda.so.1, 12.0 or newer)",
+        hint="needs a CUDA GPU (peers on another GPU need peer access to it: NVLink or PCIe "
+        "P2P) and the CUDA driver (libcuda.so.1, 12.0 or newer)",
         description="CUDA IPC between the GPUs of one node (NVLink / PCIe peer-to-peer)",
     )
