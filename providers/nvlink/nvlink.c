@@ -630,8 +630,7 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
 }
 
 /* Reads: the write path's copy in the other direction (from the peer's exported memory,
- * mapped here, into the local region), on a stream of the local region's device. Written to
- * mirror nvl_post_writes; not run on a GPU machine yet. */
+ * mapped here, into the local region), on a stream of the local region's device. */
 static int nvl_post_reads(afp_domain *d, const afp_write *rd, uint32_t n, uint32_t *posted)
 {
     *posted = 0;

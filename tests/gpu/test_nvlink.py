@@ -116,7 +116,7 @@ async def _peer_main(dev: int, nbytes: int) -> None:
     with cp.cuda.Device(dev):
         buf = cp.zeros(nbytes, dtype=cp.uint8)
     async with afabric.Engine(PROVIDER, nic=f"cuda{dev}") as eng:
-        mr = eng.register(buf)
+        mr = eng.register(buf, remote="rw")  # written and read by the tests
         reply({"desc": bytes(mr.descriptor).hex(), "imm": eng.alloc_imm(), "addr": bytes(eng.address).hex()})
         while True:
             line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -231,6 +231,28 @@ def test_contiguous_writes_two_processes(dst: int) -> None:
             assert (await child.call(op="sha"))["sha"] == sha(want), "bytes differ at the target"
             stats = eng.stats()["nics"][0]
             assert stats["writes"] == 61 and stats["errors"] == 0, stats
+            # read it back through the same IPC mapping (the copy in the other direction):
+            # contiguous in 4 concurrent pieces, 1024 shuffled 64 KiB pages, a gather
+            with cp.cuda.Device(0):
+                back = cp.zeros(total, dtype=cp.uint8)
+            bmr = eng.register(back, remote=False)
+            q = total // 4
+            reads = [eng.read(bmr, desc, q, src_offset=k * q, dst_offset=k * q) for k in range(4)]
+            await asyncio.gather(*reads)
+            assert sha(cp.asnumpy(back)) == sha(want), "contiguous reads differ"
+            pg = 64 * KiB
+            npg = total // pg
+            perm = np.random.default_rng(4).permutation(npg).astype(np.int64)
+            await eng.read_paged(bmr, desc, page_len=pg, src_pages=afabric.Pages(perm, pg),
+                                 dst_pages=afabric.Pages(np.arange(npg, dtype=np.int64), pg))  # fmt: skip
+            assert sha(cp.asnumpy(back)) == sha(want.reshape(npg, pg)[perm].reshape(-1)), "paged reads differ"
+            await eng.gather(bmr, [afabric.GatherSource(desc, MiB, 5 * MiB, 0),
+                                   afabric.GatherSource(desc, MiB - 3, 3, MiB)])  # fmt: skip
+            assert sha(cp.asnumpy(back[: 2 * MiB - 3])) == sha(
+                np.concatenate([want[5 * MiB : 6 * MiB], want[3:MiB]])
+            ), "gathered reads differ"
+            stats = eng.stats()["nics"][0]
+            assert stats["reads"] >= 4 + 2 and stats["errors"] == 0, stats
 
     run_with_child(dst, total, body)
 
