@@ -1,7 +1,8 @@
 """`afabric bench p2p --provider nvlink`: GPU-to-GPU writes between two processes of one node,
 against the CUDA peer copy (``cudaMemcpyPeerAsync``) of the same bytes in the same run.
 
-A target process owns a region on the second GPU; this process writes into it from a
+A target process owns a region on the second GPU (on a one-GPU machine the same GPU: the
+colocated case, and the baseline is then a device-to-device copy on it); this process writes into it from a
 region on the first GPU through the Python API (W coroutines each awaiting its writes) and
 through the shim's raw C loop (same submit path, no Python per operation). The baseline is
 what the GPUs themselves do: back-to-back ``cudaMemcpyPeerAsync`` of the same sizes on one
@@ -38,7 +39,12 @@ PAGE_SIZES = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB]
 QUICK_PAGES = [4 * KiB, 32 * KiB, 64 * KiB]
 PAGES_PER_OP = 16384  # the KV-cache case of the issue: 16,384 shuffled pages per write
 REGION = 1 * GiB
-SRC_GPU, DST_GPU = 0, 1
+SRC_GPU = 0
+
+
+def _dst_gpu(cp: Any) -> int:
+    """The target's GPU: the second one, or the first on a one-GPU machine."""
+    return 1 if int(cp.cuda.runtime.getDeviceCount()) >= 2 else 0
 
 
 @dataclass
@@ -64,17 +70,17 @@ def _cupy() -> Any:
     harness.require("afabric bench p2p --provider nvlink", "cupy")  # ImportError, or CUDA libraries missing
     import cupy
 
-    if int(cupy.cuda.runtime.getDeviceCount()) < 2:
-        raise harness.CommandError("afabric bench p2p --provider nvlink needs two CUDA GPUs")
+    if int(cupy.cuda.runtime.getDeviceCount()) < 1:
+        raise harness.CommandError("afabric bench p2p --provider nvlink needs a CUDA GPU")
     return cupy
 
 
 def _target(conn: Connection, polling: str, loop: str) -> None:
     async def run() -> None:
         cp = _cupy()
-        with cp.cuda.Device(DST_GPU):
+        with cp.cuda.Device(_dst_gpu(cp)):
             buf = cp.zeros(REGION, dtype=cp.uint8)
-        async with Engine("nvlink", nic=f"cuda{DST_GPU}", polling=polling) as eng:
+        async with Engine("nvlink", nic=f"cuda{_dst_gpu(cp)}", polling=polling) as eng:
             mr = eng.register(buf)
             conn.send(bytes(mr.descriptor))
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -88,9 +94,9 @@ def _iters(nbytes: int, quick: bool) -> int:
 
 
 def _peer_copies(cp: Any, dst: Any, src: Any, sizes: list[tuple[int, int, int]], repeat: int) -> float:
-    """Seconds per round of ``cudaMemcpyPeerAsync(dst+d, DST_GPU, src+s, SRC_GPU, n)`` for
+    """Seconds per round of ``cudaMemcpyPeerAsync(dst+d, dst GPU, src+s, SRC_GPU, n)`` for
     each (s, d, n) of ``sizes``, issued back to back on one stream (median of rounds)."""
-    rt = cp.cuda.runtime
+    rt, dst_gpu = cp.cuda.runtime, _dst_gpu(cp)
     with cp.cuda.Device(SRC_GPU):
         stream = cp.cuda.Stream(non_blocking=True)
         times = []
@@ -98,7 +104,7 @@ def _peer_copies(cp: Any, dst: Any, src: Any, sizes: list[tuple[int, int, int]],
             stream.synchronize()
             t0 = time.perf_counter()
             for s, d, n in sizes:
-                rt.memcpyPeerAsync(dst.data.ptr + d, DST_GPU, src.data.ptr + s, SRC_GPU, n, stream.ptr)
+                rt.memcpyPeerAsync(dst.data.ptr + d, dst_gpu, src.data.ptr + s, SRC_GPU, n, stream.ptr)
             stream.synchronize()
             if r:  # the first round warms up
                 times.append(time.perf_counter() - t0)
@@ -156,7 +162,7 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
     cp = _cupy()
     with cp.cuda.Device(SRC_GPU):
         src = (cp.arange(REGION, dtype=cp.uint32) * 2654435761 >> 13).astype(cp.uint8)
-    with cp.cuda.Device(DST_GPU):
+    with cp.cuda.Device(_dst_gpu(cp)):
         peer_dst = cp.zeros(REGION, dtype=cp.uint8)  # the baseline's destination, this process
     sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
     pages = QUICK_PAGES if args.quick else PAGE_SIZES
@@ -193,7 +199,8 @@ def render(rows: list[Row], lat: Latency, header: str) -> str:
             f"{r.peer_gbps:>10.1f} {r.py_ratio:>8.2f} {r.raw_ratio:>9.2f}"
         )
     out.append(
-        "peer: cudaMemcpyPeerAsync of the same bytes, GPU0 -> GPU1, back to back on one stream "
+        "peer: cudaMemcpyPeerAsync of the same bytes between the header's GPUs (one GPU: a device-to-device "
+        "copy on it), back to back on one stream "
         "(paged rows: one contiguous copy of all the pages' bytes)"
     )
     out.append(
@@ -210,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
     args.polling = getattr(args, "polling", None) or "adaptive"
     args.sizes = getattr(args, "sizes", None)
     loop = getattr(args, "loop", None) or harness.default_loop()
-    _cupy()
+    dst_gpu = _dst_gpu(_cupy())
 
     async def run() -> tuple[list[Row], Latency]:
         target = harness.Child("the benchmark's target process", _target, (harness.PIPE, args.polling, loop))
@@ -223,7 +230,7 @@ def main(args: argparse.Namespace) -> int:
 
     rows, lat = run_on_loop(run(), loop)
     header = (
-        f"afabric bench p2p — provider nvlink, GPU{SRC_GPU} -> GPU{DST_GPU} (two processes), "
+        f"afabric bench p2p — provider nvlink, GPU{SRC_GPU} -> GPU{dst_gpu} (two processes), "
         f"loop {loop}, polling {args.polling}, {os.cpu_count()} cores, {platform.node()}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
     )

@@ -62,7 +62,10 @@ typedef struct mb_export {
     uint8_t handle[MB_HANDLE_BYTES]; /* provider-specific (nvlink: CUipcMemHandle) */
     uint32_t access; /* AFP_MR_REMOTE | AFP_MR_REMOTE_READ (0, from a build before reads:
                         write only); taken from the padding, the layout is unchanged */
-    uint8_t pad[12];
+    uint32_t gpu; /* nvlink: the owner's GPU by PCI location (domain << 16 | bus << 8 |
+                     device), the same in every process whatever CUDA_VISIBLE_DEVICES says;
+                     0: unknown (an older build). From the padding too */
+    uint8_t pad[8];
 } mb_export;
 
 typedef struct mb_rec {

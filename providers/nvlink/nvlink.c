@@ -17,8 +17,13 @@
  *    completed, so the target counts it after the data is in its memory.
  *  - SEND appends the message to the target's mailbox; posted receives take them in order.
  *
- * On a machine without CUDA, or with fewer than two GPUs that can reach each other,
- * list_nics/open fail with AFP_ENODEV and say why: the provider is then unavailable.
+ * Every CUDA GPU is a NIC (cuda<N>): peers on the same GPU (colocated processes, MPS) copy
+ * device to device on it; peers on another GPU need peer access to it (NVLink or PCIe
+ * P2P). Which GPU a region lives on is in its export entry (by PCI location, the same in
+ * every process); a region on a GPU this one cannot reach, or that this process does not
+ * see, is refused when first imported (AFP_EUNSUPPORTED, saying why), before anything is
+ * posted: never a bounce through host memory. On a machine without CUDA list_nics/open
+ * fail with AFP_ENODEV and say why: the provider is then unavailable.
  *
  * Threading: every call on a domain comes from the shim's worker thread (ABI rule), so
  * the domain needs no lock; only the peer-facing mailbox is shared, under its own mutex.
@@ -113,6 +118,10 @@ struct afp_domain {
     const struct afnv_cuda *cu;
     int home; /* the GPU named at open: IPC mappings for host sources are made there */
     int ndev;
+    int src;       /* the local GPU of the copy being posted (map_export checks against it) */
+    bool all_reach; /* every GPU reaches every other: no per-copy check needed */
+    bool reach[NVL_MAX_DEV][NVL_MAX_DEV]; /* [a][b]: a's context can copy to/from b's memory */
+    uint32_t pci[NVL_MAX_DEV]; /* each GPU's PCI location (gpu_loc), 0 unknown */
     nvl_dev dev[NVL_MAX_DEV];
     afn_core c; /* segment, peers, imports, completions, mailbox: node_core.h */
     nvl_map *maps;
@@ -145,26 +154,37 @@ static int dev_count(const struct afnv_cuda *cu, int *n, char *err, size_t errle
     return 0;
 }
 
-/* GPUs that reach at least one other GPU by peer access (NVLink or PCIe P2P). */
-static int peer_capable(const struct afnv_cuda *cu, int ndev, bool *ok)
+/* A GPU's PCI location as one number (domain << 16 | bus << 8 | device): how an export
+ * entry names its GPU to processes whose CUDA ordinals may differ. 0: unknown. */
+static uint32_t gpu_loc(const struct afnv_cuda *cu, int ordinal)
 {
-    int usable = 0;
-    for (int i = 0; i < ndev && i < (int)NVL_MAX_DEV; i++) {
-        ok[i] = false;
-        for (int j = 0; j < ndev; j++) {
+    CUdevice d;
+    int dom = 0, bus = 0, devn = 0;
+    if (cu->device_get(&d, ordinal) != CUDA_SUCCESS ||
+        cu->device_get_attribute(&dom, CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, d) != CUDA_SUCCESS ||
+        cu->device_get_attribute(&bus, CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, d) != CUDA_SUCCESS ||
+        cu->device_get_attribute(&devn, CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, d) != CUDA_SUCCESS)
+        return 0;
+    return ((uint32_t)dom & 0xffffu) << 16 | ((uint32_t)bus & 0xffu) << 8 | ((uint32_t)devn & 0xffu);
+}
+
+/* Which GPU can copy to/from which: itself always, another by peer access. */
+static void map_reach(afp_domain *d)
+{
+    d->all_reach = true;
+    for (int a = 0; a < d->ndev; a++) {
+        d->pci[a] = gpu_loc(d->cu, a);
+        for (int b = 0; b < d->ndev; b++) {
             int can = 0;
-            CUdevice a, b;
-            if (i == j || cu->device_get(&a, i) != CUDA_SUCCESS ||
-                cu->device_get(&b, j) != CUDA_SUCCESS)
-                continue;
-            if (cu->device_can_access_peer(&can, a, b) == CUDA_SUCCESS && can) {
-                ok[i] = true;
-                break;
-            }
+            CUdevice da, db;
+            d->reach[a][b] = a == b || (d->cu->device_get(&da, a) == CUDA_SUCCESS &&
+                                        d->cu->device_get(&db, b) == CUDA_SUCCESS &&
+                                        d->cu->device_can_access_peer(&can, da, db) ==
+                                            CUDA_SUCCESS &&
+                                        can);
+            d->all_reach &= d->reach[a][b];
         }
-        usable += ok[i];
     }
-    return usable;
 }
 
 static void fill_nic(const struct afnv_cuda *cu, int ordinal, afp_nic_info *out)
@@ -207,17 +227,12 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     int ndev = 0, rc = dev_count(cu, &ndev, err, errlen);
     if (rc)
         return rc;
-    bool ok[NVL_MAX_DEV];
-    int usable = peer_capable(cu, ndev, ok);
-    if (usable < 2) {
-        afp_errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access; %d GPU(s), %d "
-                          "with a peer", ndev, usable);
+    if (ndev < 1) {
+        afp_errf(err, errlen, "no CUDA GPU");
         return AFP_ENODEV;
     }
     uint32_t count = 0;
     for (int i = 0; i < ndev && i < (int)NVL_MAX_DEV; i++) {
-        if (!ok[i])
-            continue;
         afp_nic_info info;
         fill_nic(cu, i, &info);
         if (args && args->nic && *args->nic && strcmp(args->nic, info.name) != 0)
@@ -228,7 +243,8 @@ static int nvl_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
     }
     *n = count;
     if (count == 0) {
-        afp_errf(err, errlen, "no CUDA GPU named %s with peer access", args->nic);
+        afp_errf(err, errlen, "no CUDA GPU named %s (%d GPU(s): cuda0..cuda%d)", args->nic, ndev,
+                 ndev - 1);
         return AFP_ENODEV;
     }
     return 0;
@@ -357,12 +373,41 @@ static int remember_map(afp_domain *d, uint64_t peer, CUdeviceptr mapped)
     return 0;
 }
 
-/* node_core's afn_map_fn: maps the IPC handle of an entry seen for the first time. */
+/* The copy between GPU `src` (ours) and GPU `tgt` (ours, where the peer's region lives) is
+ * possible: the same GPU, or peer access. Else refused, saying why (no host bounce). */
+static int reachable(afp_domain *d, int src, int tgt)
+{
+    if (tgt >= 0 && tgt < d->ndev && d->reach[src][tgt])
+        return 0;
+    return DERR(d, AFP_EUNSUPPORTED,
+                "cuda%d has no peer access to cuda%d, where the remote region lives: nvlink "
+                "copies within one GPU or between GPUs with peer access (NVLink, PCIe P2P), "
+                "never through host memory [nvlink]",
+                src, tgt);
+}
+
+/* node_core's afn_map_fn: maps the IPC handle of an entry seen for the first time, once
+ * its GPU is known to be reachable from the posting GPU (d->src). */
 static int map_export(void *arg, uint64_t peer, const mb_export *e, int64_t *delta)
 {
     afp_domain *d = arg;
-    if (e->proc_token == afnv_process_token() && e->pid == (int32_t)getpid()) {
-        *delta = 0; /* our own process: the owner's addresses are ours */
+    bool ours = e->proc_token == afnv_process_token() && e->pid == (int32_t)getpid();
+    int tgt = ours ? e->device : -1; /* our own process: the owner's ordinals are ours */
+    for (int i = 0; !ours && e->gpu && i < d->ndev; i++)
+        if (d->pci[i] == e->gpu)
+            tgt = i;
+    if (!ours && e->gpu && tgt < 0)
+        return DERR(d, AFP_EUNSUPPORTED,
+                    "the remote region lives on GPU %04x:%02x:%02x.0, which this process does "
+                    "not see (CUDA_VISIBLE_DEVICES?): nvlink copies GPU to GPU only [nvlink]",
+                    e->gpu >> 16, (e->gpu >> 8) & 0xffu, e->gpu & 0xffu);
+    int rc = (ours || e->gpu) ? reachable(d, d->src, tgt) : 0; /* an entry from an older build
+                                                                 names no GPU: the IPC open
+                                                                 below decides */
+    if (rc)
+        return rc;
+    if (ours) {
+        *delta = 0; /* the owner's addresses are ours */
         return 0;
     }
     CUdeviceptr mapped = 0;
@@ -380,16 +425,25 @@ static int map_export(void *arg, uint64_t peer, const mb_export *e, int64_t *del
 
 /* Where to write (or, `need` AFP_MR_REMOTE_READ, read) [raddr, +len) of region `key` of
  * `peer`, checked against the owner's export entry (not the descriptor, which a peer could
- * forge): its range and what it allows. */
-static int translate(afp_domain *d, uint64_t peer, uint64_t key, uint64_t raddr, uint64_t len,
-                     uint32_t need, uint64_t *out)
+ * forge): its range and what it allows; and that `dev`, our GPU of the copy, reaches the
+ * GPU the region lives on (an import made from another of our GPUs is checked again here,
+ * where some pair of GPUs lacks peer access). */
+static int translate(afp_domain *d, int dev, uint64_t peer, uint64_t key, uint64_t raddr,
+                     uint64_t len, uint32_t need, uint64_t *out)
 {
     afn_import *im = NULL;
+    d->src = dev;
     int rc = afn_translate(&d->c, peer, key, raddr, len, need, map_export, d, &im);
     if (rc)
         return rc;
     *out = (uint64_t)((int64_t)raddr + im->delta);
-    return 0;
+    if (d->all_reach || len == 0)
+        return 0;
+    int ord = -1;
+    CUresult r = d->cu->pointer_get_attribute(&ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, *out);
+    if (r != CUDA_SUCCESS)
+        return cuda_fail(d, AFP_EIO, "cuPointerGetAttribute (the remote region's GPU)", r);
+    return reachable(d, dev, ord);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -545,8 +599,8 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
             return *posted ? 0 : rc;
         nvl_op op = {{w->ctx, w->peer, w->has_imm ? 1u : 0u, w->imm, 0, NULL}, 0, NULL};
         uint64_t dst = 0;
-        int trc = translate(d, w->peer, w->remote_key, w->remote_addr, w->length, AFP_MR_REMOTE,
-                            &dst);
+        int trc = translate(d, dev, w->peer, w->remote_key, w->remote_addr, w->length,
+                            AFP_MR_REMOTE, &dst);
         if (trc || w->length == 0) { /* nothing for the GPU: done (or failed) now */
             op.o.status = trc;
             op.o.text = trc ? strdup(d->c.errbuf) : NULL;
@@ -576,8 +630,7 @@ static int nvl_post_writes(afp_domain *d, const afp_write *wr, uint32_t n, uint3
 }
 
 /* Reads: the write path's copy in the other direction (from the peer's exported memory,
- * mapped here, into the local region), on a stream of the local region's device. Written to
- * mirror nvl_post_writes; not run on a GPU machine yet. */
+ * mapped here, into the local region), on a stream of the local region's device. */
 static int nvl_post_reads(afp_domain *d, const afp_write *rd, uint32_t n, uint32_t *posted)
 {
     *posted = 0;
@@ -589,7 +642,7 @@ static int nvl_post_reads(afp_domain *d, const afp_write *rd, uint32_t n, uint32
             return *posted ? 0 : rc;
         nvl_op op = {{w->ctx, w->peer, 0u, 0u, 0, NULL}, 0, NULL};
         uint64_t src = 0;
-        int trc = translate(d, w->peer, w->remote_key, w->remote_addr, w->length,
+        int trc = translate(d, dev, w->peer, w->remote_key, w->remote_addr, w->length,
                             AFP_MR_REMOTE_READ, &src);
         if (trc || w->length == 0) {
             op.o.status = trc;
@@ -677,7 +730,7 @@ static int nvl_post_paged(afp_domain *d, const afp_paged *p)
      * is what counts (a descriptor can be forged) */
     uint64_t span = (uint64_t)max_index(p->dst_idx, p->count) * p->dst_stride + p->page_len;
     uint64_t dst = 0;
-    int trc = translate(d, p->peer, p->remote_key, p->remote_base + p->dst_offset, span,
+    int trc = translate(d, dev, p->peer, p->remote_key, p->remote_base + p->dst_offset, span,
                         AFP_MR_REMOTE, &dst);
     if (trc || p->page_len == 0) { /* refused, or only arrivals to deliver */
         op.o.status = trc;
@@ -878,6 +931,7 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
         e->proc_token = afnv_process_token();
         e->pid = (int32_t)getpid();
         e->device = device;
+        e->gpu = d->pci[device];
         memcpy(e->handle, &h, sizeof h);
         e->access = flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ);
         *rkey = afn_export_publish(&d->c, idx); /* live */
@@ -933,21 +987,15 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     int ndev = 0, rc = dev_count(cu, &ndev, err, errlen);
     if (rc)
         return rc;
-    bool ok[NVL_MAX_DEV];
-    if (peer_capable(cu, ndev, ok) < 2) {
-        afp_errf(err, errlen, "nvlink needs two or more CUDA GPUs with peer access (%d GPU(s))", ndev);
-        return AFP_ENODEV;
-    }
     int home = -1;
     if (parse_nic(args->nic, &home) != 0) {
         afp_errf(err, errlen, "nvlink NICs are named cuda<N> (got \"%s\")", args->nic);
         return AFP_ENODEV;
     }
     if (home < 0)
-        for (home = 0; home < ndev && !ok[home]; home++) {
-        }
-    if (home >= ndev || home >= (int)NVL_MAX_DEV || !ok[home]) {
-        afp_errf(err, errlen, "no CUDA GPU %s with peer access", args->nic ? args->nic : "");
+        home = 0;
+    if (home >= ndev) {
+        afp_errf(err, errlen, "no CUDA GPU %s (%d GPU(s))", args->nic ? args->nic : "cuda0", ndev);
         return AFP_ENODEV;
     }
     afp_domain *d = calloc(1, sizeof *d);
@@ -958,6 +1006,7 @@ static int nvl_open(const afp_open_args *args, afp_domain **out, char *err, size
     d->cu = cu;
     d->home = home;
     d->ndev = ndev < (int)NVL_MAX_DEV ? ndev : (int)NVL_MAX_DEV;
+    map_reach(d);
     uint64_t token = afnv_process_token() ^ (uint64_t)(uintptr_t)d ^ afn_now_ns();
     if ((rc = afn_open(&d->c, &NVL_KIND, NVL_ADDR_MAGIC, token, err, errlen)) != 0)
         goto out_fail;

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The nvlink provider's checks on the lent two-GPU machine (kind nvidia-h200-x2): installs the
-# wheel built here, runs tests/gpu/test_nvlink.py and `afabric bench p2p --provider nvlink`
-# (nvlink writes against cudaMemcpyPeerAsync of the same bytes, same run). Run after
+# The nvlink provider's checks on a lent GPU machine: installs the wheel built here, runs
+# tests/gpu/test_nvlink.py, test_nvlink_read.py (and test_cuda_register.py as a smoke) and
+# `afabric bench p2p --provider nvlink` (nvlink writes against cudaMemcpyPeerAsync of the same
+# bytes, same run). On one GPU (kind nvidia-h200) everything runs between processes sharing
+# cuda0 and the cross-GPU cases skip; on two or more (nvidia-h200-x2) both run. Run after
 #
 #     rm -rf .whl && pip wheel -q --no-deps -w .whl .       # here; carried in .whl/
 #     bash tests/gpu/run_nvlink.sh                          # there; logs go to $OUT
@@ -37,8 +39,9 @@ step setup.log install 300 "$PY" -m pip install -q --no-deps --no-index --no-com
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 step setup.log "afabric info" 120 "$PY" -m afabric.cli info
 
-step pytest-nvlink.log "pytest test_nvlink.py" ${PYTEST_LIMIT:-240} "$PY" -m pytest -q -rA -p no:cacheprovider \
-    --import-mode=importlib --noconftest -o timeout=90 tests/gpu/test_nvlink.py
+step pytest-nvlink.log "pytest test_nvlink*.py test_cuda_register.py" ${PYTEST_LIMIT:-240} "$PY" -m pytest -q -rA \
+    -p no:cacheprovider --import-mode=importlib --noconftest -o timeout=90 --durations=0 \
+    tests/gpu/test_nvlink.py tests/gpu/test_nvlink_read.py tests/gpu/test_cuda_register.py
 # shellcheck disable=SC2086 # BENCH_ARGS is a list of words
 step bench-nvlink.log "bench p2p nvlink" ${BENCH_LIMIT:-200} "$PY" -m afabric.cli bench p2p --provider nvlink \
     --json "$OUT/p2p-nvlink.json" ${BENCH_ARGS:-}

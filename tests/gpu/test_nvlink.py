@@ -2,11 +2,13 @@
 the others: contiguous and paged writes, immediates counted only after the data landed,
 early arrivals kept, SEND/RECV, bad input refused before anything is posted or by the
 target's export table, a killed peer failing futures in bounded time - between two
-processes on two GPUs, and between two engines of one process.
+processes and between two engines of one process, each both on one GPU (``same-gpu``: the
+colocated case, CUDA IPC within cuda0, which a one-GPU machine runs) and across two GPUs
+(``cross-gpu``: cuda0 -> cuda1, skipped with fewer than two GPUs or without peer access).
 
 Peers are subprocesses running this file (a line protocol over stdin/stdout, no pickling
 of test functions), so the tests work with pytest's importlib mode. Plain functions with
-their own event loop (no pytest plugin needed). Skipped, not faked, without two CUDA GPUs
+their own event loop (no pytest plugin needed). Skipped, not faked, without a CUDA GPU
 and CuPy (failed instead where AFABRIC_REQUIRE_GPU=1); on a machine without CUDA the one
 test that runs checks that the provider reports itself unavailable, cleanly.
 """
@@ -45,7 +47,7 @@ def _unavailable(why: str) -> NoReturn:
 
 @functools.cache
 def _probe() -> str:
-    """Empty when two CUDA GPUs, CuPy and the provider are usable; else why not."""
+    """Empty when a CUDA GPU, CuPy and the provider are usable; else why not."""
     try:
         import cupy
     except Exception as e:  # noqa: BLE001 - ImportError, or CUDA libraries CuPy cannot load
@@ -54,21 +56,33 @@ def _probe() -> str:
         n = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as e:  # noqa: BLE001 - CUDARuntimeError: no driver or no device
         return f"no CUDA GPU ({type(e).__name__}: {e})"
-    if n < 2:
-        return f"{n} CUDA GPU(s): nvlink needs two"
+    if n < 1:
+        return "no CUDA GPU"
     avail = registry.probe(PROVIDER)
     if not avail.available:
         return f"provider nvlink unavailable: {avail.reason}"
     return ""
 
 
-def _cp() -> Any:
+def _cp(dst: int = 0) -> Any:
+    """CuPy, once the provider is usable and GPU `dst` (the target's) is there: the
+    cross-GPU case is skipped (whatever AFABRIC_REQUIRE_GPU says) with one GPU, or when
+    cuda0 has no peer access to it."""
     why = _probe()
     if why:
         _unavailable(why)
     import cupy
 
+    n = int(cupy.cuda.runtime.getDeviceCount())
+    if dst >= n:
+        pytest.skip(f"{n} CUDA GPU(s): the cross-GPU case needs {dst + 1}")
+    if dst and not cupy.cuda.runtime.deviceCanAccessPeer(0, dst):
+        pytest.skip(f"cuda0 has no peer access to cuda{dst}")
     return cupy
+
+
+# the target's GPU: cuda0 itself (colocated processes), or another GPU
+TARGETS = pytest.mark.parametrize("dst", [0, 1], ids=["same-gpu", "cross-gpu"])
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -102,7 +116,7 @@ async def _peer_main(dev: int, nbytes: int) -> None:
     with cp.cuda.Device(dev):
         buf = cp.zeros(nbytes, dtype=cp.uint8)
     async with afabric.Engine(PROVIDER, nic=f"cuda{dev}") as eng:
-        mr = eng.register(buf)
+        mr = eng.register(buf, remote="rw")  # written and read by the tests
         reply({"desc": bytes(mr.descriptor).hex(), "imm": eng.alloc_imm(), "addr": bytes(eng.address).hex()})
         while True:
             line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -193,8 +207,9 @@ def run_with_child(dev: int, nbytes: int, body: Callable[[Child, dict[str, Any]]
 # ---- two processes, two GPUs ----
 
 
-def test_contiguous_writes_two_processes() -> None:
-    cp = _cp()
+@TARGETS
+def test_contiguous_writes_two_processes(dst: int) -> None:
+    cp = _cp(dst)
     total = 64 * MiB
 
     async def body(child: Child, hello: dict[str, Any]) -> None:
@@ -216,12 +231,35 @@ def test_contiguous_writes_two_processes() -> None:
             assert (await child.call(op="sha"))["sha"] == sha(want), "bytes differ at the target"
             stats = eng.stats()["nics"][0]
             assert stats["writes"] == 61 and stats["errors"] == 0, stats
+            # read it back through the same IPC mapping (the copy in the other direction):
+            # contiguous in 4 concurrent pieces, 1024 shuffled 64 KiB pages, a gather
+            with cp.cuda.Device(0):
+                back = cp.zeros(total, dtype=cp.uint8)
+            bmr = eng.register(back, remote=False)
+            q = total // 4
+            reads = [eng.read(bmr, desc, q, src_offset=k * q, dst_offset=k * q) for k in range(4)]
+            await asyncio.gather(*reads)
+            assert sha(cp.asnumpy(back)) == sha(want), "contiguous reads differ"
+            pg = 64 * KiB
+            npg = total // pg
+            perm = np.random.default_rng(4).permutation(npg).astype(np.int64)
+            await eng.read_paged(bmr, desc, page_len=pg, src_pages=afabric.Pages(perm, pg),
+                                 dst_pages=afabric.Pages(np.arange(npg, dtype=np.int64), pg))  # fmt: skip
+            assert sha(cp.asnumpy(back)) == sha(want.reshape(npg, pg)[perm].reshape(-1)), "paged reads differ"
+            await eng.gather(bmr, [afabric.GatherSource(desc, MiB, 5 * MiB, 0),
+                                   afabric.GatherSource(desc, MiB - 3, 3, MiB)])  # fmt: skip
+            assert sha(cp.asnumpy(back[: 2 * MiB - 3])) == sha(
+                np.concatenate([want[5 * MiB : 6 * MiB], want[3:MiB]])
+            ), "gathered reads differ"
+            stats = eng.stats()["nics"][0]
+            assert stats["reads"] >= 4 + 2 and stats["errors"] == 0, stats
 
-    run_with_child(1, total, body)
+    run_with_child(dst, total, body)
 
 
-def test_paged_writes_two_processes() -> None:
-    cp = _cp()
+@TARGETS
+def test_paged_writes_two_processes(dst: int) -> None:
+    cp = _cp(dst)
     page, npages = 4 * KiB, 8192
     odd_page, odd_n, odd_stride, odd_off = 100, 1000, 128, 4  # not 16-byte aligned: byte path
     total = page * npages
@@ -253,11 +291,12 @@ def test_paged_writes_two_processes() -> None:
                 want[d0 : d0 + odd_page] = host[s0 : s0 + odd_page]
             assert (await child.call(op="sha"))["sha"] == sha(want), "unaligned pages differ"
 
-    run_with_child(1, total, body)
+    run_with_child(dst, total, body)
 
 
-def test_early_arrivals_are_kept() -> None:
-    cp = _cp()
+@TARGETS
+def test_early_arrivals_are_kept(dst: int) -> None:
+    cp = _cp(dst)
     n = 50
 
     async def body(child: Child, hello: dict[str, Any]) -> None:
@@ -272,11 +311,12 @@ def test_early_arrivals_are_kept() -> None:
         with pytest.raises(AssertionError, match="OperationTimeout"):  # consumed: no 51st
             await child.call(op="expect", imm=imm, n=1, timeout=0.5)
 
-    run_with_child(1, 4096, body)
+    run_with_child(dst, 4096, body)
 
 
-def test_send_recv_two_processes() -> None:
-    _cp()
+@TARGETS
+def test_send_recv_two_processes(dst: int) -> None:
+    _cp(dst)
 
     async def body(child: Child, hello: dict[str, Any]) -> None:
         server = afabric.Address.from_bytes(bytes.fromhex(hello["addr"]))
@@ -291,21 +331,22 @@ def test_send_recv_two_processes() -> None:
                 assert await asyncio.wait_for(eng.recv_bytes(), 30) == body_[::-1]
             await echo
 
-    run_with_child(1, 4096, body)
+    run_with_child(dst, 4096, body)
 
 
-def test_killed_target_fails_futures_and_engine_lives_on() -> None:
-    cp = _cp()
+@TARGETS
+def test_killed_target_fails_futures_and_engine_lives_on(dst: int) -> None:
+    cp = _cp(dst)
     chunk = 256 * KiB
 
     async def body(child: Child, hello: dict[str, Any]) -> None:
         victim = afabric.MrDesc.from_bytes(bytes.fromhex(hello["desc"]))
         loop = asyncio.get_running_loop()
         src = on_gpu(cp, pattern(4 * MiB, 2), 0)
-        with cp.cuda.Device(1):
+        with cp.cuda.Device(dst):
             live_buf = cp.zeros(MiB, dtype=cp.uint8)
         async with afabric.Engine(PROVIDER, nic="cuda0", op_timeout=5.0) as eng, \
-                afabric.Engine(PROVIDER, nic="cuda1") as other:  # fmt: skip
+                afabric.Engine(PROVIDER, nic=f"cuda{dst}") as other:  # fmt: skip
             mr = eng.register(src, remote=False)
             live = other.register(live_buf)
             ok, failures, inflight, i = 0, [], set(), 0
@@ -340,14 +381,15 @@ def test_killed_target_fails_futures_and_engine_lives_on() -> None:
             await other.expect_imm(imm, 1, timeout=30)
             assert sha(cp.asnumpy(live_buf)) == sha(cp.asnumpy(src[:MiB]))
 
-    run_with_child(1, 16 * chunk, body)
+    run_with_child(dst, 16 * chunk, body)
 
 
-def test_killed_peer_reported_down_within_a_second() -> None:
+@TARGETS
+def test_killed_peer_reported_down_within_a_second(dst: int) -> None:
     """Peer-down (shim/peers.c: the peer's process watched through a pidfd, whatever the
     provider): the engine yields a "down" event without posting anything, and writes in
     flight to it all fail with PeerUnreachable within 1 s of the SIGKILL (op_timeout 20 s)."""
-    cp = _cp()
+    cp = _cp(dst)
     chunk = 256 * KiB
 
     async def body(child: Child, hello: dict[str, Any]) -> None:
@@ -380,34 +422,35 @@ def test_killed_peer_reported_down_within_a_second() -> None:
             with pytest.raises(errors.PeerUnreachable, match="exited"):
                 await eng.write(mr, victim, 64)
 
-    run_with_child(1, 16 * chunk, body)
+    run_with_child(dst, 16 * chunk, body)
 
 
 # ---- one process, two engines ----
 
 
-async def _engines() -> tuple[afabric.Engine, afabric.Engine]:
-    return afabric.Engine(PROVIDER, nic="cuda0"), afabric.Engine(PROVIDER, nic="cuda1")
+async def _engines(dst: int) -> tuple[afabric.Engine, afabric.Engine]:
+    return afabric.Engine(PROVIDER, nic="cuda0"), afabric.Engine(PROVIDER, nic=f"cuda{dst}")
 
 
-def test_two_engines_one_process() -> None:
-    cp = _cp()
+@TARGETS
+def test_two_engines_one_process(dst: int) -> None:
+    cp = _cp(dst)
     n = 16 * MiB
 
     async def main() -> None:
-        e0, e1 = await _engines()
+        e0, e1 = await _engines(dst)
         try:
             h0, h1 = pattern(n, 21), pattern(n, 22)
-            a0, a1 = on_gpu(cp, h0, 0), on_gpu(cp, h1, 1)
+            a0, a1 = on_gpu(cp, h0, 0), on_gpu(cp, h1, dst)
             with cp.cuda.Device(0):
                 b0 = cp.zeros(n, dtype=cp.uint8)
-            with cp.cuda.Device(1):
+            with cp.cuda.Device(dst):
                 b1 = cp.zeros(n, dtype=cp.uint8)
-                same_dev = cp.zeros(n, dtype=cp.uint8)  # GPU1 -> GPU1 through the provider too
+                same_dev = cp.zeros(n, dtype=cp.uint8)  # dst -> dst through the provider too
             s0, s1 = e0.register(a0, remote=False), e1.register(a1, remote=False)
             r0, r1, r_same = e0.register(b0), e1.register(b1), e0.register(same_dev)
             i0, i1 = e0.alloc_imm(), e1.alloc_imm()
-            # GPU0 -> GPU1 contiguous (one write) and GPU1 -> GPU0 paged, concurrently
+            # cuda0 -> dst contiguous (one write) and dst -> cuda0 paged, concurrently
             pages = n // (32 * KiB)
             perm = np.random.default_rng(9).permutation(pages).astype(np.int64)
             await asyncio.gather(
@@ -439,9 +482,10 @@ def test_two_engines_one_process() -> None:
     asyncio.run(main())
 
 
-def test_torch_tensors_two_engines() -> None:
+@TARGETS
+def test_torch_tensors_two_engines(dst: int) -> None:
     """Tensors from torch's caching allocator (sub-ranges of larger cudaMalloc blocks)."""
-    _cp()
+    _cp(dst)
     try:
         import torch
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA install under torch
@@ -449,19 +493,19 @@ def test_torch_tensors_two_engines() -> None:
     n = 3 * MiB + 5
 
     async def main() -> None:
-        e0, e1 = await _engines()
+        e0, e1 = await _engines(dst)
         try:
             pad0 = torch.empty(1000, dtype=torch.uint8, device="cuda:0")  # offset within a block
             src = (torch.arange(n, device="cuda:0") % 253).to(torch.uint8)
-            pad1 = torch.empty(777, dtype=torch.uint8, device="cuda:1")
-            dst = torch.zeros(n, dtype=torch.uint8, device="cuda:1")
+            pad1 = torch.empty(777, dtype=torch.uint8, device=f"cuda:{dst}")
+            tgt = torch.zeros(n, dtype=torch.uint8, device=f"cuda:{dst}")
             torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
-            s0, r1 = e0.register(src, remote=False), e1.register(dst)
+            torch.cuda.synchronize(dst)
+            s0, r1 = e0.register(src, remote=False), e1.register(tgt)
             imm = e1.alloc_imm()
             await e0.write(s0, r1.descriptor, n - 1, src_offset=1, dst_offset=0, imm=imm)
             await e1.expect_imm(imm, 1, timeout=30)
-            assert torch.equal(dst[: n - 1].cpu(), src[1:].cpu()) and int(dst[n - 1]) == 0
+            assert torch.equal(tgt[: n - 1].cpu(), src[1:].cpu()) and int(tgt[n - 1]) == 0
             del pad0, pad1
         finally:
             await e0.aclose()
@@ -470,24 +514,25 @@ def test_torch_tensors_two_engines() -> None:
     asyncio.run(main())
 
 
-def test_triggered_writes_two_engines() -> None:
+@TARGETS
+def test_triggered_writes_two_engines(dst: int) -> None:
     """Writes the shim posts itself, the KV-cache layer-by-layer pattern: e0's write fires when
     a GPU watcher reaches a value (bumped by the host here, as a kernel would), and e1 relays
     what arrived (a paged write, pages reversed) once it has counted that write's immediate."""
-    cp = _cp()
+    cp = _cp(dst)
     half, page = 2 * MiB, 64 * KiB
     pages = half // page
 
     async def main() -> None:
-        e0, e1 = await _engines()
+        e0, e1 = await _engines(dst)
         try:
             h = pattern(half, 31)
             src = on_gpu(cp, h, 0)
             with cp.cuda.Device(0):
                 back_buf = cp.zeros(half, dtype=cp.uint8)
-            with cp.cuda.Device(1):
-                dst = cp.zeros(half, dtype=cp.uint8)
-            s0, r0, r1 = e0.register(src, remote=False), e0.register(back_buf), e1.register(dst)
+            with cp.cuda.Device(dst):
+                tgt = cp.zeros(half, dtype=cp.uint8)
+            s0, r0, r1 = e0.register(src, remote=False), e0.register(back_buf), e1.register(tgt)
             layer, back = e1.alloc_imm(), e0.alloc_imm()
             w = e0.uvm_watcher(device=0)
             idx = np.arange(pages, dtype=np.int64)
@@ -499,11 +544,11 @@ def test_triggered_writes_two_engines() -> None:
             )  # fmt: skip
             await asyncio.sleep(0.2)
             assert not first.done() and not relay.done(), "a triggered write went before its trigger"
-            assert not back_buf.any() and not dst.any()
+            assert not back_buf.any() and not tgt.any()
             w.add(1)
             await asyncio.wait_for(asyncio.gather(first, relay), 30)
             await e0.expect_imm(back, pages, timeout=30)
-            assert sha(cp.asnumpy(dst)) == sha(h)
+            assert sha(cp.asnumpy(tgt)) == sha(h)
             assert sha(cp.asnumpy(back_buf)) == sha(h.reshape(pages, page)[::-1].reshape(-1))
         finally:
             await e0.aclose()
@@ -521,18 +566,19 @@ def reforge(blob: bytes, length: int) -> bytes:
     return bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
 
 
-def test_bad_input() -> None:
-    cp = _cp()
+@TARGETS
+def test_bad_input(dst: int) -> None:
+    cp = _cp(dst)
 
     async def main() -> None:
-        e0, e1 = await _engines()
+        e0, e1 = await _engines(dst)
         try:
-            with cp.cuda.Device(1):
+            with cp.cuda.Device(dst):
                 whole = cp.zeros(8192, dtype=cp.uint8)  # region = first half, canary = second
                 whole[4096:] = 0x5A
             with cp.cuda.Device(0):
                 src = cp.full(8192, 7, dtype=cp.uint8)
-            dst = e1.register_ptr(int(whole.data.ptr), 4096, device=1, owner=whole)
+            tmr = e1.register_ptr(int(whole.data.ptr), 4096, device=dst, owner=whole)
             smr = e0.register(src, remote=False)
             imm = e1.alloc_imm()
             # host memory cannot be a target, and says so
@@ -540,16 +586,16 @@ def test_bad_input() -> None:
                 e1.register(np.zeros(64, dtype=np.uint8))
             # ranges, immediates and pages are checked before anything is posted
             with pytest.raises(errors.OutOfRange):
-                await e0.write(smr, dst.descriptor, 4097)
+                await e0.write(smr, tmr.descriptor, 4097)
             with pytest.raises(errors.OutOfRange):
-                await e0.write(smr, dst.descriptor, 16, dst_offset=4090)
+                await e0.write(smr, tmr.descriptor, 16, dst_offset=4090)
             with pytest.raises(errors.ImmediateOutOfRange):
-                await e0.write(smr, dst.descriptor, 8, imm=1 << 32)
+                await e0.write(smr, tmr.descriptor, 8, imm=1 << 32)
             with pytest.raises(errors.OutOfRange):
-                await e0.write_paged(smr, dst.descriptor, page_len=64, src_pages=afabric.Pages([0], 64),
+                await e0.write_paged(smr, tmr.descriptor, page_len=64, src_pages=afabric.Pages([0], 64),
                                      dst_pages=afabric.Pages([64], 64), imm=imm)  # fmt: skip
             # a forged length passes the local checks; the target's export table refuses it
-            forged = afabric.MrDesc.from_bytes(reforge(bytes(dst.descriptor), 8192))
+            forged = afabric.MrDesc.from_bytes(reforge(bytes(tmr.descriptor), 8192))
             with pytest.raises(errors.RemoteKeyRejected):
                 await asyncio.wait_for(e0.write(smr, forged, 8192, imm=imm), 30)
             with pytest.raises(errors.RemoteKeyRejected):
@@ -557,10 +603,10 @@ def test_bad_input() -> None:
                 w = e0.write_paged(smr, forged, page_len=4096, src_pages=p0, dst_pages=p1, imm=imm)
                 await asyncio.wait_for(w, 30)
             # a deregistered region is refused at once, even with the descriptor imported
-            desc = dst.descriptor
+            desc = tmr.descriptor
             await e0.write(smr, desc, 8)
             whole[:8] = 0
-            e1.deregister(dst)
+            e1.deregister(tmr)
             with pytest.raises(errors.RemoteKeyRejected):
                 await asyncio.wait_for(e0.write(smr, desc, 4096, imm=imm), 30)
             with pytest.raises(errors.OperationTimeout):  # no arrival was counted

@@ -32,7 +32,8 @@ def library_path() -> str:
 
 
 def nvlink() -> ProviderSpec:
-    """CUDA IPC between the GPUs of one node: writes are GPU copies over NVLink.
+    """CUDA IPC between processes of one node, on one GPU or between GPUs with peer access:
+    writes are GPU copies (over NVLink between GPUs).
 
     Priority 0: ``provider="auto"`` never picks it (it cannot write into host memory nor
     reach another node); ``Engine("nvlink")`` asks for it.
@@ -43,7 +44,7 @@ def nvlink() -> ProviderSpec:
         fabric_provider="nvlink",
         priority=0,
         abi_major=PROVIDER_ABI_MAJOR,
-        hint="needs two or more CUDA GPUs with peer access (NVLink or PCIe P2P) and the CUDA "
-        "driver (libcuda.so.1, 12.0 or newer)",
-        description="CUDA IPC between the GPUs of one node (NVLink / PCIe peer-to-peer)",
+        hint="needs a CUDA GPU (peers on another GPU need peer access to it: NVLink or PCIe "
+        "P2P) and the CUDA driver (libcuda.so.1, 12.0 or newer)",
+        description="CUDA IPC within a GPU or between the GPUs of one node (NVLink / PCIe peer-to-peer)",
     )
