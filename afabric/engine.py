@@ -32,7 +32,7 @@ from .groups import GatherSource, PeerGroup, ScatterTarget
 from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
-from .peers import PeerEvent, PeerHub, heartbeat_ms, stop_ms
+from .peers import PEER_CLOSED, PeerEvent, PeerHub, heartbeat_ms, stop_ms
 from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger
@@ -171,6 +171,21 @@ def _after_fork_in_child() -> None:
     for eng in list(_LIVE):
         eng._forked = True
         eng._closed = True
+
+
+def _tell_closed_in_process(closing: Engine) -> None:
+    """Engines of this process that resolved `closing` hear that it closed (peer_events():
+    "down", reason "closed"), on their own loops. Peers in other processes hear it from its
+    goodbye (shim/keepalive.c), which never goes to an engine of the same process."""
+    blob = bytes(closing.address)
+    for other in list(_LIVE):
+        if other is closing or other._closed or other._forked:
+            continue
+        if other._thread == _get_ident():
+            other._peer_closed_here(blob)
+        else:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody listens
+                other._loop.call_soon_threadsafe(other._peer_closed_here, blob)
 
 
 def _track(eng: Engine) -> None:
@@ -400,6 +415,7 @@ class Engine(MessagingMixin):
     def _shut(self, exc: errors.AfabricError) -> None:
         """Close, failing what is pending with ``exc``."""
         self._closed = True
+        _tell_closed_in_process(self)
         with contextlib.suppress(RuntimeError, ValueError, OSError):  # loop already closed
             self._loop.remove_reader(self._fd)
         try:
@@ -1103,6 +1119,11 @@ class Engine(MessagingMixin):
                     "max_imm_values=%d distinct values (expect them before they arrive, or "
                     "raise the limit)", ev.total, self._max_imm_values,
                 )  # fmt: skip
+
+    def _peer_closed_here(self, blob: bytes) -> None:
+        """An engine of this process that this one resolved closed (_tell_closed_in_process)."""
+        if not self._closed and self._peer_hub.is_known_up(blob):
+            self._peer_hub.publish(blob, True, os.getpid(), PEER_CLOSED)
 
     def _on_stuck(self, ev: _native.Event) -> None:
         """The worker is stuck for good (shim/peers.c): nothing in flight will complete.

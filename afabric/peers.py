@@ -26,7 +26,9 @@ from .address import Address
 
 # HEARTBEAT_MISSES (the shim's AFS_HEARTBEAT_MISSES): heartbeat intervals without an answer
 # after which a peer is reported down ("silent")
-__all__ = ["HEARTBEAT_MISSES", "PeerEvent", "PeerHub", "heartbeat_ms", "stop_ms"]
+__all__ = ["HEARTBEAT_MISSES", "PEER_CLOSED", "PeerEvent", "PeerHub", "heartbeat_ms", "stop_ms"]
+
+PEER_CLOSED = 4  # a PEER record's flag (the shim's AFS_C_PEER): down because its engine closed
 
 Reason = Literal["resolved", "exited", "stopped", "resumed", "closed", "silent"]
 
@@ -77,7 +79,7 @@ class PeerHub:
 
     def publish(self, blob: bytes, down: bool, pid: int, flags: int) -> None:
         """A PEER record: `flags` 1 its process is watched, down because 2 stopped, 4 its
-        engine closed, 8 silent (else exited)."""
+        engine closed (PEER_CLOSED), 8 silent (else exited)."""
         if not blob:
             return
         prev = self._state.get(blob)
@@ -94,6 +96,10 @@ class PeerHub:
         self._state[blob] = ev
         for q in self._subs:
             q.put_nowait(ev)
+
+    def is_known_up(self, blob: bytes) -> bool:
+        ev = self._state.get(blob)
+        return ev is not None and ev.kind == "up"
 
     def is_down(self, addr: Address) -> bool:
         ev = self._state.get(bytes(addr))

@@ -108,6 +108,32 @@ async def test_subscriber_sees_close(provider: str) -> None:
     assert got == []
 
 
+async def test_engine_closed_in_this_process_reported_down(provider: str) -> None:
+    """An engine of the same process closes: its peer hears it at once ("down", reason
+    "closed"), as a peer in another process hears the goodbye, and a write to it fails with
+    PeerUnreachable. Before: no event (goodbyes are never sent inside a process)."""
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT) as eng:
+        other = afabric.Engine(provider)
+        dst = other.register(np.zeros(4096, np.uint8)).descriptor
+        src = eng.register(np.ones(4096, np.uint8))
+        events = eng.peer_events()
+        await eng.write(src, dst, 4096)
+        up = await next_event(events, 5)
+        assert (up.kind, up.address) == ("up", other.address)
+        t0 = time.monotonic()
+        await other.aclose()
+        down = await next_event(events, DOWN_WITHIN)
+        assert (down.kind, down.reason, down.address, down.pid) == (
+            "down",
+            "closed",
+            other.address,
+            os.getpid(),
+        )
+        assert time.monotonic() - t0 < DOWN_WITHIN
+        with pytest.raises(errors.PeerUnreachable):
+            await eng.write(src, dst, 8)
+
+
 async def stream(
     eng: afabric.Engine, src: afabric.MemoryRegion, desc: afabric.MrDesc, stop: asyncio.Event,
     stamps: list[float], failures: list[tuple[float, BaseException]],
