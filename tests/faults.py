@@ -136,3 +136,18 @@ async def imm_sender(ctl: Ctl, provider: str, desc_b: bytes, imm: int) -> None:
         ctl.put(("sending", os.getpid()))
         while True:
             await eng.write(src, desc, 8, imm=imm)
+
+
+async def commanded_writer(ctl: Ctl, provider: str, desc_b: bytes, offset: int, seed: int) -> bool:
+    """Writes 4 KiB of pattern `seed` to `desc_b` at `offset` once ("ready" after it), then
+    again on each "write" ("written" after it), until "stop"."""
+    async with afabric.Engine(provider) as eng:
+        desc = afabric.MrDesc.from_bytes(desc_b)
+        src = eng.register(pattern(4096, seed), remote=False)
+        await eng.write(src, desc, 4096, dst_offset=offset)
+        ctl.put("ready")
+        while (cmd := await ctl.get(timeout=3600)) != "stop":
+            assert cmd == "write", cmd
+            await eng.write(src, desc, 4096, dst_offset=offset)
+            ctl.put("written")
+        return True

@@ -30,7 +30,7 @@ from afabric import errors
 from afabric.bench.raw import RawLoop
 
 from .conftest import libfabric_version
-from .faults import pattern, victim_target
+from .faults import commanded_writer, pattern, victim_target
 from .procs import Peer
 
 pytestmark = pytest.mark.asyncio
@@ -151,6 +151,7 @@ async def test_peer_dead_with_its_lock_held_fails_only_its_operations(shm_cleanu
             with pytest.raises(errors.PeerUnreachable, match="exited"):
                 await asyncio.wait_for(pending, afabric.WORKER_STUCK_S + SLACK)
             took = time.monotonic() - t0
+            print(f"\nthe write to the dead peer failed {took * 1e3:.0f} ms after the SIGKILL")
             assert took < afabric.WORKER_STUCK_S, f"{took:.1f} s: the worker was only let go as stuck"
         assert not writer.closed
         await writer.write(src, alive, 1 << 20)  # the other peer is served as before
@@ -162,3 +163,43 @@ async def test_peer_dead_with_its_lock_held_fails_only_its_operations(shm_cleanu
         await writer.aclose()
         target.close()
         other.close()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the lock word's values are glibc's x86-64 ones")
+async def test_writer_dead_inside_the_targets_lock_lets_go(shm_cleanup: None) -> None:
+    """The other way round: a writer SIGKILLed while it holds the *target's* region lock
+    (its few-microsecond critical section). Before: every other writer to that engine spun
+    for ever and the target could not progress. Now: when the target's watch thread sees
+    the writer exit, the target frees its own lock if it stays taken with the command queue
+    unmoved for 200 ms (ofi_shmfence.c), and the other writer's write completes. (The test
+    holds the lock itself: the dead writer stands for whoever held it.)"""
+    if libfabric_version() >= (2, 0):
+        pytest.skip("libfabric 2.x's shm keeps no lock in its region: nothing can hold it")
+    async with afabric.Engine("shm") as target:
+        buf = np.zeros(1 << 16, np.uint8)
+        desc_b = bytes(target.register(buf).descriptor)
+        events = target.peer_events()
+        dead = Peer(commanded_writer, "shm", desc_b, 0, 1)
+        live = Peer(commanded_writer, "shm", desc_b, 4096, 2)
+        try:
+            assert (await dead.get(), await live.get()) == ("ready", "ready")
+            ups = [await asyncio.wait_for(events.__anext__(), 10) for _ in range(2)]
+            assert [ev.kind for ev in ups] == ["up", "up"]  # their hellos: both watched here
+            buf[:] = 0
+            with holding_region_lock(region_file(bytes(target.address)), os.getpid()):
+                live.put("write")
+                with pytest.raises(TimeoutError):
+                    await live.get(timeout=0.5)  # it spins on the target's lock
+                t0 = time.monotonic()
+                dead.kill()
+                assert await live.get(timeout=afabric.WORKER_STUCK_S) == "written"
+                took = time.monotonic() - t0
+            print(f"\nthe live writer's write done {took * 1e3:.0f} ms after the SIGKILL")
+            assert took < afabric.WORKER_STUCK_S, took
+            assert np.array_equal(buf[4096:8192], pattern(4096, 2)) and not buf[:4096].any()
+            assert not target.closed
+            live.put("stop")
+            assert await live.result() is True
+        finally:
+            dead.close()
+            live.close()

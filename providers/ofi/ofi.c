@@ -125,6 +125,7 @@ struct afp_domain {
     bool delivery_complete;
     bool zero_len_dc; /* zero-length writes are sent delivery-complete too (ofi_open) */
     bool shm117;      /* libfabric 1.17's shm: a dead peer's region is fenced (ofi_shmfence.c) */
+    char *self_path;  /* shm117: our own region's /dev/shm file */
     bool rma_event;
     bool reads; /* opened with FI_READ | FI_REMOTE_READ (else post_reads and readable
                    regions are refused: a provider without RMA read still serves writes) */
@@ -853,6 +854,7 @@ static void close_objects(afp_domain *d)
     if (d->info_list)
         d->lib->freeinfo(d->info_list);
     shm_peers_free(d);
+    free(d->self_path);
     free(d->imm_q);
     free(d->pool);
     free(d);
@@ -1037,6 +1039,8 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
         goto out_close;
     }
     d->addr_len = name_len;
+    if (d->shm117)
+        d->self_path = shm_path(name, name_len); /* NULL: the self-unwedge is skipped */
     if (d->source)
         trust_sources(d, name);
     inproc_add(d, name, name_len);
@@ -1603,6 +1607,8 @@ static void ofi_peer_exited(afp_domain *d, const void *addr, size_t len, uint32_
     if (path)
         (void)ofi_shm_fence(path, pid); /* best effort: the shim's stuck-worker watch stays */
     free(path);
+    if (d->self_path) /* it may have died writing to us, inside our region's lock */
+        (void)ofi_shm_unwedge_self(d->self_path);
 }
 
 /* ------------------------------------------------------------------------------------ */

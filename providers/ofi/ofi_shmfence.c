@@ -17,12 +17,22 @@
  * whatever a writer already inside the critical section writes lands in pages of our own.
  * Nothing is done unless the header is the layout measured for 1.17 (below: the dead
  * process's pid, the region's size) and the mapping covers exactly that region.
+ *
+ * The other way round, a *writer* SIGKILLed inside its critical section leaves OUR region's
+ * lock taken: every other writer to us spins, and our own progress cannot take it.
+ * Nothing records which process holds a spin lock, so after any watched peer's death
+ * ofi_shm_unwedge_self looks at our lock: taken at every look for UNWEDGE_MS while the
+ * command queue's read and write counts do not move (a live holder lets go within
+ * microseconds, and a live system moves the queue), it is the dead process's, and it is
+ * freed. The dead writer had not committed the command it was writing (1.17 advances the
+ * queue's write count last), so nothing half-written is seen.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +52,9 @@
 #define SMR117_LOCK 24
 #define SMR117_TOTAL 40
 #define SMR117_CMD_CNT 48
-#define SMR117_HEADER 56
+#define SMR117_CMD_QUEUE 64 /* size_t cmd_queue_offset: an ofi_cirque {size, mask, rcnt, wcnt} */
+#define SMR117_HEADER 72
+#define UNWEDGE_MS 200
 
 /* Every mapping of `path` in this process: start addresses and lengths (at most `max`). */
 static size_t find_mappings(const char *path, uintptr_t *start, size_t *len, size_t max)
@@ -71,6 +83,17 @@ static size_t find_mappings(const char *path, uintptr_t *start, size_t *len, siz
     return n;
 }
 
+/* What a free spin lock holds in this libc (x86-64 glibc: 1; others: 0). */
+static int free_lock_value(void)
+{
+    pthread_spinlock_t l;
+    if (pthread_spin_init(&l, PTHREAD_PROCESS_SHARED) != 0)
+        return -1;
+    int v = l;
+    pthread_spin_destroy(&l);
+    return v;
+}
+
 int ofi_shm_fence(const char *path, uint32_t pid)
 {
     long page = sysconf(_SC_PAGESIZE);
@@ -91,12 +114,9 @@ int ofi_shm_fence(const char *path, uint32_t pid)
     memcpy(&total, copy + SMR117_TOTAL, sizeof total);
     if ((uint32_t)owner != pid || !base || total != (uint64_t)st.st_size || total < (uint64_t)page)
         goto out; /* not the 1.17 layout, or not that process's region */
-    pthread_spinlock_t free_lock;
-    if (pthread_spin_init(&free_lock, PTHREAD_PROCESS_SHARED) != 0)
+    int free_value = free_lock_value();
+    if (free_value < 0)
         goto out;
-    int free_value = free_lock; /* what a free lock holds in this libc (x86-64 glibc: 1) */
-    pthread_spin_destroy(&free_lock);
-    _Static_assert(sizeof(pthread_spinlock_t) == sizeof(int), "glibc's spin lock is an int");
     memcpy(copy + SMR117_LOCK, &free_value, sizeof free_value);
     memset(copy + SMR117_CMD_CNT, 0, sizeof(uint64_t));
     uintptr_t start[4];
@@ -116,4 +136,41 @@ out:
     free(copy);
     close(fd);
     return fenced;
+}
+
+int ofi_shm_unwedge_self(const char *path)
+{
+    _Static_assert(sizeof(pthread_spinlock_t) == sizeof(int), "glibc's spin lock is an int");
+    uintptr_t start[4];
+    size_t len[4];
+    size_t n = find_mappings(path, start, len, 4);
+    int free_value = free_lock_value();
+    for (size_t i = 0; i < n && free_value >= 0; i++) {
+        uint8_t *base = (uint8_t *)start[i];
+        int32_t owner;
+        uint64_t total, qoff;
+        memcpy(&owner, base + SMR117_PID, sizeof owner);
+        memcpy(&total, base + SMR117_TOTAL, sizeof total);
+        memcpy(&qoff, base + SMR117_CMD_QUEUE, sizeof qoff);
+        if (owner != (int32_t)getpid() || total != len[i] || qoff < SMR117_HEADER ||
+            qoff > total - 4 * sizeof(uint64_t) || qoff % sizeof(uint64_t))
+            continue; /* not our own 1.17 region, whole */
+        int *lock = (int *)(void *)(base + SMR117_LOCK);
+        uint64_t *q = (uint64_t *)(void *)(base + qoff); /* size, mask, rcnt, wcnt */
+        uint64_t rcnt = __atomic_load_n(&q[2], __ATOMIC_ACQUIRE);
+        uint64_t wcnt = __atomic_load_n(&q[3], __ATOMIC_ACQUIRE);
+        bool stuck = true;
+        for (int ms = 0; stuck && ms < UNWEDGE_MS; ms++) {
+            stuck = __atomic_load_n(lock, __ATOMIC_ACQUIRE) != free_value &&
+                    __atomic_load_n(&q[2], __ATOMIC_ACQUIRE) == rcnt &&
+                    __atomic_load_n(&q[3], __ATOMIC_ACQUIRE) == wcnt;
+            if (stuck)
+                usleep(1000);
+        }
+        if (stuck) {
+            __atomic_store_n(lock, free_value, __ATOMIC_RELEASE);
+            return 1;
+        }
+    }
+    return 0;
 }

@@ -9,4 +9,9 @@
  * process `pid`; returns how many. Safe from any thread, while others call libfabric. */
 __attribute__((visibility("hidden"))) int ofi_shm_fence(const char *path, uint32_t pid);
 
+/* After a peer's death: frees this process's own region lock (file `path`) if it stays
+ * taken, and the region's command queue unmoved, for UNWEDGE_MS (the dead process was
+ * inside its critical section). Returns 1 if it did. Blocks up to that long; any thread. */
+__attribute__((visibility("hidden"))) int ofi_shm_unwedge_self(const char *path);
+
 #endif
