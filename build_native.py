@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +220,17 @@ def build_library(
     return dest
 
 
+_GEN_LOCK = threading.Lock()
+
+
 def check_generated_abi() -> None:
+    """_check_generated_abi, one thread at a time: builds run in threads (tests/test_native.py)
+    and it lends sys.modules an entry while it runs."""
+    with _GEN_LOCK:
+        _check_generated_abi()
+
+
+def _check_generated_abi() -> None:
     """BuildError if afabric/_native_decl.py or typings/afabric_shim.pyi is not what
     shim/afabric_shim.h gives (afabric/_gen_shim.py, stdlib only, loaded by path): the
     Python side of the ABI is never built against a header it was not generated from."""

@@ -53,6 +53,17 @@ def pytest_configure(config: Any) -> None:
     config.addinivalue_line("markers", "slow: long-running test")
 
 
+def pytest_collection_finish(session: Any) -> None:
+    """Modules with a long, self-contained background job (test_verbs: the Soft-RoCE guest)
+    start it now, so that it runs beside the tests collected before them."""
+    by_module: dict[Any, list[Any]] = {}
+    for item in session.items:
+        if hasattr(getattr(item, "module", None), "start_early"):
+            by_module.setdefault(item.module, []).append(item)
+    for module, items in by_module.items():
+        module.start_early(session.config, items)
+
+
 @pytest.fixture(params=PROVIDERS)
 def provider(request: Any) -> str:
     return str(request.param)

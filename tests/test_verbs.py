@@ -5,15 +5,24 @@ compiled here; once against the release library, once with the test and the libr
 with ASan+UBSan, leak detection on) and the multi-process pytest module
 tests/rxe/guest_verbs.py; the tests below assert on what ran there. Skipped when the host
 lacks qemu and friends, unless $AFABRIC_REQUIRE_RXE=1 (CI), where a broken harness fails.
+
+The guest takes 1.5-3 minutes of CPU (TCG emulation) and little else, so when these tests
+are selected it is started in the background as soon as collection ends (tests/conftest.py
+calls :func:`start_early`), at niceness 10: it uses the CPU time the tests before this module
+leave idle, and the fixture below, when it is reached, raises it back to normal priority and
+collects the result. Started there or here, it runs the same script and is judged the same.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +42,7 @@ echo $? > /tmp/xfer/c.rc
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     /tmp/xfer/test_verbs_asan /tmp/xfer/libafabric_verbs_asan.so > /tmp/xfer/c_asan.log 2>&1
 echo $? > /tmp/xfer/c_asan.rc
-python -m pytest -p no:cacheprovider -q -ra --junitxml=/tmp/xfer/junit.xml \\
+python -m pytest -p no:cacheprovider -p no:hypothesispytest -q -ra --junitxml=/tmp/xfer/junit.xml \\
     tests/rxe/guest_verbs.py > /tmp/xfer/py.log 2>&1
 echo $? > /tmp/xfer/py.rc
 """
@@ -49,15 +58,18 @@ def _read(p: Path) -> str:
     return p.read_text(errors="replace") if p.exists() else "(missing)"
 
 
-@pytest.fixture(scope="module")
-def guest_run(tmp_path_factory: pytest.TempPathFactory) -> GuestRun:
-    guest.require()
+WAIT_S = 540  # for the guest's result, from when the fixture starts waiting
+EARLY_NICE = 10
+_early: dict[str, Any] = {}  # what start_early began: "running" and "tmp", or "error"
+
+
+def _start(tmp: Path, nice: int) -> guest.Running:
+    """Build the C test (release and ASan) and the ASan provider here, then boot the guest."""
     import afabric_verbs
 
     lib = Path(afabric_verbs.library_path())
     if not lib.exists():
         pytest.fail(f"{lib} is not built (python build_native.py)")
-    tmp = tmp_path_factory.mktemp("rxe")
     exe, exe_asan = tmp / "test_verbs", tmp / "test_verbs_asan"
     for out, opt in ((exe, ["-O2"]), (exe_asan, bn.SANITIZE_FLAGS)):
         cmd = [*bn.compiler(), "-std=c11", "-D_GNU_SOURCE", "-g", *opt, "-Wall", "-Wextra", "-Werror",
@@ -70,15 +82,52 @@ def guest_run(tmp_path_factory: pytest.TempPathFactory) -> GuestRun:
         "test_verbs_asan": exe_asan.read_bytes(),
         "libafabric_verbs_asan.so": lib_asan.read_bytes(),
     }
-    keep = tmp / "xfer"
-    t0 = time.monotonic()
+    return guest.start(_SCRIPT.format(lib=lib), files=files, keep=tmp / "xfer", nice=nice)
+
+
+def start_early(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """From tests/conftest.py once collection is done: boot the guest in the background
+    if a selected test needs it (not for --collect-only, nor where the guest is missing:
+    the fixture then skips or fails as it always did)."""
+    if config.option.collectonly or not any("guest_run" in getattr(i, "fixturenames", ()) for i in items):
+        return
+    if not guest.available()[0]:
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="afabric-rxe-early-"))
+    config.add_cleanup(lambda: shutil.rmtree(tmp, ignore_errors=True))
     try:
-        res = guest.run(_SCRIPT.format(lib=lib), timeout=540, files=files, keep=keep)
+        running = _start(tmp, nice=EARLY_NICE)
+    except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - raised again by the fixture
+        _early["error"] = e
+        return
+    config.add_cleanup(running.kill)  # cleanups run last-in first-out: before the rmtree
+    _early.update(running=running, tmp=tmp)
+
+
+@pytest.fixture(scope="module")
+def guest_run(tmp_path_factory: pytest.TempPathFactory) -> GuestRun:
+    guest.require()
+    if "error" in _early:
+        raise _early.pop("error")
+    running: guest.Running | None = _early.pop("running", None)
+    t0 = time.monotonic()
+    if running is None:
+        tmp = tmp_path_factory.mktemp("rxe")
+        try:
+            running = _start(tmp, nice=0)
+        except guest.HarnessError as e:
+            pytest.fail(f"Soft-RoCE guest failed: {e}")
+    else:
+        tmp = _early.pop("tmp")
+        running.unnice()
+    try:
+        res = running.wait(WAIT_S)
     except guest.HarnessError as e:
         pytest.fail(f"Soft-RoCE guest failed: {e}")
-    print(f"guest: booted in {res.boot_s:.1f} s (guest clock), {time.monotonic() - t0:.1f} s in all")
+    print(f"guest: booted in {res.boot_s:.1f} s (guest clock), {res.total_s:.1f} s in all, "
+          f"{time.monotonic() - t0:.1f} s waited for here")  # fmt: skip
     assert res.rc == 0, f"guest script exited {res.rc}:\n{res.output[-4000:]}"
-    return GuestRun(res, keep)
+    return GuestRun(res, tmp / "xfer")
 
 
 @pytest.mark.timeout(600)
