@@ -160,8 +160,8 @@ ROUNDS = 4
 
 async def big_streamer(ctl: Ctl, provider: str) -> list[int]:
     """Per round: a fresh engine streams 8 MiB writes (two in flight; cma: with 16 writes of
-    64 KiB, and every other round those alone) to the descriptor it is given, errors and all, until told "next"; returns how
-    many succeeded per round."""
+    64 KiB, and every other round those alone) to the descriptor it is given, errors and
+    all, until told "next"; returns how many succeeded per round."""
     ok_per_round: list[int] = []
     while (msg := await ctl.get(timeout=100)) != "stop":
         desc = afabric.MrDesc.from_bytes(msg)

@@ -16,7 +16,7 @@
  *    checks the entry's generation until its copy returned; deregister revokes the entry and
  *    then waits for every busy slot (lock, unlock). A writer that dies holding a slot
  *    releases it with it (EOWNERDEAD): the wait is bounded by the writer's copy or its life.
- *  - Operations of 4 KiB up to the split threshold (AFABRIC_CMA_ASYNC_AT, cma_pool.h) run
+ *  - Operations of 16 KiB up to the split threshold (AFABRIC_CMA_ASYNC_AT, cma_pool.h) run
  *    whole and in parallel on the domain's copy threads: post queues them and returns at
  *    once; the copy thread takes the writer slot, checks the entry, copies and releases the
  *    slot; the worker reports the operation (its error, or its immediate and then its

@@ -12,9 +12,12 @@
 /* 16-core GPU machine: 256 / 512 KiB writes 4.1 / 4.7 GB/s whole, 7.1 / 12.1 split */
 #define CMA_DEFAULT_SPLIT_AT (256ull << 10)
 #define CMA_ALIGN 4096ull /* parts start on page boundaries of the operation */
-/* whole operations of 4 KiB and more go to the copy threads (smaller ones are copied inline:
- * handing them over costs more than the copy) */
-#define CMA_DEFAULT_ASYNC_AT (4ull << 10)
+/* whole operations of 16 KiB and more go to the copy threads, smaller ones are copied inline:
+ * on the 16-core GPU machine (docs/bench/issue15/cma-pipe) 4 KiB writes, window 64, raw C loop
+ * moved 1.18-1.46 GB/s handed over against 2.26 inline (the hand-over costs ~1 us an
+ * operation), 64 KiB 24-29 GB/s handed over against 3.2 inline (earlier run); 16 KiB is
+ * between those two measured points, not measured itself */
+#define CMA_DEFAULT_ASYNC_AT (16ull << 10)
 
 static uint64_t now_ns(void)
 {
@@ -32,7 +35,7 @@ static inline void cpu_relax(void)
 #endif
 }
 
-/* A byte count from the environment ("262144", "256K", "1M"); dflt when unset or bad. */
+/* A byte count from the environment ("262144", "256K", "1M", "1G"); dflt when unset or bad. */
 static uint64_t env_bytes(const char *name, uint64_t dflt)
 {
     const char *s = getenv(name);
@@ -48,6 +51,8 @@ static uint64_t env_bytes(const char *name, uint64_t dflt)
         shift = 10;
     else if (*end == 'M' || *end == 'm')
         shift = 20;
+    else if (*end == 'G' || *end == 'g')
+        shift = 30;
     if (shift)
         end++;
     if (*end != '\0' || v > (UINT64_MAX >> shift))

@@ -19,7 +19,7 @@
  * the join waits for nothing but the threads' exit.
  *
  * Whole operations in parallel (pipelining, issue 15): an operation of at least `async_at`
- * bytes (AFABRIC_CMA_ASYNC_AT, default 4 KiB) that stays whole is a job: the worker queues it
+ * bytes (AFABRIC_CMA_ASYNC_AT, default 16 KiB) that stays whole is a job: the worker queues it
  * (cma_pool_submit) and returns from post at once. A copy thread takes it, runs it through
  * the provider's `run` (which takes the target's writer slot, checks the entry's generation,
  * copies, releases the slot: all on that thread), pushes it on the done stack and calls
