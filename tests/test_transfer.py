@@ -210,9 +210,11 @@ async def sink(ctl: Ctl, provider: str, nbytes: int) -> None:
 
 @pytest.mark.parametrize("provider", WITH_CMA)
 async def test_killed_target_fails_futures_and_engine_lives_on(
-    provider: str, peers: list[Peer], shm_cleanup: None
+    provider: str, peers: list[Peer], shm_cleanup: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    chunk = 256 * 1024
+    if provider == "cma":  # 64 KiB writes run whole on copy threads (issue 15), 8 queued
+        monkeypatch.setenv("AFABRIC_CMA_THREADS", "3")
+    chunk = 64 * 1024 if provider == "cma" else 256 * 1024
     victim = Peer(sink, provider, 16 * chunk)
     other = Peer(target_region, provider, 4 * MiB, True, 4, 3)
     peers += [victim, other]
@@ -335,9 +337,10 @@ async def test_cma_copy_refused_by_the_kernel_fails_the_write(peers: list[Peer])
 
 async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
     """A region of `nbytes` + 1 MiB in a mapping of its own: check the one large write as soon
-    as its immediate arrives (the copy threads' parts, held back, land last), then a paged
-    write, stay for the read back, then unmap the last MiB for the failing write and check
-    that its immediate never comes."""
+    as its immediate arrives (the copy threads' parts, held back, land last), then two paged
+    writes (one split, one queued whole), then PIPE_N pipelined 64 KiB writes (each block
+    checked as its immediate arrives), stay for the read back, then unmap the last MiB for
+    the failing writes and check that no immediate of theirs comes."""
     total = nbytes + MiB
     m = mmap.mmap(-1, total)
     buf = np.frombuffer(m, dtype=np.uint64)
@@ -350,14 +353,27 @@ async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
         bad = np.flatnonzero(buf[: nbytes // 8] != want)
         assert bad.size == 0, f"{bad.size} words differ at the immediate, first at word {bad[0]}"
         ctl.put("verified")
-        npages, page_len, stride = await ctl.get()  # a paged write, parts cutting pages
-        await eng.expect_imm(imm, npages, timeout=30)
-        src_idx, dst_idx = ctl_pages(npages, seed)
-        cols = np.arange(page_len)
-        got = buf.view(np.uint8)[dst_idx[:, None] * stride + cols]
         src = pattern(total // 8, seed).view(np.uint8)
-        assert np.array_equal(got, src[src_idx[:, None] * stride + cols]), "paged write differs"
-        ctl.put("paged")
+        for _ in range(2):  # paged writes: split (parts cutting pages), then queued whole
+            npages, page_len, stride = await ctl.get()
+            await eng.expect_imm(imm, npages, timeout=30)
+            src_idx, dst_idx = ctl_pages(npages, seed)
+            cols = np.arange(page_len)
+            got = buf.view(np.uint8)[dst_idx[:, None] * stride + cols]
+            assert np.array_equal(got, src[src_idx[:, None] * stride + cols]), "paged differs"
+            ctl.put("paged")
+        # pipelined 64 KiB writes, each copy held back by the hook, completing in any order:
+        # after the k-th arrival of the immediate, at least k blocks must be complete (an
+        # immediate sent before its copy returned arrives ahead of its bytes and fails this)
+        dst = buf.view(np.uint8)
+        for k in range(1, PIPE_N + 1):
+            await eng.expect_imm(imm, 1, timeout=30)
+            whole = sum(
+                np.array_equal(dst[o : o + PIPE_LEN], src[o + 8 : o + 8 + PIPE_LEN])
+                for o in (PIPE_AT + i * PIPE_LEN for i in range(PIPE_N))
+            )
+            assert whole >= k, f"immediate {k} arrived with only {whole} blocks landed"
+        ctl.put("piped")
         assert await ctl.get() == "unmap"
         libc = ctypes.CDLL(None, use_errno=True)
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -369,6 +385,9 @@ async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
         return 1
 
 
+PIPE_N, PIPE_LEN, PIPE_AT = 12, 64 * 1024, 2 * MiB  # pipelined writes: count, size, where
+
+
 async def test_cma_large_copies_split_over_copy_threads(
     peers: list[Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -376,7 +395,12 @@ async def test_cma_large_copies_split_over_copy_threads(
     worker and two threads, each thread's part held back 50 ms by a testing hook): the
     immediate reaches the target only after every part landed, a read comes back byte-exact,
     so does a paged write whose parts cut pages, a part that meets an unmapped page fails
-    the write once with EFAULT and delivers no immediate, and idle copy threads sleep."""
+    the write once with EFAULT and delivers no immediate, and idle copy threads sleep.
+    Smaller operations (64 KiB) run whole on the copy threads, many at once (issue 15):
+    a queued paged write lands; 12 writes with immediates in flight, each held back 50 ms
+    inside its copy, land byte-exact before their immediates (checked at each arrival),
+    while the worker, free, completes an 8 B write ahead of them; 12 reads come back exact;
+    among 8 queued writes one meets the unmapped page: exactly that one fails, once."""
     monkeypatch.setenv("AFABRIC_CMA_THREADS", "3")
     monkeypatch.setenv("AFABRIC_CMA_TEST_PART_DELAY_US", "50000")
     nbytes, seed = 8 * MiB, 11
@@ -394,21 +418,47 @@ async def test_cma_large_copies_split_over_copy_threads(
         await eng.read(eng.register(back, remote=False), desc, nbytes)
         assert np.array_equal(back, pattern(nbytes // 8, seed))
         # 1100 pages of 1000 bytes 1024 apart: 1.1 MB, split into parts that begin and end
-        # inside pages
-        npages, page_len, stride = 1100, 1000, 1024
-        src_idx, dst_idx = ctl_pages(npages, seed)
-        p.put((npages, page_len, stride))
-        await eng.write_paged(
-            src,
-            desc,
-            page_len=page_len,
-            src_pages=afabric.Pages(src_idx, stride),
-            dst_pages=afabric.Pages(dst_idx, stride),
-            imm=imm,
+        # inside pages; then 64 pages 1100 apart (64 KB): one job for a copy thread
+        for npages, page_len, stride in ((1100, 1000, 1024), (64, 1000, 1100)):
+            src_idx, dst_idx = ctl_pages(npages, seed)
+            p.put((npages, page_len, stride))
+            await eng.write_paged(
+                src,
+                desc,
+                page_len=page_len,
+                src_pages=afabric.Pages(src_idx, stride),
+                dst_pages=afabric.Pages(dst_idx, stride),
+                imm=imm,
+            )
+            assert await p.get() == "paged"
+        offs = [PIPE_AT + i * PIPE_LEN for i in range(PIPE_N)]
+        piped = [
+            asyncio.ensure_future(eng.write(src, desc, PIPE_LEN, o + 8, o, imm=imm))
+            for o in offs
+        ]
+        await eng.write(src, desc, 8, dst_offset=4 * MiB)  # inline: the worker is not blocked
+        assert sum(f.done() for f in piped) < PIPE_N
+        done = await asyncio.gather(*piped, return_exceptions=True)
+        assert await p.get() == "piped"  # the target checked each block at its immediate
+        assert done == [None] * PIPE_N, done
+        back = np.zeros(PIPE_N * PIPE_LEN // 8, dtype=np.uint64)
+        back_mr = eng.register(back, remote=False)
+        await asyncio.gather(
+            *(eng.read(back_mr, desc, PIPE_LEN, o, i * PIPE_LEN) for i, o in enumerate(offs))
         )
-        assert await p.get() == "paged"
+        whole_src = pattern((nbytes + MiB) // 8, seed).view(np.uint8)
+        assert np.array_equal(back.view(np.uint8), whole_src[PIPE_AT + 8 : PIPE_AT + 8 + back.nbytes])
         p.put("unmap")
         assert await p.get() == "unmapped"
+        res = await asyncio.gather(  # queued whole: the fifth meets the unmapped page
+            *(eng.write(src, desc, PIPE_LEN, 0, 3 * MiB + i * PIPE_LEN) for i in range(4)),
+            eng.write(src, desc, PIPE_LEN, 0, nbytes),
+            *(eng.write(src, desc, PIPE_LEN, 0, 4 * MiB + i * PIPE_LEN) for i in range(3)),
+            return_exceptions=True,
+        )
+        kinds = [type(r).__name__ for r in res]
+        assert kinds == ["NoneType"] * 4 + ["TransportError"] + ["NoneType"] * 3, res
+        assert "EFAULT" in str(res[4])
         with pytest.raises(errors.TransportError, match="EFAULT"):  # the last part's range
             await eng.write(src, desc, nbytes + MiB, imm=imm)
         await eng.write(src, desc, 4096)  # the engine goes on

@@ -16,12 +16,18 @@
  *    checks the entry's generation until its copy returned; deregister revokes the entry and
  *    then waits for every busy slot (lock, unlock). A writer that dies holding a slot
  *    releases it with it (EOWNERDEAD): the wait is bounded by the writer's copy or its life.
- *  - Copies run in post (synchronously, on the shim's worker thread); completions are
- *    reported by the next poll. Paged writes are iovec batches of IOV_MAX pages. Large
- *    copies (256 KiB and more by default) are split over the domain's copy threads
- *    (cma_pool.h); post still returns only after every part returned, so the slot below is
- *    held, and the immediate waits, until all of them are done, and a failing part fails
- *    the operation once (the first failing part's error).
+ *  - Operations of 16 KiB up to the split threshold (AFABRIC_CMA_ASYNC_AT, cma_pool.h) run
+ *    whole and in parallel on the domain's copy threads: post queues them and returns at
+ *    once; the copy thread takes the writer slot, checks the entry, copies and releases the
+ *    slot; the worker reports the operation (its error, or its immediate and then its
+ *    completion) when it reaps it in poll, so the immediate still goes after the whole copy
+ *    returned. Smaller copies run in post on the worker; completions are reported by the
+ *    next poll. Paged writes are iovec batches of IOV_MAX pages. Large copies (256 KiB and
+ *    more by default) are split over the copy threads; post returns only after every part
+ *    returned, so the slot below is held, and the immediate waits, until all of them are
+ *    done, and a failing part fails the operation once (the first failing part's error).
+ *    Forget, deregister and close first wait for every queued operation (bounded by the
+ *    copies: a dead target fails them at once with ESRCH).
  *  - SEND appends the message to the target's mailbox; posted receives take them in order.
  *  - Peer death: the owner of a segment holds an exclusive flock on it for its whole life;
  *    a dead peer's operations fail at once (EPEER), live peers are unaffected.
@@ -74,10 +80,22 @@ struct afp_domain {
     afn_core c;
     uint64_t token;
     pid_t pid;
-    cma_pool pool; /* copy threads for large copies (cma_pool.h) */
+    cma_pool pool; /* copy threads: large copies, whole operations in parallel */
+    bool pool_ok;  /* cma_pool_init succeeded */
+    struct sockaddr_un self_wake; /* our own wakeup name: copy threads wake a sleeping worker */
+    socklen_t self_wake_len;
 };
 
 #define DERR(d, code, ...) AFN_ERR(&(d)->c, code, __VA_ARGS__)
+
+static inline void cpu_relax_cma(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 static cma_slot *slots(mb_header *h) { return (cma_slot *)(void *)mb_extra(h); }
 
@@ -181,11 +199,12 @@ static void lock_slot(cma_slot *s)
         pthread_mutex_consistent(&s->lock);
 }
 
-/* Take one of the target's slots (any free one; else wait for ours) and mark it busy. */
-static cma_slot *enter(afp_domain *d, mb_header *h)
+/* Take one of the target's slots (any free one; else wait for ours) and mark it busy. Any
+ * thread (the copy threads take slots for the operations they run). */
+static cma_slot *enter(uint64_t token, mb_header *h)
 {
     cma_slot *t = slots(h);
-    uint32_t first = (uint32_t)(d->token % CMA_SLOTS);
+    uint32_t first = (uint32_t)(token % CMA_SLOTS);
     cma_slot *s = NULL;
     for (uint32_t i = 0; i < CMA_SLOTS && !s; i++) {
         cma_slot *c = &t[(first + i) % CMA_SLOTS];
@@ -214,7 +233,7 @@ static void leave(cma_slot *s)
 static int enter_live(afp_domain *d, afn_peer *p, const afn_import *im, uint64_t key,
                       cma_slot **out)
 {
-    cma_slot *s = enter(d, p->seg.hdr);
+    cma_slot *s = enter(d->token, p->seg.hdr);
     if (atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr, memory_order_seq_cst) !=
         key >> 32) {
         leave(s);
@@ -277,7 +296,70 @@ static int copy_failed(afp_domain *d, afn_peer *p, const char *what, int e)
     return DERR(d, AFP_EIO, "%s: %s [cma]", what, strerror(e));
 }
 
-/* One contiguous write or read, checked and copied under a writer slot. */
+#define CMA_QUEUED 1 /* handed to a copy thread: reported when reaped */
+
+/* The copy threads' part of a queued operation: slot, generation check, copy, slot. */
+static int run_job(cma_job *j, struct iovec *liov, struct iovec *riov)
+{
+    cma_slot *s = enter(j->token, j->target);
+    int e = CMA_JOB_REVOKED;
+    if (atomic_load_explicit(j->gen, memory_order_seq_cst) == j->want_gen) {
+        cma_test_delay(j->delay_us); /* the testing hook holds the slot: deregister waits */
+        e = cma_copy_part(&j->part, liov, riov);
+    }
+    leave(s);
+    return e;
+}
+
+/* A copy thread finished a job: wake the worker if it sleeps (it said so before sleeping,
+ * then looked for finished jobs: cma_trywait). */
+static void notify_worker(void *arg)
+{
+    afp_domain *d = arg;
+    if (!atomic_load_explicit(&d->c.seg.hdr->sleeping, memory_order_seq_cst) ||
+        d->c.send_fd < 0)
+        return;
+    char one = 1;
+    (void)sendto(d->c.send_fd, &one, 1, MSG_DONTWAIT, (struct sockaddr *)&d->self_wake,
+                 d->self_wake_len);
+}
+
+/* Reports the operations the copy threads finished: each once, its error or its immediate
+ * (the whole copy returned) and completion. */
+static void reap_jobs(afp_domain *d)
+{
+    cma_job *j = cma_pool_reap(&d->pool);
+    while (j) {
+        cma_job *next = j->next;
+        d->pool.inflight--;
+        int rc = 0;
+        if (j->err == CMA_JOB_REVOKED)
+            rc = DERR(d, AFP_EKEY, "remote key was deregistered at the target [cma]");
+        else if (j->err)
+            rc = copy_failed(d, afn_peer_of(&d->c, j->peer),
+                             !j->part.write ? "process_vm_readv" : "process_vm_writev", j->err);
+        afn_op op = {j->ctx, j->peer, j->arrivals, j->imm, rc, rc ? strdup(d->c.errbuf) : NULL};
+        afn_finish_op(&d->c, &op);
+        free(j);
+        j = next;
+    }
+}
+
+/* Waits until no queued operation is left (reporting them): bounded by their copies. */
+static void quiesce(afp_domain *d)
+{
+    uint32_t turns = 0;
+    for (reap_jobs(d); d->pool.inflight; reap_jobs(d)) {
+        if (++turns < 1000)
+            cpu_relax_cma();
+        else {
+            struct timespec ts = {0, 20000};
+            (void)nanosleep(&ts, NULL);
+        }
+    }
+}
+
+/* One contiguous write or read, checked and copied under a writer slot (or queued). */
 static int one_copy(afp_domain *d, const afp_write *w, bool write)
 {
     uint32_t need = write ? AFP_MR_REMOTE : AFP_MR_REMOTE_READ;
@@ -287,11 +369,24 @@ static int one_copy(afp_domain *d, const afp_write *w, bool write)
     if (rc || w->length == 0)
         return rc;
     afn_peer *p = afn_peer_of(&d->c, w->peer);
+    cma_part op = {.pid = p->seg.hdr->pid, .write = write, .local = w->local_addr,
+                   .remote = w->remote_addr, .len = w->length};
+    if (cma_pool_async(&d->pool, w->length)) {
+        cma_job *j = calloc(1, sizeof *j);
+        if (j) {
+            *j = (cma_job){.part = op, .target = p->seg.hdr,
+                           .gen = (const _Atomic uint64_t *)(uintptr_t)im->gen_addr,
+                           .want_gen = w->remote_key >> 32, .token = d->token, .ctx = w->ctx,
+                           .peer = w->peer, .arrivals = write && w->has_imm ? 1u : 0u,
+                           .imm = w->imm};
+            if (cma_pool_submit(&d->pool, j) == 0)
+                return CMA_QUEUED;
+            free(j); /* no copy thread: copy it here */
+        }
+    }
     cma_slot *s = NULL;
     if ((rc = enter_live(d, p, im, w->remote_key, &s)))
         return rc;
-    cma_part op = {.pid = p->seg.hdr->pid, .write = write, .local = w->local_addr,
-                   .remote = w->remote_addr};
     int e = cma_pool_copy(&d->pool, &op, w->length); /* every part returned */
     leave(s);
     return e ? copy_failed(d, p, write ? "process_vm_writev" : "process_vm_readv", e) : 0;
@@ -304,10 +399,12 @@ static int post_copies(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t 
     for (uint32_t i = 0; i < n; i++) {
         const afp_write *w = &wr[i];
         int rc = one_copy(d, w, write);
+        (*posted)++;
+        if (rc == CMA_QUEUED)
+            continue;
         afn_op op = {w->ctx, w->peer, write && w->has_imm ? 1u : 0u, w->imm, rc,
                      rc ? strdup(d->c.errbuf) : NULL};
         afn_finish_op(&d->c, &op);
-        (*posted)++;
     }
     return 0;
 }
@@ -344,12 +441,26 @@ static int paged_copy(afp_domain *d, const afp_paged *p)
     if (rc || p->page_len == 0)
         return rc;
     afn_peer *peer = afn_peer_of(&d->c, p->peer);
+    cma_part op = {.pid = peer->seg.hdr->pid, .write = true, .pg = p,
+                   .local = (uint8_t *)p->local_base + p->src_offset,
+                   .remote = p->remote_base + p->dst_offset, .len = total};
+    if (cma_pool_async(&d->pool, total)) {
+        cma_job *j = calloc(1, sizeof *j);
+        if (j) {
+            *j = (cma_job){.part = op, .pg = *p, .target = peer->seg.hdr,
+                           .gen = (const _Atomic uint64_t *)(uintptr_t)im->gen_addr,
+                           .want_gen = p->remote_key >> 32, .token = d->token, .ctx = p->ctx,
+                           .peer = p->peer, .arrivals = p->has_imm ? p->count : 0,
+                           .imm = p->imm};
+            j->part.pg = &j->pg; /* the index arrays stay valid until completion */
+            if (cma_pool_submit(&d->pool, j) == 0)
+                return CMA_QUEUED;
+            free(j);
+        }
+    }
     cma_slot *s = NULL;
     if ((rc = enter_live(d, peer, im, p->remote_key, &s)))
         return rc;
-    cma_part op = {.pid = peer->seg.hdr->pid, .write = true, .pg = p,
-                   .local = (uint8_t *)p->local_base + p->src_offset,
-                   .remote = p->remote_base + p->dst_offset};
     int e = cma_pool_copy(&d->pool, &op, total); /* every part returned */
     leave(s);
     return e ? copy_failed(d, peer, "process_vm_writev", e) : 0;
@@ -358,8 +469,8 @@ static int paged_copy(afp_domain *d, const afp_paged *p)
 static int cma_post_paged(afp_domain *d, const afp_paged *p)
 {
     int rc = paged_copy(d, p);
-    if (rc == AFP_EINVAL)
-        return rc;
+    if (rc == AFP_EINVAL || rc == CMA_QUEUED)
+        return rc == CMA_QUEUED ? 0 : rc;
     afn_op op = {p->ctx, p->peer, p->has_imm ? p->count : 0, p->imm, rc,
                  rc ? strdup(d->c.errbuf) : NULL};
     afn_finish_op(&d->c, &op);
@@ -381,11 +492,24 @@ static int cma_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uin
 
 static int cma_poll(afp_domain *d, afp_event *ev, uint32_t max, uint32_t *n)
 {
+    reap_jobs(d);
     *n = afn_poll_events(&d->c, ev, max);
     return 0;
 }
 
-static int cma_trywait(afp_domain *d) { return afn_trywait(&d->c, false); }
+static int cma_trywait(afp_domain *d)
+{
+    if (cma_pool_done_pending(&d->pool))
+        return AFP_EAGAIN;
+    int rc = afn_trywait(&d->c, false);
+    /* sleeping is set (seq_cst): a copy thread that finishes from now on wakes us, and one
+     * that finished before is seen here */
+    if (rc == 0 && cma_pool_done_pending(&d->pool)) {
+        atomic_store(&d->c.seg.hdr->sleeping, 0);
+        return AFP_EAGAIN;
+    }
+    return rc;
+}
 
 /* ------------------------------------------------------------------------------------ */
 /* Memory                                                                                */
@@ -430,6 +554,7 @@ static int cma_dereg_mr(afp_domain *d, struct afp_mr *m)
 {
     if (!m)
         return 0;
+    quiesce(d); /* no queued copy still reads or writes a local region */
     if (m->exported) {
         afn_export_revoke(&d->c, m->export_idx);
         drain_writers(d); /* a writer that checked the entry before has finished its copy */
@@ -445,7 +570,10 @@ static void cma_close(afp_domain *d)
 {
     if (!d)
         return;
-    cma_pool_fini(&d->pool); /* idle: a split copy returns only after all its parts */
+    if (d->pool_ok) {
+        quiesce(d); /* no copy in flight when the domain goes */
+        cma_pool_fini(&d->pool); /* idle: a split copy returns only after all its parts */
+    }
     afn_close(&d->c);
     free(d);
 }
@@ -466,7 +594,12 @@ static int cma_open(const afp_open_args *args, afp_domain **out, char *err, size
         return AFP_ENOMEM;
     }
     d->pid = getpid();
-    cma_pool_init(&d->pool);
+    if (cma_pool_init(&d->pool, run_job, notify_worker, d) != 0) {
+        free(d);
+        afp_errf(err, errlen, "cannot make the copy threads' mutex [cma]");
+        return AFP_EIO;
+    }
+    d->pool_ok = true;
     uint64_t seed = 0;
     FILE *f = fopen("/dev/urandom", "r");
     if (!f || fread(&seed, sizeof seed, 1, f) != 1)
@@ -474,6 +607,7 @@ static int cma_open(const afp_open_args *args, afp_domain **out, char *err, size
     if (f)
         fclose(f);
     d->token = seed ^ afn_now_ns() ^ ((uint64_t)d->pid << 32);
+    mb_wake_name(&CMA_KIND, d->token, &d->self_wake, &d->self_wake_len);
     if ((rc = afn_open(&d->c, &CMA_KIND, CMA_ADDR_MAGIC, d->token, err, errlen)) != 0 ||
         (rc = init_slots(d, err, errlen)) != 0) {
         cma_close(d);
@@ -519,7 +653,11 @@ static int cma_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
     return 0;
 }
 
-static int cma_forget(afp_domain *d, uint64_t peer) { return afn_forget(&d->c, peer); }
+static int cma_forget(afp_domain *d, uint64_t peer)
+{
+    quiesce(d); /* queued copies use the peer's mapping */
+    return afn_forget(&d->c, peer);
+}
 
 static const struct afp_ops cma_ops = {
     .size = sizeof(struct afp_ops),

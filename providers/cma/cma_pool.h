@@ -18,8 +18,18 @@
  * them; no part can be in flight then (a split copy returns only when all parts did), so
  * the join waits for nothing but the threads' exit.
  *
- * No global state: the pool lives in the domain. Threading: cma_pool_copy and
- * cma_pool_fini are called from the domain's worker thread only (the provider ABI rule).
+ * Whole operations in parallel (pipelining, issue 15): an operation of at least `async_at`
+ * bytes (AFABRIC_CMA_ASYNC_AT, default 16 KiB) that stays whole is a job: the worker queues it
+ * (cma_pool_submit) and returns from post at once. A copy thread takes it, runs it through
+ * the provider's `run` (which takes the target's writer slot, checks the entry's generation,
+ * copies, releases the slot: all on that thread), pushes it on the done stack and calls
+ * `notify` (the provider wakes its worker if it sleeps). The worker reaps done jobs
+ * (cma_pool_reap) in poll and reports each once; completions come out of order. A thread
+ * serves a split part handed to it before queued jobs. Smaller operations are copied inline
+ * by the worker (handing them over costs more than the copy).
+ *
+ * No global state: the pool lives in the domain. Threading: every cma_pool_* function but
+ * cma_pool_done_pending is called from the domain's worker thread only (the provider ABI rule).
  */
 #ifndef AFABRIC_CMA_POOL_H
 #define AFABRIC_CMA_POOL_H
@@ -51,13 +61,31 @@ typedef struct cma_part {
 typedef struct cma_copier {
     struct cma_pool *pool;
     pthread_t th;
-    pthread_mutex_t mu; /* with cv: sleeping for a part (thread) or its end (worker) */
+    pthread_mutex_t mu; /* with cv: the worker sleeping for the end of this thread's part */
     pthread_cond_t cv;
     _Atomic uint64_t posted, finished; /* parts handed over / done (finished <= posted) */
-    bool stop;                         /* under mu */
     cma_part part;                     /* written before posted moves, read after */
     struct iovec liov[CMA_IOV], riov[CMA_IOV];
 } cma_copier;
+
+/* A whole operation handed to a copy thread. */
+typedef struct cma_job {
+    struct cma_job *next; /* queue, then done stack */
+    cma_part part;        /* off 0, len the whole operation */
+    afp_paged pg;         /* paged: the shim's index arrays stay valid until completion */
+    void *target;         /* for run: the target's segment header (its writer slots) */
+    const _Atomic uint64_t *gen; /* for run: the export entry's generation in the target */
+    uint64_t want_gen, token;
+    uint64_t ctx, peer, arrivals; /* how the worker reports it */
+    uint32_t imm;
+    uint32_t delay_us; /* testing hook: run sleeps this long inside the slot, before copying */
+    int err; /* set by run: 0, an errno, or CMA_JOB_REVOKED */
+} cma_job;
+
+#define CMA_JOB_REVOKED (-1)
+
+typedef int (*cma_run_fn)(cma_job *j, struct iovec *liov, struct iovec *riov);
+typedef void (*cma_notify_fn)(void *arg);
 
 typedef struct cma_pool {
     uint32_t copiers;  /* parts per operation at most, the worker included (1: never split) */
@@ -66,18 +94,45 @@ typedef struct cma_pool {
     uint32_t delay_us; /* testing hook (AFABRIC_CMA_TEST_PART_DELAY_US): copiers sleep first */
     uint32_t nthreads; /* started */
     bool no_more;      /* thread creation failed once: use what runs */
+    uint64_t async_at; /* whole operations of this many bytes and more go to the threads */
     cma_copier *c;     /* copiers - 1, allocated with the first thread */
+    pthread_mutex_t mu; /* job queue; idle threads sleep on cv */
+    pthread_cond_t cv;
+    bool sync_ok;       /* mu and cv initialised */
+    bool stop;          /* under mu */
+    cma_job *qhead, *qtail; /* under mu */
+    _Atomic uint32_t qlen;
+    _Atomic(cma_job *) done; /* finished jobs (a stack: any order) */
+    uint32_t inflight;       /* jobs submitted and not reaped (worker only) */
+    cma_run_fn run;
+    cma_notify_fn notify;
+    void *notify_arg;
     struct iovec liov[CMA_IOV], riov[CMA_IOV]; /* the worker's own part */
 } cma_pool;
 
-/* Settings from the environment and the CPUs this process may use; starts no thread. */
-void cma_pool_init(cma_pool *p);
-/* Stops and joins the threads, frees the pool's memory (safe on a pool never used). */
+/* Settings from the environment and the CPUs this process may use; starts no thread.
+ * 0, or -1 when the pool's mutex or condition variable cannot be made. */
+int cma_pool_init(cma_pool *p, cma_run_fn run, cma_notify_fn notify, void *notify_arg);
+/* Stops and joins the threads, frees the pool's memory (safe on a pool never used). No job
+ * may be in flight (the provider reaps them all first). */
 void cma_pool_fini(cma_pool *p);
 /* Copies all `total` bytes of `op` (its off/len are ignored), split when large. Returns
  * only after every part returned: 0, or the errno of the first failing part (by offset). */
 int cma_pool_copy(cma_pool *p, const cma_part *op, uint64_t total);
 /* Parts an operation of `total` bytes would be split into (1: stays whole). */
 uint32_t cma_pool_parts(const cma_pool *p, uint64_t total);
+/* Copies one part (contiguous, or bytes [off, off + len) of a paged write): 0 or errno. */
+int cma_copy_part(const cma_part *pt, struct iovec *liov, struct iovec *riov);
+/* Sleeps `us` microseconds (the testing hook AFABRIC_CMA_TEST_PART_DELAY_US; 0: returns). */
+void cma_test_delay(uint32_t us);
+/* Would an operation of `total` bytes go to the threads as a whole job? */
+bool cma_pool_async(const cma_pool *p, uint64_t total);
+/* Queues a job (a thread is started if none runs): 0, or -1 (no thread: copy it inline). */
+int cma_pool_submit(cma_pool *p, cma_job *j);
+/* Takes every finished job (a list through next); the caller reports and frees them and
+ * lowers inflight by their number. */
+cma_job *cma_pool_reap(cma_pool *p);
+/* Any finished job waiting to be reaped? (any thread) */
+bool cma_pool_done_pending(cma_pool *p);
 
 #endif
