@@ -42,11 +42,13 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../common/node_core.h"
@@ -199,24 +201,31 @@ static void lock_slot(cma_slot *s)
         pthread_mutex_consistent(&s->lock);
 }
 
-/* Take one of the target's slots (any free one; else wait for ours) and mark it busy. Any
- * thread (the copy threads take slots for the operations they run). */
+/* Take one of the target's slots (any free one) and mark it busy. Any thread (the copy
+ * threads take slots for the operations they run). With all 64 taken it tries again (a
+ * yield, then 50 us naps) rather than block on one slot: that slot's holder may be this
+ * process's own worker waiting for a split copy's parts, which the waiting thread would
+ * run (a deadlock), while other writers' slots come free within a copy. */
 static cma_slot *enter(uint64_t token, mb_header *h)
 {
     cma_slot *t = slots(h);
     uint32_t first = (uint32_t)(token % CMA_SLOTS);
     cma_slot *s = NULL;
-    for (uint32_t i = 0; i < CMA_SLOTS && !s; i++) {
-        cma_slot *c = &t[(first + i) % CMA_SLOTS];
-        int rc = pthread_mutex_trylock(&c->lock);
-        if (rc == EOWNERDEAD)
-            pthread_mutex_consistent(&c->lock);
-        if (rc == 0 || rc == EOWNERDEAD)
-            s = c;
-    }
-    if (!s) {
-        s = &t[first];
-        lock_slot(s);
+    for (uint32_t round = 0; !s; round++) {
+        for (uint32_t i = 0; i < CMA_SLOTS && !s; i++) {
+            cma_slot *c = &t[(first + i) % CMA_SLOTS];
+            int rc = pthread_mutex_trylock(&c->lock);
+            if (rc == EOWNERDEAD)
+                pthread_mutex_consistent(&c->lock);
+            if (rc == 0 || rc == EOWNERDEAD)
+                s = c;
+        }
+        if (!s && round < 64) {
+            sched_yield();
+        } else if (!s) {
+            struct timespec nap = {0, 50000};
+            nanosleep(&nap, NULL);
+        }
     }
     atomic_store_explicit(&s->busy, 1, memory_order_seq_cst);
     return s;
