@@ -335,7 +335,7 @@ def test_send_recv_two_processes(dst: int) -> None:
 
 
 @TARGETS
-def test_killed_target_fails_futures_and_engine_lives_on(dst: int) -> None:
+def test_killed_target_fails_futures_and_engine_lives_on(dst: int, shm_cleanup: None) -> None:
     cp = _cp(dst)
     chunk = 256 * KiB
 
@@ -385,7 +385,7 @@ def test_killed_target_fails_futures_and_engine_lives_on(dst: int) -> None:
 
 
 @TARGETS
-def test_killed_peer_reported_down_within_a_second(dst: int) -> None:
+def test_killed_peer_reported_down_within_a_second(dst: int, shm_cleanup: None) -> None:
     """Peer-down (shim/peers.c: the peer's process watched through a pidfd, whatever the
     provider): the engine yields a "down" event without posting anything, and writes in
     flight to it all fail with PeerUnreachable within 1 s of the SIGKILL (op_timeout 20 s)."""
