@@ -208,6 +208,22 @@ static void tell_provider(afs_engine *eng, uint64_t peer_id, uint32_t pid)
 
 #define WORKER_CHECK_MS 1000
 
+/* Whether a watched peer's process is stopped (SIGSTOP, a tracer): a worker waiting on what
+ * that process holds (1.17 shm: its region's lock) comes back when it runs again, so it is
+ * not declared stuck meanwhile (Engine(peer_stop_timeout=) reports such a peer down). */
+static bool a_peer_is_stopped(afs_live *l)
+{
+    bool stopped = false;
+    pthread_mutex_lock(&l->lock);
+    for (size_t k = 0; k < l->n && !stopped; k++) {
+        char state = 'R';
+        uint64_t start;
+        stopped = proc_stat(l->w[k].pid, &state, &start) == 0 && (state == 'T' || state == 't');
+    }
+    pthread_mutex_unlock(&l->lock);
+    return stopped;
+}
+
 /* Marks the engine stuck when its worker has been awake in one turn of its loop for
  * AFS_STUCK_MS (see the top of this file), as this thread saw it: checks at most 2 s apart
  * all along, so that a process that was itself stopped (SIGSTOP, a debugger, a frozen VM)
@@ -224,7 +240,7 @@ static void check_worker(afs_engine *eng, afs_live *l, uint64_t now)
         l->seen_since = now;
         return;
     }
-    if (now - l->seen_since < (uint64_t)AFS_STUCK_MS * 1000000ull)
+    if (now - l->seen_since < (uint64_t)AFS_STUCK_MS * 1000000ull || a_peer_is_stopped(l))
         return;
     bool shm = strncmp(eng->provider_full, "shm", 3) == 0;
     snprintf(eng->stuck_text, sizeof(eng->stuck_text),
