@@ -19,5 +19,5 @@ echo "== cma"; timeout 120 $B --provider cma --sizes 4K,64K,1M,16M --fabtests "$
 echo "== shm"; timeout 100 $B --provider shm --sizes 4K,64K,1M,16M --fabtests "$F" 2>&1 | grep -v "^afabric: " | tee "$O/shm.txt"
 echo "== cma inline below the split (ASYNC_AT=1G: before)"; AFABRIC_CMA_ASYNC_AT=1G timeout 50 $B --provider cma --sizes 4K,64K 2>&1 | grep -E "^(write|read|paged|many|awaited) " | tee "$O/cma-inline.txt"
 echo "== cma 4K inline (ASYNC_AT=8K)"; AFABRIC_CMA_ASYNC_AT=8K timeout 40 $B --provider cma --sizes 4K 2>&1 | grep -E "^(write|read|paged|many|awaited) " | tee "$O/cma-8k.txt"
-echo "== idle"; timeout 20 python3 "$E/cma_pipe_idle.py" 2>&1 | tee "$O/idle.txt"
+echo "== idle"; timeout 20 python3 "$E/cma_idle.py" pipe 2>&1 | tee "$O/idle.txt"
 echo "done $(date -Is)"
