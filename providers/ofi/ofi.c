@@ -76,6 +76,7 @@ struct ofi_op {
     uint32_t stolen;         /* emulation: receive being cancelled for an immediate */
     uint32_t stolen_imm;     /* emulation: that immediate */
     uint32_t reserved;
+    uint64_t peer;           /* the AV index it went to (writes, reads, sends), else ~0 */
     struct ofi_op *next;     /* free list, or posted-receive list (emulation) */
     struct ofi_op *prev;     /* posted-receive list (emulation) */
 };
@@ -85,6 +86,7 @@ struct inproc;
 struct shm_peer {
     char *path;          /* "/dev/shm/NAME", NULL when the peer's address names no file */
     uint64_t checked_ns; /* when it was last seen there */
+    bool dead;           /* its process exited (peer_exited, taken in by take_dead) */
 };
 
 /* A peer that is a domain of this same process (see inproc_*). */
@@ -126,6 +128,13 @@ struct afp_domain {
     bool zero_len_dc; /* zero-length writes are sent delivery-complete too (ofi_open) */
     bool shm117;      /* libfabric 1.17's shm: a dead peer's region is fenced (ofi_shmfence.c) */
     char *self_path;  /* shm117: our own region's /dev/shm file */
+    /* shm117: dead peers' region files, from the watch thread (peer_exited) to the worker
+     * (take_dead), which marks them in shm_peers and releases their response slots. */
+    pthread_mutex_t dead_mu;
+    char **dead_paths; /* under dead_mu */
+    size_t n_dead_paths;
+    atomic_uint dead_news; /* bumped after each append */
+    unsigned dead_seen;    /* worker: the news taken in */
     bool rma_event;
     bool reads; /* opened with FI_READ | FI_REMOTE_READ (else post_reads and readable
                    regions are refused: a provider without RMA read still serves writes) */
@@ -227,6 +236,7 @@ static struct ofi_op *op_get(afp_domain *d, uint32_t kind, uint64_t user_ctx)
     op->user_ctx = user_ctx;
     op->kind = kind;
     op->stolen = 0;
+    op->peer = UINT64_MAX;
     op->next = op->prev = NULL;
     return op;
 }
@@ -480,6 +490,11 @@ static bool shm_file_gone(afp_domain *d, uint64_t peer, uint64_t now)
     if (peer >= d->n_shm_peers || !d->shm_peers[peer].path)
         return false;
     struct shm_peer *sp = &d->shm_peers[peer];
+    if (sp->dead) {
+        afp_errf(d->errbuf, sizeof d->errbuf, "peer process exited (%s) (%s)", sp->path,
+                 d->prov_name);
+        return true;
+    }
     if (now - sp->checked_ns < SHM_RECHECK_NS)
         return false;
     if (access(sp->path, F_OK) == 0) {
@@ -525,7 +540,45 @@ static int shm_peer_keep(afp_domain *d, uint64_t fa, char *path)
     free(d->shm_peers[fa].path);
     d->shm_peers[fa].path = path;
     d->shm_peers[fa].checked_ns = mono_ns();
+    d->shm_peers[fa].dead = false;
     return 0;
+}
+
+static bool went_to_dead(void *arg, void *context)
+{
+    afp_domain *d = arg;
+    struct ofi_op *op = op_from_ctx(d, context);
+    return op && op->peer < d->n_shm_peers && d->shm_peers[op->peer].dead;
+}
+
+/* Worker (posting and polling threads are the same): takes in the dead peers' files that
+ * peer_exited queued, marks those peers (no more posts to them) and fails the operations
+ * still pending to them, whose response slots would otherwise hold up every later
+ * completion of this endpoint (ofi_shmfence.c). */
+static void take_dead(afp_domain *d)
+{
+    unsigned news = atomic_load_explicit(&d->dead_news, memory_order_acquire);
+    if (news == d->dead_seen)
+        return;
+    d->dead_seen = news;
+    pthread_mutex_lock(&d->dead_mu);
+    char **paths = d->dead_paths;
+    size_t n = d->n_dead_paths;
+    d->dead_paths = NULL;
+    d->n_dead_paths = 0;
+    pthread_mutex_unlock(&d->dead_mu);
+    bool marked = false;
+    for (size_t i = 0; i < n; i++) {
+        for (size_t fa = 0; fa < d->n_shm_peers; fa++) {
+            struct shm_peer *sp = &d->shm_peers[fa];
+            if (sp->path && !sp->dead && strcmp(sp->path, paths[i]) == 0)
+                sp->dead = marked = true;
+        }
+        free(paths[i]);
+    }
+    free(paths);
+    if (marked && d->self_path)
+        (void)ofi_shm_release_dead(d->self_path, went_to_dead, d, -FI_ECONNRESET);
 }
 
 static void shm_peers_free(afp_domain *d)
@@ -533,6 +586,11 @@ static void shm_peers_free(afp_domain *d)
     for (size_t i = 0; i < d->n_shm_peers; i++)
         free(d->shm_peers[i].path);
     free(d->shm_peers);
+    for (size_t i = 0; i < d->n_dead_paths; i++)
+        free(d->dead_paths[i]);
+    free(d->dead_paths);
+    d->dead_paths = NULL;
+    d->n_dead_paths = 0;
     d->shm_peers = NULL;
     d->n_shm_peers = 0;
 }
@@ -735,6 +793,28 @@ static bool cuda_present(void)
     return true;
 }
 
+/* Whether to ask for FI_HMEM. Device memory is what the hardware providers (efa, verbs) are
+ * for (GPUDirect), so they ask wherever libcuda loads. The software ones (shm, tcp) do not
+ * unless AFABRIC_OFI_HMEM=1: Debian's and PyPI's libfabric have no CUDA support, so FI_HMEM
+ * gains nothing there, and it costs: 1.17's shm moved 64 KiB host-memory writes at 4.0-4.8
+ * GB/s with it against 10.5-14.6 without (16-core GPU host, docs/bench/issue15/shmrepro.c).
+ * AFABRIC_OFI_HMEM=0 keeps it off everywhere. */
+static bool want_hmem(const afp_open_args *a)
+{
+    const char *force = getenv("AFABRIC_OFI_HMEM");
+    if (force && strcmp(force, "0") == 0)
+        return false;
+    bool software = a->fabric_provider && *a->fabric_provider &&
+                    (prov_matches(a->fabric_provider, "shm") ||
+                    prov_matches(a->fabric_provider, "tcp") ||
+                    prov_matches(a->fabric_provider, "sockets") ||
+                    prov_matches(a->fabric_provider, "udp") ||
+                    prov_matches(a->fabric_provider, "net"));
+    if (software && !(force && strcmp(force, "1") == 0))
+        return false;
+    return cuda_present();
+}
+
 /* The same choice with FI_SOURCE as well, if the provider offers it: receive completions
  * then name their sender (the shim's allow-list). Optional: without it, sources are unknown. */
 static void with_source(afp_domain *d, const afp_open_args *a, const char *node, bool dc,
@@ -769,7 +849,7 @@ static int select_info(afp_domain *d, const afp_open_args *a)
                  {true, false, false}, {false, true, true},  {false, true, false},
                  {false, false, true}, {false, false, false}};
     const char *node = open_node(a);
-    bool try_hmem = cuda_present();
+    bool try_hmem = want_hmem(a);
     int ret = -FI_ENODATA;
     /* every rung with RMA read first, then (a provider without it) every rung without */
     const size_t nrungs = sizeof rungs / sizeof rungs[0];
@@ -855,6 +935,7 @@ static void close_objects(afp_domain *d)
         d->lib->freeinfo(d->info_list);
     shm_peers_free(d);
     free(d->self_path);
+    pthread_mutex_destroy(&d->dead_mu);
     free(d->imm_q);
     free(d->pool);
     free(d);
@@ -930,6 +1011,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     }
     d->lib = lib;
     d->wait_fd = -1;
+    pthread_mutex_init(&d->dead_mu, NULL);
     d->rx_posted.next = d->rx_posted.prev = &d->rx_posted;
 
     rc = select_info(d, a);
@@ -1185,8 +1267,12 @@ static int ofi_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
 
     if (flags & AFP_MR_DEVICE) {
         if (!d->hmem) {
-            afp_errf(d->errbuf, sizeof d->errbuf, "%s: no device-memory (FI_HMEM) support",
-                 d->prov_name);
+            afp_errf(d->errbuf, sizeof d->errbuf,
+                     "%s: no device-memory (FI_HMEM) support%s", d->prov_name,
+                     strcmp(d->prov_name, "shm") == 0 || strncmp(d->prov_name, "tcp", 3) == 0
+                         ? " (asked for only with AFABRIC_OFI_HMEM=1 and a CUDA-enabled "
+                           "libfabric)"
+                         : "");
             return AFP_EUNSUPPORTED;
         }
         struct iovec iov = {.iov_base = addr, .iov_len = len};
@@ -1268,6 +1354,8 @@ static int post_rma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *po
     uint32_t i;
     int rc = 0;
     uint64_t now = d->n_shm_peers ? mono_ns() : 0;
+    if (d->shm117)
+        take_dead(d);
 
     for (i = 0; i < n; i++) {
         const afp_write *w = &wr[i];
@@ -1291,6 +1379,7 @@ static int post_rma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *po
             rc = AFP_EAGAIN; /* every context in flight: the shim polls, then retries */
             break;
         }
+        op->peer = w->peer;
         iov.iov_base = w->local_addr;
         iov.iov_len = w->length;
         desc = w->local_desc;
@@ -1347,12 +1436,15 @@ static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
              (unsigned long long)len, d->prov_name, (unsigned long long)d->max_msg_size);
         return AFP_ETOOBIG;
     }
+    if (d->shm117)
+        take_dead(d);
     if ((d->n_inproc && inproc_gone(d, peer)) ||
         (d->n_shm_peers && shm_file_gone(d, peer, mono_ns())))
         return AFP_EPEER;
     struct ofi_op *op = op_get(d, AFP_EV_SEND_DONE, ctx);
     if (!op)
         return AFP_EAGAIN;
+    op->peer = peer;
     struct iovec iov = {.iov_base = (void *)(uintptr_t)buf, .iov_len = len};
     struct fi_msg msg = {
         .msg_iov = &iov,
@@ -1436,6 +1528,12 @@ static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event 
     ev->ctx = op->user_ctx;
     if (op->kind == AFP_EV_RECV)
         ev->len = e->len;
+    else if (d->shm117 && went_to_dead(d, op)) {
+        /* released by take_dead, perhaps as a success (ofi_shmfence.c): not delivered */
+        ev->kind = AFP_EV_ERROR;
+        ev->status = AFP_EPEER;
+        snprintf(ev->errtext, sizeof ev->errtext, "peer process exited (%s)", d->prov_name);
+    }
     bool was_stolen = op->stolen;
     emu_rx_done(d, op);
     op_put(d, op);
@@ -1509,6 +1607,8 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
     uint32_t got = 0;
     int rc = 0;
 
+    if (d->shm117)
+        take_dead(d); /* before reading: released slots complete in this very call */
     /* Each entry yields at most one event, so reading no more entries than there are
      * free event slots means nothing read is ever dropped. */
     bool busy = false;
@@ -1604,8 +1704,18 @@ static void ofi_peer_exited(afp_domain *d, const void *addr, size_t len, uint32_
     if (!d->shm117)
         return;
     char *path = shm_path(addr, len);
-    if (path)
+    if (path) {
         (void)ofi_shm_fence(path, pid); /* best effort: the shim's stuck-worker watch stays */
+        pthread_mutex_lock(&d->dead_mu); /* the worker fails what is pending to it */
+        char **t = realloc(d->dead_paths, (d->n_dead_paths + 1) * sizeof *t);
+        if (t) {
+            d->dead_paths = t;
+            d->dead_paths[d->n_dead_paths++] = path;
+            path = NULL;
+        }
+        pthread_mutex_unlock(&d->dead_mu);
+        atomic_fetch_add_explicit(&d->dead_news, 1, memory_order_release);
+    }
     free(path);
     if (d->self_path) /* it may have died writing to us, inside our region's lock */
         (void)ofi_shm_unwedge_self(d->self_path);

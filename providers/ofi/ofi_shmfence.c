@@ -18,6 +18,22 @@
  * Nothing is done unless the header is the layout measured for 1.17 (below: the dead
  * process's pid, the region's size) and the mapping covers exactly that region.
  *
+ * The copy is the file itself mapped copy-on-write (MAP_PRIVATE): the peer's pools stay as
+ * they were, so libfabric can still hand back the buffers of operations to it (below).
+ *
+ * The operations we sent the dead peer leave their response slots in OUR region's response
+ * queue pending: 1.17 reads that queue in order and stops at the first pending slot, so
+ * every later completion, to any peer, waits behind it. ofi_shm_release_dead (called on our
+ * worker, the thread that also runs libfabric's progress, so nothing else touches the queue
+ * meanwhile) writes an error status into each pending slot whose operation the caller says
+ * went to a dead peer, as the target would have, and libfabric completes it with that error.
+ * Slots are identified by their own back-reference (the command's src_data is the slot's
+ * offset), for the two protocols 1.17 uses for delivery-complete writes where cross-memory
+ * attach works: smr_src_iov (above 4 KiB; status FI_EBUSY until done) and smr_src_sar (up
+ * to 4 KiB through one bounce buffer in the target's region; status SAR_FULL until the target
+ * takes the data). A bounce-buffer slot can only be completed as taken, so the caller turns
+ * the completions of operations to dead peers into errors. Values measured on 1.17.
+ *
  * The other way round, a *writer* SIGKILLed inside its critical section leaves OUR region's
  * lock taken: every other writer to us spins, and our own progress cannot take it.
  * Nothing records which process holds a spin lock, so after any watched peer's death
@@ -39,6 +55,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "ofi_shmfence.h"
@@ -50,10 +67,24 @@
 #define SMR117_PID 4
 #define SMR117_BASE 16
 #define SMR117_LOCK 24
+#define SMR117_SIGNAL 28 /* set by whoever gives the owner work: its progress runs only then */
 #define SMR117_TOTAL 40
 #define SMR117_CMD_CNT 48
 #define SMR117_CMD_QUEUE 64 /* size_t cmd_queue_offset: an ofi_cirque {size, mask, rcnt, wcnt} */
-#define SMR117_HEADER 72
+#define SMR117_RESP_QUEUE 72 /* size_t resp_queue_offset: a cirque of struct smr_resp */
+#define SMR117_HEADER 80
+/* struct smr_resp {uint64 msg_id (our struct smr_tx_entry *); uint64 status}: FI_EBUSY while
+ * pending, else the (negative) result. struct smr_tx_entry {struct smr_cmd cmd (256 bytes:
+ * msg_id, id, uint32 op, uint16 op_src @20, ..., src_data @32); int64 peer_id; void *context
+ * @264}. Measured on 1.17 with docs/shm117/shm117_probe.c. */
+#define SMR117_STATUS_BUSY 16      /* FI_EBUSY: a cross-memory-attach operation in flight */
+#define SMR117_STATUS_SAR_FREE 1025 /* the target has taken the bounce buffer's data */
+#define SMR117_STATUS_SAR_FULL 1026 /* data waiting in the bounce buffer */
+#define SMR117_TX_OP_SRC 20
+#define SMR117_TX_SRC_DATA 32
+#define SMR117_TX_CONTEXT 264
+#define SMR117_SRC_IOV 2
+#define SMR117_SRC_SAR 4
 #define UNWEDGE_MS 200
 
 /* Every mapping of `path` in this process: start addresses and lengths (at most `max`). */
@@ -126,10 +157,9 @@ int ofi_shm_fence(const char *path, uint32_t pid)
         if (len[i] != total)
             continue; /* only whole-region mappings (1.17 maps the region once, whole) */
         void *at = (void *)start[i];
-        if (mmap(at, len[i], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
-                 -1, 0) != at)
+        if (mmap(at, len[i], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, 0) != at)
             continue;
-        memcpy(at, copy, (size_t)page);
+        memcpy(at, copy, (size_t)page); /* the header as read, lock freed, no room */
         fenced++;
     }
 out:
@@ -174,3 +204,65 @@ int ofi_shm_unwedge_self(const char *path)
     }
     return 0;
 }
+
+/* Reads `len` bytes at `addr` of this process without faulting on a bad address. */
+static bool peek(const void *addr, void *out, size_t len)
+{
+    struct iovec local = {.iov_base = out, .iov_len = len};
+    struct iovec remote = {.iov_base = (void *)(uintptr_t)addr, .iov_len = len};
+    return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == (ssize_t)len;
+}
+
+size_t ofi_shm_release_dead(const char *self_path, bool (*went_to_dead)(void *arg, void *context),
+                            void *arg, int64_t status)
+{
+    uintptr_t start[4];
+    size_t len[4];
+    size_t n = find_mappings(self_path, start, len, 4), released = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t *base = (uint8_t *)start[i];
+        int32_t owner;
+        uint64_t total, qoff;
+        memcpy(&owner, base + SMR117_PID, sizeof owner);
+        memcpy(&total, base + SMR117_TOTAL, sizeof total);
+        memcpy(&qoff, base + SMR117_RESP_QUEUE, sizeof qoff);
+        if (owner != (int32_t)getpid() || total != len[i] || qoff < SMR117_HEADER ||
+            qoff > total - 4 * sizeof(uint64_t) || qoff % sizeof(uint64_t))
+            continue; /* not our own 1.17 region, whole */
+        uint64_t *q = (uint64_t *)(void *)(base + qoff); /* size, mask, rcnt, wcnt, slots */
+        uint64_t size = q[0], mask = q[1], rcnt = q[2], wcnt = q[3];
+        if (!size || (size & (size - 1)) || mask != size - 1 || wcnt - rcnt > size ||
+            size > (total - qoff - 4 * sizeof(uint64_t)) / (2 * sizeof(uint64_t)))
+            continue; /* not a response queue as 1.17 lays it out */
+        for (uint64_t k = rcnt; k != wcnt; k++) {
+            uint64_t *slot = &q[4 + 2 * (k & mask)];
+            uint64_t st = __atomic_load_n(&slot[1], __ATOMIC_ACQUIRE);
+            if (st != SMR117_STATUS_BUSY && st != SMR117_STATUS_SAR_FULL)
+                continue;
+            const uint8_t *tx = (const uint8_t *)(uintptr_t)slot[0];
+            uint16_t op_src;
+            uint64_t src_data;
+            void *context;
+            if (!peek(tx + SMR117_TX_OP_SRC, &op_src, sizeof op_src) ||
+                !peek(tx + SMR117_TX_SRC_DATA, &src_data, sizeof src_data) ||
+                !peek(tx + SMR117_TX_CONTEXT, &context, sizeof context))
+                continue;
+            bool iov = op_src == SMR117_SRC_IOV && st == SMR117_STATUS_BUSY;
+            bool sar = op_src == SMR117_SRC_SAR && st == SMR117_STATUS_SAR_FULL;
+            if (!(iov || sar) || src_data != (uint64_t)((uint8_t *)slot - base))
+                continue; /* another protocol or state, or not the layout measured */
+            if (!went_to_dead(arg, context))
+                continue;
+            /* What the target writes when it is done (the status, last). A bounce-buffer
+             * operation completes as taken (1.17 has no error for it): the caller reports
+             * the completions of operations to dead peers as errors. */
+            __atomic_store_n(&slot[1], iov ? (uint64_t)status : SMR117_STATUS_SAR_FREE,
+                             __ATOMIC_RELEASE);
+            released++;
+        }
+        if (released) /* smr_signal: 1.17's progress skips the queues until it is set */
+            __atomic_store_n((int32_t *)(void *)(base + SMR117_SIGNAL), 1, __ATOMIC_RELEASE);
+    }
+    return released;
+}
+
