@@ -69,13 +69,22 @@
  * memory the context points at as their own scratch space, for as long as the operation
  * is in flight. `kind` is the AFP_EV_* kind of the operation's normal completion.
  */
+/* 1.17's shm sends delivery-complete writes up to this size through one bounce-buffer
+ * chunk, taken by the target within the command (ofi_shmfence.c) */
+#define OFI_SHM_ONE_CHUNK 4096u
+/* 1.17 shm: how often the worker looks at its oldest pending response, and how long it must
+ * have stayed pending before its target's queue is checked for a dropped write */
+#define OFI_DROP_CHECK_NS 1000000ull
+#define OFI_DROP_AFTER_NS 2000000ull
+#define OFI_REGION_RETRY_NS 100000000ull /* a peer region not mapped yet: look again after */
+
 struct ofi_op {
     struct fi_context2 fctx; /* must stay first: &op->fctx == op is what libfabric sees */
     uint64_t user_ctx;
     uint32_t kind;           /* AFP_EV_WRITE_DONE, AFP_EV_SEND_DONE or AFP_EV_RECV */
     uint32_t stolen;         /* emulation: receive being cancelled for an immediate */
     uint32_t stolen_imm;     /* emulation: that immediate */
-    uint32_t reserved;
+    uint32_t dropped;        /* 1.17 shm: released as dropped by its target (check_dropped) */
     uint64_t peer;           /* the AV index it went to (writes, reads, sends), else ~0 */
     struct ofi_op *next;     /* free list, or posted-receive list (emulation) */
     struct ofi_op *prev;     /* posted-receive list (emulation) */
@@ -87,6 +96,9 @@ struct shm_peer {
     char *path;          /* "/dev/shm/NAME", NULL when the peer's address names no file */
     uint64_t checked_ns; /* when it was last seen there */
     bool dead;           /* its process exited (peer_exited, taken in by take_dead) */
+    uint8_t *base;       /* 1.17: our mapping of its region (peer_region), or NULL */
+    size_t len;
+    uint64_t looked_ns;  /* when peer_region last looked for it */
 };
 
 /* A peer that is a domain of this same process (see inproc_*). */
@@ -135,6 +147,9 @@ struct afp_domain {
     size_t n_dead_paths;
     atomic_uint dead_news; /* bumped after each append */
     unsigned dead_seen;    /* worker: the news taken in */
+    uint8_t *self_base;    /* worker: our own region, mapped (self_region) */
+    size_t self_len;
+    uint64_t head_rcnt, head_since, drop_check_ns; /* check_dropped's view of our queue */
     bool rma_event;
     bool reads; /* opened with FI_READ | FI_REMOTE_READ (else post_reads and readable
                    regions are refused: a provider without RMA read still serves writes) */
@@ -236,6 +251,7 @@ static struct ofi_op *op_get(afp_domain *d, uint32_t kind, uint64_t user_ctx)
     op->user_ctx = user_ctx;
     op->kind = kind;
     op->stolen = 0;
+    op->dropped = 0;
     op->peer = UINT64_MAX;
     op->next = op->prev = NULL;
     return op;
@@ -243,6 +259,7 @@ static struct ofi_op *op_get(afp_domain *d, uint32_t kind, uint64_t user_ctx)
 
 static void op_put(afp_domain *d, struct ofi_op *op)
 {
+    op->peer = UINT64_MAX; /* no longer in flight to anyone */
     op->next = d->free_ops;
     d->free_ops = op;
 }
@@ -544,11 +561,89 @@ static int shm_peer_keep(afp_domain *d, uint64_t fa, char *path)
     return 0;
 }
 
-static bool went_to_dead(void *arg, void *context)
+static bool op_went_to_dead(afp_domain *d, const struct ofi_op *op)
+{
+    return op->peer < d->n_shm_peers && d->shm_peers[op->peer].dead;
+}
+
+static bool went_to_dead(void *arg, void *context, bool sar, uint64_t size)
+{
+    (void)sar;
+    (void)size;
+    afp_domain *d = arg;
+    struct ofi_op *op = op_from_ctx(d, context);
+    return op && op_went_to_dead(d, op);
+}
+
+/* Our own region, found once (shm117). */
+static bool self_region(afp_domain *d)
+{
+    if (!d->self_base && d->self_path)
+        (void)ofi_shm_region(d->self_path, &d->self_base, &d->self_len);
+    return d->self_base != NULL;
+}
+
+/* Our mapping of peer `fa`'s region: 1.17 maps it at the first operation to the peer and
+ * keeps it; until then, looked for again at most every OFI_REGION_RETRY_NS. */
+static const uint8_t *peer_region(afp_domain *d, uint64_t fa, uint64_t now, size_t *len)
+{
+    if (fa >= d->n_shm_peers || !d->shm_peers[fa].path)
+        return NULL;
+    struct shm_peer *sp = &d->shm_peers[fa];
+    if (!sp->base && (!sp->looked_ns || now - sp->looked_ns > OFI_REGION_RETRY_NS)) {
+        sp->looked_ns = now;
+        (void)ofi_shm_region(sp->path, &sp->base, &sp->len);
+    }
+    *len = sp->len;
+    return sp->base;
+}
+
+/* A pending write (or read) whose target has taken every command queued to it: dropped,
+ * never to be answered (ofi_shmfence.c says why that is the test). Not a send: 1.17's target
+ * takes a message nobody has posted a receive for off its queue, and answers it later. */
+static bool was_dropped(void *arg, void *context, bool sar, uint64_t size)
 {
     afp_domain *d = arg;
     struct ofi_op *op = op_from_ctx(d, context);
-    return op && op->peer < d->n_shm_peers && d->shm_peers[op->peer].dead;
+    if (!op || op->kind != AFP_EV_WRITE_DONE || op->peer == UINT64_MAX ||
+        (sar && size > OFI_SHM_ONE_CHUNK))
+        return false;
+    size_t len = 0;
+    const uint8_t *base = peer_region(d, op->peer, mono_ns(), &len);
+    return base && ofi_shm_drained(base, len);
+}
+
+static void mark_dropped(void *arg, void *context)
+{
+    struct ofi_op *op = op_from_ctx(arg, context);
+    if (op)
+        op->dropped = 1;
+}
+
+/* Worker, each poll (1.17 shm): when the oldest response has stayed pending a while, looks
+ * whether its target dropped it (refused the write) and then completes it with an error,
+ * instead of leaving every later completion of the endpoint behind it for good. One at a
+ * time, the oldest: it is the one holding the others up, and a long transfer costs a look
+ * per OFI_DROP_CHECK_NS at one slot. */
+static void check_dropped(afp_domain *d, uint64_t now)
+{
+    if (now - d->drop_check_ns < OFI_DROP_CHECK_NS || !self_region(d))
+        return;
+    d->drop_check_ns = now;
+    uint64_t rcnt;
+    if (!ofi_shm_head_pending(d->self_base, d->self_len, &rcnt)) {
+        d->head_since = 0;
+        return;
+    }
+    if (!d->head_since || rcnt != d->head_rcnt) {
+        d->head_rcnt = rcnt; /* a new oldest: give it its time */
+        d->head_since = now;
+        return;
+    }
+    if (now - d->head_since >= OFI_DROP_AFTER_NS &&
+        ofi_shm_release(d->self_base, d->self_len, true, was_dropped, mark_dropped, d,
+                        -FI_EKEYREJECTED))
+        d->head_since = 0;
 }
 
 /* Worker (posting and polling threads are the same): takes in the dead peers' files that
@@ -577,8 +672,9 @@ static void take_dead(afp_domain *d)
         free(paths[i]);
     }
     free(paths);
-    if (marked && d->self_path)
-        (void)ofi_shm_release_dead(d->self_path, went_to_dead, d, -FI_ECONNRESET);
+    if (marked && self_region(d))
+        (void)ofi_shm_release(d->self_base, d->self_len, false, went_to_dead, NULL, d,
+                              -FI_ECONNRESET);
 }
 
 static void shm_peers_free(afp_domain *d)
@@ -1208,6 +1304,8 @@ static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
     char *path = NULL;
     if (!e && (rc = shm_peer_add(d, padded, len + 1, &path)))
         return rc;
+    if (e && d->shm117) /* its region, for check_dropped (its lifetime is inproc's business) */
+        path = shm_path(padded, len + 1);
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
     int ret = fi_av_insert(d->av, padded, 1, &fa, 0, NULL);
     if (ret != 1) {
@@ -1528,11 +1626,17 @@ static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event 
     ev->ctx = op->user_ctx;
     if (op->kind == AFP_EV_RECV)
         ev->len = e->len;
-    else if (d->shm117 && went_to_dead(d, op)) {
-        /* released by take_dead, perhaps as a success (ofi_shmfence.c): not delivered */
+    else if (d->shm117 && (op->dropped || op_went_to_dead(d, op))) {
+        /* released by take_dead or check_dropped, perhaps as a success (ofi_shmfence.c):
+         * not delivered */
+        ev->op = op->kind;
         ev->kind = AFP_EV_ERROR;
-        ev->status = AFP_EPEER;
-        snprintf(ev->errtext, sizeof ev->errtext, "peer process exited (%s)", d->prov_name);
+        ev->status = op->dropped ? AFP_EKEY : AFP_EPEER;
+        snprintf(ev->errtext, sizeof ev->errtext, "%s (%s)",
+                 op->dropped ? "the target dropped the write without an answer (libfabric "
+                               "1.17 shm does so with a key or range it refuses)"
+                             : "peer process exited",
+                 d->prov_name);
     }
     bool was_stolen = op->stolen;
     emu_rx_done(d, op);
@@ -1607,8 +1711,10 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
     uint32_t got = 0;
     int rc = 0;
 
-    if (d->shm117)
-        take_dead(d); /* before reading: released slots complete in this very call */
+    if (d->shm117) { /* before reading: released slots complete in this very call */
+        take_dead(d);
+        check_dropped(d, mono_ns());
+    }
     /* Each entry yields at most one event, so reading no more entries than there are
      * free event slots means nothing read is ever dropped. */
     bool busy = false;

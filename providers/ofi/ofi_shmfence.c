@@ -23,7 +23,7 @@
  *
  * The operations we sent the dead peer leave their response slots in OUR region's response
  * queue pending: 1.17 reads that queue in order and stops at the first pending slot, so
- * every later completion, to any peer, waits behind it. ofi_shm_release_dead (called on our
+ * every later completion, to any peer, waits behind it. ofi_shm_release (called on our
  * worker, the thread that also runs libfabric's progress, so nothing else touches the queue
  * meanwhile) writes an error status into each pending slot whose operation the caller says
  * went to a dead peer, as the target would have, and libfabric completes it with that error.
@@ -33,6 +33,15 @@
  * to 4 KiB through one bounce buffer in the target's region; status SAR_FULL until the target
  * takes the data). A bounce-buffer slot can only be completed as taken, so the caller turns
  * the completions of operations to dead peers into errors. Values measured on 1.17.
+ *
+ * A write its target refuses (a revoked key, a forged descriptor) is dropped by 1.17's target
+ * with no status at all: its slot stays pending for ever, with the same effect. A slot still
+ * pending while its target's command queue has drained is such a write: 1.17's target writes
+ * an operation's status before it takes the command off its queue (measured: the refused
+ * write's slot stays pending with the target's queue empty), so no status can come any more
+ * (which matters: a released slot is reused, and a late status would complete another
+ * operation). The provider looks when the oldest slot stays pending, and releases those with
+ * an error; a bounce-buffer slot only up to 4 KiB (one chunk, taken within its command).
  *
  * The other way round, a *writer* SIGKILLed inside its critical section leaves OUR region's
  * lock taken: every other writer to us spins, and our own progress cannot take it.
@@ -81,6 +90,7 @@
 #define SMR117_STATUS_SAR_FREE 1025 /* the target has taken the bounce buffer's data */
 #define SMR117_STATUS_SAR_FULL 1026 /* data waiting in the bounce buffer */
 #define SMR117_TX_OP_SRC 20
+#define SMR117_TX_SIZE 24
 #define SMR117_TX_SRC_DATA 32
 #define SMR117_TX_CONTEXT 264
 #define SMR117_SRC_IOV 2
@@ -213,56 +223,101 @@ static bool peek(const void *addr, void *out, size_t len)
     return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == (ssize_t)len;
 }
 
-size_t ofi_shm_release_dead(const char *self_path, bool (*went_to_dead)(void *arg, void *context),
-                            void *arg, int64_t status)
+/* The cirque at header offset `at` of the region (size, mask, rcnt, wcnt, entries), if it
+ * lies inside the region; NULL if not the layout measured. */
+static uint64_t *queue_at(const uint8_t *base, size_t len, size_t at)
 {
-    uintptr_t start[4];
-    size_t len[4];
-    size_t n = find_mappings(self_path, start, len, 4), released = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint8_t *base = (uint8_t *)start[i];
-        int32_t owner;
-        uint64_t total, qoff;
-        memcpy(&owner, base + SMR117_PID, sizeof owner);
-        memcpy(&total, base + SMR117_TOTAL, sizeof total);
-        memcpy(&qoff, base + SMR117_RESP_QUEUE, sizeof qoff);
-        if (owner != (int32_t)getpid() || total != len[i] || qoff < SMR117_HEADER ||
-            qoff > total - 4 * sizeof(uint64_t) || qoff % sizeof(uint64_t))
-            continue; /* not our own 1.17 region, whole */
-        uint64_t *q = (uint64_t *)(void *)(base + qoff); /* size, mask, rcnt, wcnt, slots */
-        uint64_t size = q[0], mask = q[1], rcnt = q[2], wcnt = q[3];
-        if (!size || (size & (size - 1)) || mask != size - 1 || wcnt - rcnt > size ||
-            size > (total - qoff - 4 * sizeof(uint64_t)) / (2 * sizeof(uint64_t)))
-            continue; /* not a response queue as 1.17 lays it out */
-        for (uint64_t k = rcnt; k != wcnt; k++) {
-            uint64_t *slot = &q[4 + 2 * (k & mask)];
-            uint64_t st = __atomic_load_n(&slot[1], __ATOMIC_ACQUIRE);
-            if (st != SMR117_STATUS_BUSY && st != SMR117_STATUS_SAR_FULL)
-                continue;
-            const uint8_t *tx = (const uint8_t *)(uintptr_t)slot[0];
-            uint16_t op_src;
-            uint64_t src_data;
-            void *context;
-            if (!peek(tx + SMR117_TX_OP_SRC, &op_src, sizeof op_src) ||
-                !peek(tx + SMR117_TX_SRC_DATA, &src_data, sizeof src_data) ||
-                !peek(tx + SMR117_TX_CONTEXT, &context, sizeof context))
-                continue;
-            bool iov = op_src == SMR117_SRC_IOV && st == SMR117_STATUS_BUSY;
-            bool sar = op_src == SMR117_SRC_SAR && st == SMR117_STATUS_SAR_FULL;
-            if (!(iov || sar) || src_data != (uint64_t)((uint8_t *)slot - base))
-                continue; /* another protocol or state, or not the layout measured */
-            if (!went_to_dead(arg, context))
-                continue;
-            /* What the target writes when it is done (the status, last). A bounce-buffer
-             * operation completes as taken (1.17 has no error for it): the caller reports
-             * the completions of operations to dead peers as errors. */
-            __atomic_store_n(&slot[1], iov ? (uint64_t)status : SMR117_STATUS_SAR_FREE,
-                             __ATOMIC_RELEASE);
-            released++;
-        }
-        if (released) /* smr_signal: 1.17's progress skips the queues until it is set */
-            __atomic_store_n((int32_t *)(void *)(base + SMR117_SIGNAL), 1, __ATOMIC_RELEASE);
-    }
-    return released;
+    uint64_t total, qoff;
+    memcpy(&total, base + SMR117_TOTAL, sizeof total);
+    memcpy(&qoff, base + at, sizeof qoff);
+    if (total != len || qoff < SMR117_HEADER || qoff > total - 4 * sizeof(uint64_t) ||
+        qoff % sizeof(uint64_t))
+        return NULL;
+    return (uint64_t *)(uintptr_t)(base + qoff);
 }
 
+bool ofi_shm_region(const char *path, uint8_t **base, size_t *len)
+{
+    uintptr_t start[4];
+    size_t lens[4];
+    size_t n = find_mappings(path, start, lens, 4);
+    for (size_t i = 0; i < n; i++) {
+        if (queue_at((const uint8_t *)start[i], lens[i], SMR117_CMD_QUEUE)) {
+            *base = (uint8_t *)start[i];
+            *len = lens[i];
+            return true;
+        }
+    }
+    return false;
+}
+
+bool ofi_shm_drained(const uint8_t *base, size_t len)
+{
+    const uint64_t *q = queue_at(base, len, SMR117_CMD_QUEUE);
+    return q && __atomic_load_n(&q[2], __ATOMIC_ACQUIRE) == __atomic_load_n(&q[3], __ATOMIC_ACQUIRE);
+}
+
+static bool pending_status(uint64_t st)
+{
+    return st == SMR117_STATUS_BUSY || st == SMR117_STATUS_SAR_FULL;
+}
+
+bool ofi_shm_head_pending(const uint8_t *self_base, size_t len, uint64_t *rcnt)
+{
+    const uint64_t *q = queue_at(self_base, len, SMR117_RESP_QUEUE);
+    if (!q || q[2] == q[3])
+        return false;
+    *rcnt = q[2];
+    return pending_status(__atomic_load_n(&q[4 + 2 * (q[2] & q[1]) + 1], __ATOMIC_ACQUIRE));
+}
+
+size_t ofi_shm_release(uint8_t *self_base, size_t self_len, bool oldest_only,
+                       bool (*claim)(void *arg, void *context, bool sar, uint64_t size),
+                       void (*released)(void *arg, void *context), void *arg, int64_t status)
+{
+    if (*(const int32_t *)(const void *)(self_base + SMR117_PID) != (int32_t)getpid())
+        return 0; /* not our own region */
+    uint64_t *q = queue_at(self_base, self_len, SMR117_RESP_QUEUE);
+    if (!q)
+        return 0;
+    uint64_t size = q[0], mask = q[1], rcnt = q[2], wcnt = q[3];
+    uint64_t qoff = (uint64_t)((uint8_t *)q - self_base);
+    if (!size || (size & (size - 1)) || mask != size - 1 || wcnt - rcnt > size ||
+        size > (self_len - qoff - 4 * sizeof(uint64_t)) / (2 * sizeof(uint64_t)))
+        return 0; /* not a response queue as 1.17 lays it out */
+    size_t n_released = 0;
+    for (uint64_t k = rcnt; k != wcnt && (!oldest_only || k == rcnt); k++) {
+        uint64_t *slot = &q[4 + 2 * (k & mask)];
+        uint64_t st = __atomic_load_n(&slot[1], __ATOMIC_ACQUIRE);
+        if (!pending_status(st))
+            continue;
+        const uint8_t *tx = (const uint8_t *)(uintptr_t)slot[0];
+        uint16_t op_src;
+        uint64_t src_data, len;
+        void *context;
+        if (!peek(tx + SMR117_TX_OP_SRC, &op_src, sizeof op_src) ||
+            !peek(tx + SMR117_TX_SIZE, &len, sizeof len) ||
+            !peek(tx + SMR117_TX_SRC_DATA, &src_data, sizeof src_data) ||
+            !peek(tx + SMR117_TX_CONTEXT, &context, sizeof context))
+            continue;
+        bool iov = op_src == SMR117_SRC_IOV && st == SMR117_STATUS_BUSY;
+        bool sar = op_src == SMR117_SRC_SAR && st == SMR117_STATUS_SAR_FULL;
+        if (!(iov || sar) || src_data != (uint64_t)((uint8_t *)slot - self_base))
+            continue; /* another protocol or state, or not the layout measured */
+        if (!claim(arg, context, sar, len))
+            continue;
+        /* What the target writes when it is done (the status, last), unless it just did. A
+         * bounce-buffer operation completes as taken (1.17 has no error for it): the caller
+         * reports the completions of the operations it claimed as errors. */
+        uint64_t want = iov ? (uint64_t)status : SMR117_STATUS_SAR_FREE;
+        if (__atomic_compare_exchange_n(&slot[1], &st, want, false, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            if (released)
+                released(arg, context);
+            n_released++;
+        }
+    }
+    if (n_released) /* smr_signal: 1.17's progress skips the queues until it is set */
+        __atomic_store_n((int32_t *)(void *)(self_base + SMR117_SIGNAL), 1, __ATOMIC_RELEASE);
+    return n_released;
+}

@@ -17,11 +17,28 @@ __attribute__((visibility("hidden"))) int ofi_shm_fence(const char *path, uint32
  * inside its critical section). Returns 1 if it did. Blocks up to that long; any thread. */
 __attribute__((visibility("hidden"))) int ofi_shm_unwedge_self(const char *path);
 
-/* Completes, with `status` (a negative libfabric error), every operation still pending in
- * this process's own region (file `self_path`) whose context `went_to_dead` claims. Call it
- * on the thread that runs libfabric's progress for that endpoint. Returns how many. */
-__attribute__((visibility("hidden"))) size_t ofi_shm_release_dead(
-    const char *self_path, bool (*went_to_dead)(void *arg, void *context), void *arg,
-    int64_t status);
+/* This process's whole mapping of the 1.17 region in file `path` ("/dev/shm/NAME"): false
+ * if there is none (not mapped yet, or not the layout measured). The address stays valid
+ * for the endpoint's lifetime (a fence replaces the mapping in place). */
+__attribute__((visibility("hidden"))) bool ofi_shm_region(const char *path, uint8_t **base,
+                                                          size_t *len);
+
+/* Whether the region has taken every command queued to it (its command queue's read count
+ * has caught up with its write count). */
+__attribute__((visibility("hidden"))) bool ofi_shm_drained(const uint8_t *base, size_t len);
+
+/* Whether the oldest slot of our own region's response queue is still pending; its index. */
+__attribute__((visibility("hidden"))) bool ofi_shm_head_pending(const uint8_t *self_base,
+                                                                size_t len, uint64_t *rcnt);
+
+/* Completes, with `status` (a negative libfabric error), every operation (or with
+ * `oldest_only`, the oldest one) still pending in this process's own region whose context `claim` claims (told whether it went through the
+ * bounce buffer, and its size in bytes), calling `released` (if not NULL) for each one it
+ * did release: a target may still answer between the two. Call it on the
+ * thread that runs libfabric's progress for that endpoint. Returns how many. */
+__attribute__((visibility("hidden"))) size_t ofi_shm_release(
+    uint8_t *self_base, size_t self_len, bool oldest_only,
+    bool (*claim)(void *arg, void *context, bool sar, uint64_t size),
+    void (*released)(void *arg, void *context), void *arg, int64_t status);
 
 #endif
