@@ -598,8 +598,8 @@ static const uint8_t *peer_region(afp_domain *d, uint64_t fa, uint64_t now, size
     return sp->base;
 }
 
-/* A pending write (or read) whose target has taken every command queued to it: dropped,
- * never to be answered (ofi_shmfence.c says why that is the test). Not a send: 1.17's target
+/* A pending write (or read) whose target is idle (every command queued to it taken and
+ * answered): dropped, never to be answered (ofi_shmfence.c says why that is the test). Not a send: 1.17's target
  * takes a message nobody has posted a receive for off its queue, and answers it later. */
 static bool was_dropped(void *arg, void *context, bool sar, uint64_t size)
 {
@@ -610,7 +610,7 @@ static bool was_dropped(void *arg, void *context, bool sar, uint64_t size)
         return false;
     size_t len = 0;
     const uint8_t *base = peer_region(d, op->peer, mono_ns(), &len);
-    return base && ofi_shm_drained(base, len);
+    return base && ofi_shm_idle(base, len);
 }
 
 static void mark_dropped(void *arg, void *context)

@@ -35,13 +35,16 @@
  * the completions of operations to dead peers into errors. Values measured on 1.17.
  *
  * A write its target refuses (a revoked key, a forged descriptor) is dropped by 1.17's target
- * with no status at all: its slot stays pending for ever, with the same effect. A slot still
- * pending while its target's command queue has drained is such a write: 1.17's target writes
- * an operation's status before it takes the command off its queue (measured: the refused
- * write's slot stays pending with the target's queue empty), so no status can come any more
- * (which matters: a released slot is reused, and a late status would complete another
- * operation). The provider looks when the oldest slot stays pending, and releases those with
- * an error; a bounce-buffer slot only up to 4 KiB (one chunk, taken within its command).
+ * with no status at all: its slot stays pending for ever, with the same effect (measured: the
+ * refused write's slot stays pending, the target's queue empty). A slot still pending while
+ * its target is idle is such a write: the target's queue drained *and then* its lock free. 1.17
+ * takes an RMA command off the queue before it copies and answers, but holds the region's lock
+ * over the whole progress pass, so once the lock is free after the queue drained, every command
+ * taken was answered and none can come any more (which matters: a released slot is reused, and
+ * a late status would complete another operation). A queue drained alone is not enough: a 16
+ * MiB copy in progress looks the same (a clean-clone CI run under load failed writes that way).
+ * The provider looks when the oldest slot stays pending, and releases it with an error; a
+ * bounce-buffer slot only up to 4 KiB (one chunk, taken within its command).
  *
  * The other way round, a *writer* SIGKILLed inside its critical section leaves OUR region's
  * lock taken: every other writer to us spins, and our own progress cannot take it.
@@ -251,10 +254,17 @@ bool ofi_shm_region(const char *path, uint8_t **base, size_t *len)
     return false;
 }
 
-bool ofi_shm_drained(const uint8_t *base, size_t len)
+bool ofi_shm_idle(const uint8_t *base, size_t len)
 {
     const uint64_t *q = queue_at(base, len, SMR117_CMD_QUEUE);
-    return q && __atomic_load_n(&q[2], __ATOMIC_ACQUIRE) == __atomic_load_n(&q[3], __ATOMIC_ACQUIRE);
+    if (!q || __atomic_load_n(&q[2], __ATOMIC_ACQUIRE) != __atomic_load_n(&q[3], __ATOMIC_ACQUIRE))
+        return false;
+    /* then the lock: a progress pass holds it from taking commands off the queue to the last
+     * status it writes, so free after drained means every command taken was answered */
+    int free_value = free_lock_value();
+    return free_value >= 0 &&
+           __atomic_load_n((const int *)(const void *)(base + SMR117_LOCK), __ATOMIC_ACQUIRE) ==
+               free_value;
 }
 
 static bool pending_status(uint64_t st)

@@ -23,9 +23,9 @@ __attribute__((visibility("hidden"))) int ofi_shm_unwedge_self(const char *path)
 __attribute__((visibility("hidden"))) bool ofi_shm_region(const char *path, uint8_t **base,
                                                           size_t *len);
 
-/* Whether the region has taken every command queued to it (its command queue's read count
- * has caught up with its write count). */
-__attribute__((visibility("hidden"))) bool ofi_shm_drained(const uint8_t *base, size_t len);
+/* Whether the region's owner has taken every command queued to it and answered each (its
+ * command queue drained, then its lock free: no progress pass in flight). */
+__attribute__((visibility("hidden"))) bool ofi_shm_idle(const uint8_t *base, size_t len);
 
 /* Whether the oldest slot of our own region's response queue is still pending; its index. */
 __attribute__((visibility("hidden"))) bool ofi_shm_head_pending(const uint8_t *self_base,
