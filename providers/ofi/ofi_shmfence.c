@@ -138,6 +138,33 @@ static int free_lock_value(void)
     return v;
 }
 
+/* The cirque at header offset `at` of the region (size, mask, rcnt, wcnt, entries), if it
+ * lies inside the region; NULL if not the layout measured. */
+static uint64_t *queue_at(const uint8_t *base, size_t len, size_t at)
+{
+    uint64_t total, qoff;
+    memcpy(&total, base + SMR117_TOTAL, sizeof total);
+    memcpy(&qoff, base + at, sizeof qoff);
+    if (total != len || qoff < SMR117_HEADER || qoff > total - 4 * sizeof(uint64_t) ||
+        qoff % sizeof(uint64_t))
+        return NULL;
+    return (uint64_t *)(uintptr_t)(base + qoff);
+}
+
+/* Our own region's response queue, if it is laid out as 1.17's: a power-of-two ring whose
+ * slots (two words each) lie inside the region. */
+static uint64_t *resp_queue(const uint8_t *self_base, size_t len)
+{
+    uint64_t *q = queue_at(self_base, len, SMR117_RESP_QUEUE);
+    if (!q)
+        return NULL;
+    uint64_t size = q[0], mask = q[1];
+    uint64_t room = len - (uint64_t)((const uint8_t *)q - self_base) - 4 * sizeof(uint64_t);
+    if (!size || (size & (size - 1)) || mask != size - 1 || size > room / (2 * sizeof(uint64_t)))
+        return NULL;
+    return q;
+}
+
 int ofi_shm_fence(const char *path, uint32_t pid)
 {
     long page = sysconf(_SC_PAGESIZE);
@@ -191,15 +218,11 @@ int ofi_shm_unwedge_self(const char *path)
     for (size_t i = 0; i < n && free_value >= 0; i++) {
         uint8_t *base = (uint8_t *)start[i];
         int32_t owner;
-        uint64_t total, qoff;
         memcpy(&owner, base + SMR117_PID, sizeof owner);
-        memcpy(&total, base + SMR117_TOTAL, sizeof total);
-        memcpy(&qoff, base + SMR117_CMD_QUEUE, sizeof qoff);
-        if (owner != (int32_t)getpid() || total != len[i] || qoff < SMR117_HEADER ||
-            qoff > total - 4 * sizeof(uint64_t) || qoff % sizeof(uint64_t))
+        uint64_t *q = queue_at(base, len[i], SMR117_CMD_QUEUE); /* size, mask, rcnt, wcnt */
+        if (owner != (int32_t)getpid() || !q)
             continue; /* not our own 1.17 region, whole */
         int *lock = (int *)(void *)(base + SMR117_LOCK);
-        uint64_t *q = (uint64_t *)(void *)(base + qoff); /* size, mask, rcnt, wcnt */
         uint64_t rcnt = __atomic_load_n(&q[2], __ATOMIC_ACQUIRE);
         uint64_t wcnt = __atomic_load_n(&q[3], __ATOMIC_ACQUIRE);
         bool stuck = true;
@@ -224,19 +247,6 @@ static bool peek(const void *addr, void *out, size_t len)
     struct iovec local = {.iov_base = out, .iov_len = len};
     struct iovec remote = {.iov_base = (void *)(uintptr_t)addr, .iov_len = len};
     return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == (ssize_t)len;
-}
-
-/* The cirque at header offset `at` of the region (size, mask, rcnt, wcnt, entries), if it
- * lies inside the region; NULL if not the layout measured. */
-static uint64_t *queue_at(const uint8_t *base, size_t len, size_t at)
-{
-    uint64_t total, qoff;
-    memcpy(&total, base + SMR117_TOTAL, sizeof total);
-    memcpy(&qoff, base + at, sizeof qoff);
-    if (total != len || qoff < SMR117_HEADER || qoff > total - 4 * sizeof(uint64_t) ||
-        qoff % sizeof(uint64_t))
-        return NULL;
-    return (uint64_t *)(uintptr_t)(base + qoff);
 }
 
 bool ofi_shm_region(const char *path, uint8_t **base, size_t *len)
@@ -274,7 +284,7 @@ static bool pending_status(uint64_t st)
 
 bool ofi_shm_head_pending(const uint8_t *self_base, size_t len, uint64_t *rcnt)
 {
-    const uint64_t *q = queue_at(self_base, len, SMR117_RESP_QUEUE);
+    const uint64_t *q = resp_queue(self_base, len);
     if (!q || q[2] == q[3])
         return false;
     *rcnt = q[2];
@@ -287,13 +297,11 @@ size_t ofi_shm_release(uint8_t *self_base, size_t self_len, bool oldest_only,
 {
     if (*(const int32_t *)(const void *)(self_base + SMR117_PID) != (int32_t)getpid())
         return 0; /* not our own region */
-    uint64_t *q = queue_at(self_base, self_len, SMR117_RESP_QUEUE);
+    uint64_t *q = resp_queue(self_base, self_len);
     if (!q)
         return 0;
     uint64_t size = q[0], mask = q[1], rcnt = q[2], wcnt = q[3];
-    uint64_t qoff = (uint64_t)((uint8_t *)q - self_base);
-    if (!size || (size & (size - 1)) || mask != size - 1 || wcnt - rcnt > size ||
-        size > (self_len - qoff - 4 * sizeof(uint64_t)) / (2 * sizeof(uint64_t)))
+    if (wcnt - rcnt > size)
         return 0; /* not a response queue as 1.17 lays it out */
     size_t n_released = 0;
     for (uint64_t k = rcnt; k != wcnt && (!oldest_only || k == rcnt); k++) {
