@@ -40,6 +40,13 @@ PAGES_PER_OP = 64
 MANY_SIZE = 4 * KiB  # write_many row: writes of this size, WRITES_PER_CALL per call
 WRITES_PER_CALL = 64
 MANY_WINDOW = 4  # calls in flight (4 x 64 writes; the raw loop keeps 64 single writes)
+# --pattern: where the contiguous, read and write_many rows put their operations
+PATTERNS = {
+    "span": f"each operation its own slot of its size, rotating through {REGION // MiB} MiB "
+    "(memory-bound, as a KV cache's pages are)",
+    "fixed": "every operation from and to offset 0 of one buffer of its size (cache-resident: "
+    "fi_rma_bw's pattern)",
+}
 
 
 @dataclass
@@ -94,13 +101,40 @@ def _window_for(nbytes: int) -> int:
     return 64 if nbytes < 1 * MiB else 16
 
 
+class _Slots:
+    """Where a row's operations go (--pattern): ``span`` rotates through the whole source
+    region; ``fixed`` registers a buffer of the row's size, so that the raw loop (which
+    rotates through what both regions hold) and the Python lanes both stay at offset 0."""
+
+    def __init__(self, eng: Engine, src: np.ndarray, mr: MemoryRegion, pattern: str) -> None:
+        self._eng, self._src, self._mr, self._fixed = eng, src, mr, pattern == "fixed"
+        self._own: dict[int, MemoryRegion] = {}
+
+    def region(self, size: int) -> MemoryRegion:
+        if not self._fixed:
+            return self._mr
+        if size not in self._own:
+            self._own[size] = self._eng.register(self._src[: max(size, 1)])
+        return self._own[size]
+
+    def span(self, size: int) -> int:
+        return 1 if self._fixed else max(1, REGION // max(size, 1))
+
+    def close(self) -> None:
+        for mr in self._own.values():
+            self._eng.deregister(mr)
+        self._own.clear()
+
+
 async def _py_writes(
-    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int, *, read: bool = False
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int, *,
+    read: bool = False, span: int | None = None,
 ) -> float:
     """Seconds per write (per read with ``read``), ``window`` Python lanes in flight, rotating
-    through the regions in slots of ``nbytes``."""
+    through ``span`` slots of ``nbytes`` (default: the whole region)."""
     per = max(1, iters // window)
-    span = max(1, REGION // max(nbytes, 1))
+    if span is None:
+        span = max(1, REGION // max(nbytes, 1))
 
     async def lane(k: int) -> None:
         for i in range(per):
@@ -120,14 +154,40 @@ def _read_sizes(args: argparse.Namespace) -> list[int]:
     return list(args.sizes or (QUICK_READ if args.quick else READ_SIZES))
 
 
+async def _write_rows(
+    args: argparse.Namespace, eng: Engine, slots: _Slots, desc: MrDesc, sizes: list[int], bar: Progress
+) -> list[Row]:
+    """Contiguous writes: Python, the raw C loop and fi_rma_bw -o writedata, alternately."""
+    rows: list[Row] = []
+    for size in sizes:
+        bar.step(f"write {_fmt_size(size)}")
+        window, iters = _window_for(size), _iters_for(size, args.quick)
+        mr, span = slots.region(size), slots.span(size)
+        raw_loop = RawLoop(eng, mr, desc)
+        row = Row("write", size, 1, window)
+        py: list[float] = []
+        raw: list[float] = []
+        fi: list[float] = []
+        for _ in range(args.repeat):  # alternately: the C library, then afabric
+            fi += await _rma_bw(args, size, window)
+            py.append(await _py_writes(eng, mr, desc, size, window, iters, span=span))
+            raw.append(_raw(raw_loop.write(size, window, iters), iters))
+        _fill(row, py, raw, size)
+        row.fi_gbps = statistics.median(fi) if fi else 0.0
+        rows.append(row)
+        bar.advance()
+    return rows
+
+
 async def _read_rows(
-    args: argparse.Namespace, eng: Engine, mr: MemoryRegion, desc: MrDesc, bar: Progress
+    args: argparse.Namespace, eng: Engine, slots: _Slots, desc: MrDesc, bar: Progress
 ) -> list[Row]:
     """Reads of the target's region into ours: Python, the raw C loop and fi_rma_bw -o read."""
-    raw_loop = RawLoop(eng, mr, desc)
     rows = []
     for size in _read_sizes(args):
         bar.step(f"read {_fmt_size(size)}")
+        mr, span = slots.region(size), slots.span(size)
+        raw_loop = RawLoop(eng, mr, desc)
         window, iters = _window_for(size), _iters_for(size, args.quick)
         row = Row("read", size, 1, window)
         py: list[float] = []
@@ -135,7 +195,7 @@ async def _read_rows(
         fi: list[float] = []
         for _ in range(args.repeat):
             fi += await _rma_bw(args, size, window, "read")
-            py.append(await _py_writes(eng, mr, desc, size, window, iters, read=True))
+            py.append(await _py_writes(eng, mr, desc, size, window, iters, read=True, span=span))
             raw.append(_raw(raw_loop.read(size, window, iters), iters))
         _fill(row, py, raw, size)
         row.fi_gbps = statistics.median(fi) if fi else 0.0
@@ -145,11 +205,10 @@ async def _read_rows(
 
 
 async def _py_many(
-    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int, span: int
 ) -> float:
     """Seconds per write_many call of WRITES_PER_CALL writes, ``window`` calls in flight."""
     calls = max(1, iters // (window * WRITES_PER_CALL))
-    span = max(1, REGION // max(nbytes, 1))
     first = np.arange(window * calls) * WRITES_PER_CALL
     offs = [
         [(first[k * calls + i] + np.arange(WRITES_PER_CALL)) % span * nbytes for i in range(calls)]
@@ -180,16 +239,17 @@ async def _py_paged(
 
 
 async def _many_row(
-    args: argparse.Namespace, eng: Engine, mr: MemoryRegion, desc: MrDesc, bar: Progress
+    args: argparse.Namespace, eng: Engine, slots: _Slots, desc: MrDesc, bar: Progress
 ) -> Row:
     """write_many of MANY_SIZE writes and the raw C loop of single writes, alternately."""
     bar.step(f"write_many {_fmt_size(MANY_SIZE)}")
+    mr = slots.region(MANY_SIZE)
     raw_loop = RawLoop(eng, mr, desc)
     window, iters = _window_for(MANY_SIZE), _iters_for(MANY_SIZE, args.quick)
     row = Row("many", MANY_SIZE, WRITES_PER_CALL, MANY_WINDOW)
     py, raw = [], []
     for _ in range(args.repeat):
-        py.append(await _py_many(eng, mr, desc, MANY_SIZE, MANY_WINDOW, iters))
+        py.append(await _py_many(eng, mr, desc, MANY_SIZE, MANY_WINDOW, iters, slots.span(MANY_SIZE)))
         # per WRITES_PER_CALL single writes, so that the rows compare per write
         raw.append(_raw(raw_loop.write(MANY_SIZE, window, iters), iters) * WRITES_PER_CALL)
     _fill(row, py, raw, MANY_SIZE * WRITES_PER_CALL, per_call=WRITES_PER_CALL)
@@ -211,24 +271,11 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
         mr = eng.register(src)
-        raw_loop = RawLoop(eng, mr, desc)  # the raw loop drives the same imported descriptor
-        rows: list[Row] = []
-        for size in sizes:
-            bar.step(f"write {_fmt_size(size)}")
-            window, iters = _window_for(size), _iters_for(size, args.quick)
-            row = Row("write", size, 1, window)
-            py: list[float] = []
-            raw: list[float] = []
-            fi: list[float] = []
-            for _ in range(args.repeat):  # alternately: the C library, then afabric
-                fi += await _rma_bw(args, size, window)
-                py.append(await _py_writes(eng, mr, desc, size, window, iters))
-                raw.append(_raw(raw_loop.write(size, window, iters), iters))
-            _fill(row, py, raw, size)
-            row.fi_gbps = statistics.median(fi) if fi else 0.0
-            rows.append(row)
-            bar.advance()
-        rows += [await _many_row(args, eng, mr, desc, bar), *await _read_rows(args, eng, mr, desc, bar)]
+        raw_loop = RawLoop(eng, mr, desc)  # paged rows: the raw loop drives the same imported descriptor
+        slots = _Slots(eng, src, mr, args.pattern)
+        rows = await _write_rows(args, eng, slots, desc, sizes, bar)
+        rows += [await _many_row(args, eng, slots, desc, bar), *await _read_rows(args, eng, slots, desc, bar)]
+        slots.close()
         rng = np.random.default_rng(1)
         for page in pages:
             bar.step(f"paged {_fmt_size(page)}/pg")
@@ -332,6 +379,8 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     if fi:
         out.append("fi_rma_bw: libfabric's own C loop (-o writedata; -o read for read rows), same provider, "
                    "size and window, run alternately with afabric's rows; py/fi is the API's share of it")
+        out.append("  fi_rma_bw rewrites one cache-resident buffer: like for like with --pattern fixed only "
+                   "(the header names this run's pattern)")
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
     if any(r.kind == "read" for r in rows):
         out.append("read rows: one-sided READs of the target's region into ours (remote -> local)")
@@ -387,6 +436,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fabtests", metavar="DIR", default=None,
                    help="also run libfabric's fi_rma_bw/fi_rdm_pingpong from DIR, alternately with "
                         "afabric's rows, and print their columns and the ratio")  # fmt: skip
+    p.add_argument("--pattern", choices=tuple(PATTERNS), default="span",
+                   help="where the contiguous, read and write_many rows put their operations: span "
+                        "(default) rotates through a 128 MiB region, slot by slot (memory-bound); "
+                        "fixed rewrites one buffer of the row's size at offset 0, as fi_rma_bw does "
+                        "(cache-resident: compare py/fi with this)")  # fmt: skip
     harness.add_loop_arguments(p, "worker")
 
 
@@ -400,6 +454,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"afabric: error: {problem}", file=sys.stderr)
         return 2
     args.polling = getattr(args, "polling", None) or "adaptive"
+    args.pattern = getattr(args, "pattern", None) or "span"
     loop = getattr(args, "loop", None) or harness.default_loop()
 
     async def run() -> tuple[list[Row], list[Latency], str, str]:
@@ -426,7 +481,8 @@ def main(args: argparse.Namespace) -> int:
     rows, lat, fabric, why = run_on_loop(run(), loop)
     header = (
         f"afabric bench p2p — provider {args.provider} ({fabric}), loop {loop}, polling {args.polling}, "
-        f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}"
+        f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}\n"
+        f"pattern {args.pattern}: {PATTERNS[args.pattern]}"
     )
     if args.fabtests and args.fabric != fabric:
         ref = args.fabric
@@ -440,6 +496,7 @@ def main(args: argparse.Namespace) -> int:
             "fabric_provider": fabric,
             "loop": loop,
             "polling": args.polling,
+            "pattern": args.pattern,
             "cpus": os.cpu_count(),
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
