@@ -1095,7 +1095,11 @@ class Engine(MessagingMixin):
         if self._closed:
             return
         room = self._recv_room()
-        for ev in self._n.drain(room):
+        plain: list[int] | None = [] if self._first_posts is None else None
+        events = self._n.drain(room, plain)
+        if plain:
+            self._succeeded(plain)
+        for ev in events:
             if ev.kind == _native.C_DONE:
                 self._done(ev)
             elif ev.kind == _native.C_WATCH:
@@ -1133,6 +1137,19 @@ class Engine(MessagingMixin):
         self.log.error("%s", self._stuck)
         with contextlib.suppress(errors.AfabricError):  # the worker did not stop: known
             self._shut(self._stuck)
+
+    def _succeeded(self, ids: list[int]) -> None:
+        """_done for a batch of plain successes (no text, nothing held back)."""
+        pop = self._ops.pop
+        for op_id in ids:
+            op = pop(op_id, None)
+            if op is None:
+                continue
+            fut = op.future
+            if not fut.done():
+                fut.set_result(None)
+            elif op.kind == "expect" and fut.cancelled():
+                self._n.imm_return(*op.refs)  # withdrawn, yet it consumed: give them back
 
     def _done(self, ev: _native.Event) -> None:
         op = self._ops.pop(ev.id, None)
