@@ -13,6 +13,8 @@ import os
 import random
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -367,3 +369,36 @@ async def test_restarted_peer_old_descriptors_refused(peers: list[Peer]) -> None
                 await fresh.write(src2, old_desc, CHUNK)
         second.put("stop")
         assert await second.result() is True
+
+
+STALE_NAMES = """
+import asyncio, os
+import numpy as np
+from afabric import Engine
+
+# What a killed process with this pid left behind under libfabric 1.17's own names
+# ("<pid>:<uid>:<n>", n counting the process's endpoints): 1.17 cannot create an endpoint
+# whose file exists, so before afabric named its endpoints itself these made Engine fail.
+for n in range(4):
+    with open(f"/dev/shm/{os.getpid()}:{os.getuid()}:{n}", "wb") as f:
+        f.write(bytes(4096))
+
+async def main():
+    async with Engine("shm") as a, Engine("shm") as b:
+        src = a.register(np.full(4096, 9, np.uint8))
+        dst = np.zeros(4096, np.uint8)
+        await a.write(src, b.register(dst).descriptor, 4096)
+        assert (dst == 9).all()
+    print("OK")
+
+asyncio.run(main())
+"""
+
+
+def test_stale_region_files_of_a_recycled_pid(shm_cleanup: None) -> None:
+    """A process whose pid owned region files once (a killed process left them) opens shm
+    engines and writes between them: every endpoint's file has a name of its own."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STALE_NAMES], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr

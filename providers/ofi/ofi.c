@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -1084,6 +1085,37 @@ static void trust_sources(afp_domain *d, const char *self_name)
     }
 }
 
+
+/* libfabric 1.17's shm names an endpoint's region file after the process id and a count of
+ * the process's endpoints ("/dev/shm/<pid>:<uid>:<n>"), and cannot create one whose file
+ * exists already: a file left by a killed process whose pid comes round again made
+ * Engine("shm") fail with EBUSY. Its source address is the name's stem ("fi_shm://<pid>"):
+ * a random part after the pid makes every endpoint's file its own. The pid stays first,
+ * where tools (and tests) read it. */
+static int unique_shm_name(afp_domain *d)
+{
+    static const char prefix[] = "fi_shm://";
+    struct fi_info *info = d->info;
+    if (info->addr_format != FI_ADDR_STR || !info->src_addr ||
+        strncmp(info->src_addr, prefix, sizeof prefix - 1) != 0)
+        return 0; /* not the naming measured: left to libfabric */
+    uint64_t nonce = 0;
+    if (getrandom(&nonce, sizeof nonce, GRND_NONBLOCK) != (ssize_t)sizeof nonce)
+        nonce = mono_ns() ^ ((uint64_t)(uintptr_t)d << 16);
+    char name[64];
+    int n = snprintf(name, sizeof name, "%s%ld:%016llx", prefix, (long)getpid(),
+                     (unsigned long long)nonce);
+    char *copy = n > 0 && (size_t)n < sizeof name ? strdup(name) : NULL;
+    if (!copy) {
+        afp_errf(d->errbuf, sizeof d->errbuf, "open: out of memory");
+        return AFP_ENOMEM;
+    }
+    free(info->src_addr); /* fi_freeinfo frees the new one with the list */
+    info->src_addr = copy;
+    info->src_addrlen = (size_t)n + 1;
+    return 0;
+}
+
 static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t errlen)
 {
     const char *why = NULL;
@@ -1173,6 +1205,11 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     rc = open_cq(d, 2 * (size_t)d->pool_size);
     if (rc)
         goto out_close;
+    if (d->shm117) {
+        rc = unique_shm_name(d);
+        if (rc)
+            goto out_close;
+    }
     ret = fi_endpoint(d->domain, d->info, &d->ep, NULL);
     if (ret) {
         rc = fail(d, "fi_endpoint", ret);
