@@ -379,8 +379,8 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     if fi:
         out.append("fi_rma_bw: libfabric's own C loop (-o writedata; -o read for read rows), same provider, "
                    "size and window, run alternately with afabric's rows; py/fi is the API's share of it")
-        out.append("  fi_rma_bw rewrites one cache-resident buffer: like for like with --pattern fixed only "
-                   "(the header names this run's pattern)")
+        out.append("  fi_rma_bw rewrites one cache-resident buffer: like with like under --pattern fixed "
+                   "(the default with --fabtests; the header names this run's pattern)")
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
     if any(r.kind == "read" for r in rows):
         out.append("read rows: one-sided READs of the target's region into ours (remote -> local)")
@@ -436,11 +436,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fabtests", metavar="DIR", default=None,
                    help="also run libfabric's fi_rma_bw/fi_rdm_pingpong from DIR, alternately with "
                         "afabric's rows, and print their columns and the ratio")  # fmt: skip
-    p.add_argument("--pattern", choices=tuple(PATTERNS), default="span",
+    p.add_argument("--pattern", choices=tuple(PATTERNS), default=None,
                    help="where the contiguous, read and write_many rows put their operations: span "
-                        "(default) rotates through a 128 MiB region, slot by slot (memory-bound); "
-                        "fixed rewrites one buffer of the row's size at offset 0, as fi_rma_bw does "
-                        "(cache-resident: compare py/fi with this)")  # fmt: skip
+                        "rotates through a 128 MiB region, slot by slot (memory-bound; the default "
+                        "without --fabtests); fixed rewrites one buffer of the row's size at offset "
+                        "0, as fi_rma_bw does (cache-resident; the default with --fabtests, so that "
+                        "py/fi compares like with like)")  # fmt: skip
     harness.add_loop_arguments(p, "worker")
 
 
@@ -454,7 +455,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"afabric: error: {problem}", file=sys.stderr)
         return 2
     args.polling = getattr(args, "polling", None) or "adaptive"
-    args.pattern = getattr(args, "pattern", None) or "span"
+    # like with like against fi_rma_bw (one cached buffer) unless asked otherwise
+    args.pattern = getattr(args, "pattern", None) or ("fixed" if args.fabtests else "span")
     loop = getattr(args, "loop", None) or harness.default_loop()
 
     async def run() -> tuple[list[Row], list[Latency], str, str]:
