@@ -12,7 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from afabric import Engine
+from afabric.bench import p2p
+from afabric.bench.raw import RawLoop
 
 ROOT = Path(__file__).resolve().parent.parent
 # ../shared beside the checkout (a worktree under wt/ has it one level further up)
@@ -75,12 +80,6 @@ async def test_pattern_puts_the_rows_where_it_says(pattern: str) -> None:
     """--pattern fixed rewrites one buffer of the row's size at offset 0 (fi_rma_bw's
     pattern, for a like-for-like py/fi); span rotates slot by slot through the region.
     Checked on the target's bytes after the Python lanes and the raw loop both ran."""
-    import numpy as np
-
-    from afabric import Engine
-    from afabric.bench import p2p
-    from afabric.bench.raw import RawLoop
-
     size, n = 4096, 96
     async with Engine("shm") as writer, Engine("shm") as target:
         src = np.full(p2p.REGION, 7, dtype=np.uint8)

@@ -1085,7 +1085,6 @@ static void trust_sources(afp_domain *d, const char *self_name)
     }
 }
 
-
 /* libfabric 1.17's shm names an endpoint's region file after the process id and a count of
  * the process's endpoints ("/dev/shm/<pid>:<uid>:<n>"), and cannot create one whose file
  * exists already: a file left by a killed process whose pid comes round again made
