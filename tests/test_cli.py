@@ -274,6 +274,23 @@ def test_py_raw_explained_where_python_wins() -> None:
     doc = {"bench": "p2p", "rows": [asdict(r) | {"ratio": r.ratio} for r in (slow_py, fast_py)]}
     [line] = [ln for ln in report._p2p(doc) if ln.startswith("Python/raw above 1")]
     assert "(1 MiB)" in line and "not a ceiling" in line
+    assert not any("Python/fi" in ln for ln in report._p2p(doc))  # no --fabtests: no such column
+
+
+def test_report_shows_the_fabtests_ratio_and_the_pattern() -> None:
+    """A p2p result run with --fabtests: the report page has fi_rma_bw's column and the
+    API's share of it per row, and names the access pattern the rows ran in."""
+    from dataclasses import asdict
+
+    from afabric.bench import report
+
+    row = _row(1 << 20, [0.001] * 3, [0.001] * 3)  # 1.05 GB/s both
+    row.fi_gbps = 2.0
+    doc = {"bench": "p2p", "rows": [asdict(row) | {"ratio": row.ratio}], "pattern": "fixed"}
+    table = report._p2p(doc)
+    assert "Python/fi" in table[0] and "fi_rma_bw GB/s" in table[0]
+    assert "| 2.00 | 0.52 |" in table[2]
+    assert "--pattern fixed" in report._reconstructed_command(doc)
 
 
 def test_progress_lines_are_rate_limited(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -137,7 +137,7 @@ def _reconstructed_command(doc: Doc) -> str:
         sizes = sorted({int(r["size"]) for r in doc.get("rows", []) if r.get("kind") == "write"})
         if sizes:
             argv += ["--sizes", ",".join(map(str, sizes))]
-    for key in ("loop", "polling"):
+    for key in ("loop", "polling", "pattern"):
         if doc.get(key):
             argv += [f"--{key}", str(doc[key])]
     return shlex.join(argv)
@@ -151,7 +151,7 @@ def _header(r: Result, link: str) -> list[str]:
     machine = str(d.get("host") or "unknown host")
     if d.get("cpus"):
         machine += f", {d['cpus']} cores"
-    settings = [f"{k} {d[k]}" for k in ("loop", "polling") if d.get(k)]
+    settings = [f"{k} {d[k]}" for k in ("loop", "polling", "pattern") if d.get(k)]
     cmd = d.get("command")
     cmd_note = "" if cmd else " (reconstructed from the result)"
     return [
@@ -170,16 +170,21 @@ def _header(r: Result, link: str) -> list[str]:
 
 def _p2p(d: Doc) -> list[str]:
     rows = []
+    fi = any(r.get("fi_gbps") for r in d.get("rows", []))  # --fabtests: fi_rma_bw beside each row
     for r in d.get("rows", []):
         size = plots.fmt_size(float(r["size"])) + ("/page" if r.get("kind") == "paged" else "")
         rows.append([
             r.get("kind", "?"), size, r.get("window", ""), _f(r.get("py_gbps"), 2), _f(r.get("raw_gbps"), 2),
             _f(r.get("ratio"), 2), _f(r.get("py_ops"), 0), _f(r.get("raw_ops"), 0),
         ])  # fmt: skip
+        if fi:
+            ref = r.get("fi_gbps") or 0.0
+            rows[-1] += [_f(ref, 2) if ref else "", _f(float(r.get("py_gbps") or 0) / ref, 2) if ref else ""]
     out = _table(
-        ["op", "size", "window", "Python GB/s", "raw GB/s", "Python/raw", "Python op/s", "raw op/s"],
+        ["op", "size", "window", "Python GB/s", "raw GB/s", "Python/raw", "Python op/s", "raw op/s"]
+        + (["fi_rma_bw GB/s", "Python/fi"] if fi else []),
         rows,
-        "llrrrrrr",
+        "llrrrrrr" + ("rr" if fi else ""),
     )
     out.append("")
     for x in d.get("latency", []):
