@@ -183,7 +183,7 @@ def test_check_peers() -> None:
 # ---------------------------------------------------------------- the torch reference
 
 
-@pytest.mark.parametrize(("scenario", "in_dtype"), itertools.product(ref.SCENARIOS, ["bf16", "fp8"]))
+@pytest.mark.parametrize(("scenario", "in_dtype"), list(itertools.product(ref.SCENARIOS, ["bf16", "fp8"])))
 def test_cases_and_routes(scenario: str, in_dtype: str) -> None:
     cfg = MoeConfig(max_tokens=24, num_experts=12, experts_per_token=3, hidden=64, world_size=3,
                     in_dtype=in_dtype, scale_block=32)  # fmt: skip

@@ -46,6 +46,7 @@
 #include "afabric_provider.h"
 #include "ofi_lib.h"
 #include "ofi_shmfence.h"
+#include "ofi_wake.h"
 
 /* The API version of the headers we were built with: a newer libfabric then keeps the
  * semantics (and struct layouts) we were written against. */
@@ -100,6 +101,8 @@ struct shm_peer {
     uint8_t *base;       /* 1.17: our mapping of its region (peer_region), or NULL */
     size_t len;
     uint64_t looked_ns;  /* when peer_region last looked for it */
+    ofi_wake_peer wk;    /* 1.17: its wake-up word and socket (ofi_wake.c) */
+    uint32_t pending;    /* our operations in flight to it */
 };
 
 /* A peer that is a domain of this same process (see inproc_*). */
@@ -151,6 +154,9 @@ struct afp_domain {
     uint8_t *self_base;    /* worker: our own region, mapped (self_region) */
     size_t self_len;
     uint64_t head_rcnt, head_since, drop_check_ns; /* check_dropped's view of our queue */
+    ofi_wake wake;        /* shm117: sleeping on a socket instead of napping (ofi_wake.c) */
+    uint32_t tx_inflight; /* our writes, reads and sends with the provider */
+    uint64_t rekick_ns;   /* when the peers with our operations pending were last kicked */
     bool rma_event;
     bool reads; /* opened with FI_READ | FI_REMOTE_READ (else post_reads and readable
                    regions are refused: a provider without RMA read still serves writes) */
@@ -248,6 +254,8 @@ static struct ofi_op *op_get(afp_domain *d, uint32_t kind, uint64_t user_ctx)
     if (!op)
         return NULL;
     d->free_ops = op->next;
+    if (kind != AFP_EV_RECV)
+        d->tx_inflight++;
     memset(&op->fctx, 0, sizeof op->fctx);
     op->user_ctx = user_ctx;
     op->kind = kind;
@@ -260,6 +268,10 @@ static struct ofi_op *op_get(afp_domain *d, uint32_t kind, uint64_t user_ctx)
 
 static void op_put(afp_domain *d, struct ofi_op *op)
 {
+    if (op->kind != AFP_EV_RECV && d->tx_inflight)
+        d->tx_inflight--;
+    if (op->peer < d->n_shm_peers && d->shm_peers[op->peer].pending)
+        d->shm_peers[op->peer].pending--;
     op->peer = UINT64_MAX; /* no longer in flight to anyone */
     op->next = d->free_ops;
     d->free_ops = op;
@@ -556,10 +568,43 @@ static int shm_peer_keep(afp_domain *d, uint64_t fa, char *path)
         d->n_shm_peers = n;
     }
     free(d->shm_peers[fa].path);
+    ofi_wake_peer_close(&d->shm_peers[fa].wk); /* another endpoint now: looked up afresh */
     d->shm_peers[fa].path = path;
     d->shm_peers[fa].checked_ns = mono_ns();
     d->shm_peers[fa].dead = false;
     return 0;
+}
+
+/* An operation goes to AV index `fa`: counted there while in flight (op_put uncounts). */
+static void op_to(afp_domain *d, struct ofi_op *op, uint64_t fa)
+{
+    op->peer = fa;
+    if (fa < d->n_shm_peers)
+        d->shm_peers[fa].pending++;
+}
+
+/* 1.17 shm: after posting to `fa`, wake it if it sleeps (ofi_wake.c). */
+static void kick(afp_domain *d, uint64_t fa)
+{
+    if (!d->wake.hdr || fa >= d->n_shm_peers || !d->shm_peers[fa].path)
+        return;
+    struct shm_peer *sp = &d->shm_peers[fa];
+    ofi_wake_peer_open(&sp->wk, sp->path);
+    ofi_wake_kick(&d->wake, &sp->wk);
+}
+
+/* While operations of ours are pending to a peer, its progress may be needed more than
+ * once (1.17's bounce-buffer protocol): a peer that went to sleep meanwhile is woken again,
+ * looked at every REKICK_NS while we poll. */
+#define REKICK_NS 100000ull
+static void rekick(afp_domain *d, uint64_t now)
+{
+    if (!d->tx_inflight || now - d->rekick_ns < REKICK_NS)
+        return;
+    d->rekick_ns = now;
+    for (uint64_t fa = 0; fa < d->n_shm_peers; fa++)
+        if (d->shm_peers[fa].pending)
+            kick(d, fa);
 }
 
 static bool op_went_to_dead(afp_domain *d, const struct ofi_op *op)
@@ -680,8 +725,10 @@ static void take_dead(afp_domain *d)
 
 static void shm_peers_free(afp_domain *d)
 {
-    for (size_t i = 0; i < d->n_shm_peers; i++)
+    for (size_t i = 0; i < d->n_shm_peers; i++) {
         free(d->shm_peers[i].path);
+        ofi_wake_peer_close(&d->shm_peers[i].wk);
+    }
     free(d->shm_peers);
     for (size_t i = 0; i < d->n_dead_paths; i++)
         free(d->dead_paths[i]);
@@ -1031,6 +1078,7 @@ static void close_objects(afp_domain *d)
     if (d->info_list)
         d->lib->freeinfo(d->info_list);
     shm_peers_free(d);
+    ofi_wake_close(&d->wake);
     free(d->self_path);
     pthread_mutex_destroy(&d->dead_mu);
     free(d->imm_q);
@@ -1138,6 +1186,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     }
     d->lib = lib;
     d->wait_fd = -1;
+    d->wake.fd = d->wake.send_fd = -1;
     pthread_mutex_init(&d->dead_mu, NULL);
     d->rx_posted.next = d->rx_posted.prev = &d->rx_posted;
 
@@ -1253,8 +1302,10 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
         goto out_close;
     }
     d->addr_len = name_len;
-    if (d->shm117)
+    if (d->shm117) {
         d->self_path = shm_path(name, name_len); /* NULL: the self-unwedge is skipped */
+        (void)ofi_wake_open(&d->wake, d->self_path); /* failing: naps on timers, as before */
+    }
     if (d->source)
         trust_sources(d, name);
     inproc_add(d, name, name_len);
@@ -1288,7 +1339,7 @@ static int ofi_caps(afp_domain *d, afp_caps *out)
     out->max_msg_size = d->max_msg_size;
     out->inject_size = d->inject_size;
     out->addr_len = (uint32_t)d->addr_len;
-    out->wait_fd = d->wait_fd;
+    out->wait_fd = d->wake.hdr ? d->wake.fd : d->wait_fd;
     return 0;
 }
 
@@ -1513,7 +1564,7 @@ static int post_rma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *po
             rc = AFP_EAGAIN; /* every context in flight: the shim polls, then retries */
             break;
         }
-        op->peer = w->peer;
+        op_to(d, op, w->peer);
         iov.iov_base = w->local_addr;
         iov.iov_len = w->length;
         desc = w->local_desc;
@@ -1542,6 +1593,7 @@ static int post_rma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *po
                                    : fail(d, read ? "fi_readmsg" : "fi_writemsg", ret);
             break;
         }
+        kick(d, w->peer);
     }
     *posted = i;
     return rc;
@@ -1578,7 +1630,7 @@ static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
     struct ofi_op *op = op_get(d, AFP_EV_SEND_DONE, ctx);
     if (!op)
         return AFP_EAGAIN;
-    op->peer = peer;
+    op_to(d, op, peer);
     struct iovec iov = {.iov_base = (void *)(uintptr_t)buf, .iov_len = len};
     struct fi_msg msg = {
         .msg_iov = &iov,
@@ -1592,6 +1644,7 @@ static int ofi_post_send(afp_domain *d, uint64_t peer, const void *buf, uint64_t
         op_put(d, op);
         return ret == -FI_EAGAIN ? AFP_EAGAIN : fail(d, "fi_sendmsg", ret);
     }
+    kick(d, peer);
     return 0;
 }
 
@@ -1748,8 +1801,13 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
     int rc = 0;
 
     if (d->shm117) { /* before reading: released slots complete in this very call */
+        uint64_t now = mono_ns();
         take_dead(d);
-        check_dropped(d, mono_ns());
+        check_dropped(d, now);
+        if (d->wake.hdr) {
+            ofi_wake_awake(&d->wake);
+            rekick(d, now);
+        }
     }
     /* Each entry yields at most one event, so reading no more entries than there are
      * free event slots means nothing read is ever dropped. */
@@ -1827,6 +1885,15 @@ static int ofi_poll_from(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t m
 
 static int ofi_trywait(afp_domain *d)
 {
+    if (d->wake.hdr) { /* 1.17 shm: nothing of ours in flight, nothing queued to us */
+        if (d->tx_inflight || d->stealing || !self_region(d))
+            return AFP_EAGAIN;
+        ofi_wake_sleepy(&d->wake);
+        if (ofi_shm_idle(d->self_base, d->self_len))
+            return 0;
+        ofi_wake_awake(&d->wake);
+        return AFP_EAGAIN;
+    }
     /* No fd to sleep on, or emulation work whose events come from our own cancels. */
     if (d->wait_fd < 0 || d->stealing)
         return AFP_EAGAIN;
