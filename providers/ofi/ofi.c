@@ -103,6 +103,7 @@ struct shm_peer {
     uint64_t looked_ns;  /* when peer_region last looked for it */
     ofi_wake_peer wk;    /* 1.17: its wake-up word and socket (ofi_wake.c) */
     uint32_t pending;    /* our operations in flight to it */
+    uint64_t kicked_ns;  /* when we last sent it a wake-up */
 };
 
 /* A peer that is a domain of this same process (see inproc_*). */
@@ -583,6 +584,14 @@ static void op_to(afp_domain *d, struct ofi_op *op, uint64_t fa)
         d->shm_peers[fa].pending++;
 }
 
+/* While operations of ours are pending to a peer, its progress may be needed more than
+ * once (1.17's bounce-buffer protocol): a peer that went to sleep meanwhile is woken again,
+ * looked at every REKICK_NS while we poll. A peer just sent a wake-up gets no other for
+ * KICK_GAP_NS (a batch of writes to a sleeping peer sends one datagram, not one each): one
+ * that went back to sleep within it is woken by the next look. */
+#define REKICK_NS 100000ull
+#define KICK_GAP_NS 20000ull
+
 /* 1.17 shm: after posting to `fa`, wake it if it sleeps (ofi_wake.c). */
 static void kick(afp_domain *d, uint64_t fa)
 {
@@ -590,13 +599,15 @@ static void kick(afp_domain *d, uint64_t fa)
         return;
     struct shm_peer *sp = &d->shm_peers[fa];
     ofi_wake_peer_open(&sp->wk, sp->path);
+    if (!ofi_wake_sleeps(&sp->wk))
+        return;
+    uint64_t now = mono_ns();
+    if (now - sp->kicked_ns < KICK_GAP_NS)
+        return;
+    sp->kicked_ns = now;
     ofi_wake_kick(&d->wake, &sp->wk);
 }
 
-/* While operations of ours are pending to a peer, its progress may be needed more than
- * once (1.17's bounce-buffer protocol): a peer that went to sleep meanwhile is woken again,
- * looked at every REKICK_NS while we poll. */
-#define REKICK_NS 100000ull
 static void rekick(afp_domain *d, uint64_t now)
 {
     if (!d->tx_inflight || now - d->rekick_ns < REKICK_NS)

@@ -159,12 +159,17 @@ void ofi_wake_peer_open(ofi_wake_peer *p, const char *region_path)
     p->hdr = h;
 }
 
+bool ofi_wake_sleeps(const ofi_wake_peer *p)
+{
+    if (!p->hdr)
+        return false;
+    atomic_thread_fence(memory_order_seq_cst); /* our post, then its word */
+    return atomic_load_explicit(&p->hdr->sleeping, memory_order_relaxed) != 0;
+}
+
 void ofi_wake_kick(const ofi_wake *w, const ofi_wake_peer *p)
 {
     if (!p->hdr || w->send_fd < 0)
-        return;
-    atomic_thread_fence(memory_order_seq_cst); /* our post, then its word */
-    if (!atomic_load_explicit(&p->hdr->sleeping, memory_order_relaxed))
         return;
     char one = 1;
     (void)sendto(w->send_fd, &one, 1, MSG_DONTWAIT, (const struct sockaddr *)&p->sa, p->sa_len);

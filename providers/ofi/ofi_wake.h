@@ -46,7 +46,9 @@ __attribute__((visibility("hidden"))) void ofi_wake_awake(ofi_wake *w);
  * without. Looked up once. */
 __attribute__((visibility("hidden"))) void ofi_wake_peer_open(ofi_wake_peer *p,
                                                               const char *region_path);
-/* After posting to it: one datagram if it sleeps. */
+/* After posting to it: whether it sleeps (its word, read after a full fence: our post
+ * first); if so, one datagram wakes it. */
+__attribute__((visibility("hidden"))) bool ofi_wake_sleeps(const ofi_wake_peer *p);
 __attribute__((visibility("hidden"))) void ofi_wake_kick(const ofi_wake *w, const ofi_wake_peer *p);
 __attribute__((visibility("hidden"))) void ofi_wake_peer_close(ofi_wake_peer *p);
 
