@@ -1,6 +1,6 @@
 """Which side's polling costs small shm writes (issue 15): pbench.py's loops, with the
-writer's spin window from $WSPIN (microseconds, default 50) and the target's polling from
-$TPOLL. Usage: pollmx.py PROV POLLING SIZES REGIONS [lat]."""
+writer's spin window from $WSPIN and the target's from $TSPIN (microseconds, default 50),
+the target's polling from $TPOLL. Usage: pollmx.py PROV POLLING SIZES REGIONS [lat]."""
 
 import asyncio
 import multiprocessing as mp
@@ -19,7 +19,7 @@ REGION = 128 << 20
 
 def target(conn: Any, prov: str, polling: str) -> None:
     async def run() -> None:
-        async with Engine(prov, polling=polling) as eng:
+        async with Engine(prov, polling=polling, spin_us=int(os.environ.get("TSPIN", "50"))) as eng:
             buf = np.ones(REGION, dtype=np.uint8)
             mr = eng.register(buf)
             conn.send(bytes(mr.descriptor))
