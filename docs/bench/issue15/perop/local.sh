@@ -18,4 +18,4 @@ p2p() { timeout 400 "$PY" -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M
   echo "=== trigger $(date +%T)"; timeout 200 "$PY" -m afabric.cli bench trigger --quick
   for p in shm tcp cma; do timeout 30 "$PY" docs/bench/issue15/idle.py $p; done
   echo "=== end $(date +%T)"
-} 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/local.log"
+} 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/${LOG:-local.log}"
