@@ -154,49 +154,28 @@ def _read_sizes(args: argparse.Namespace) -> list[int]:
     return list(args.sizes or (QUICK_READ if args.quick else READ_SIZES))
 
 
-async def _write_rows(
-    args: argparse.Namespace, eng: Engine, slots: _Slots, desc: MrDesc, sizes: list[int], bar: Progress
+async def _contig_rows(
+    args: argparse.Namespace, eng: Engine, slots: _Slots, desc: MrDesc, sizes: list[int], bar: Progress,
+    *, read: bool = False,
 ) -> list[Row]:
-    """Contiguous writes: Python, the raw C loop and fi_rma_bw -o writedata, alternately."""
+    """Contiguous writes (reads of the target's region into ours with ``read``): Python,
+    the raw C loop and fi_rma_bw (-o writedata / -o read), alternately."""
+    kind = "read" if read else "write"
     rows: list[Row] = []
     for size in sizes:
-        bar.step(f"write {_fmt_size(size)}")
+        bar.step(f"{kind} {_fmt_size(size)}")
         window, iters = _window_for(size), _iters_for(size, args.quick)
         mr, span = slots.region(size), slots.span(size)
         raw_loop = RawLoop(eng, mr, desc)
-        row = Row("write", size, 1, window)
+        row = Row(kind, size, 1, window)
         py: list[float] = []
         raw: list[float] = []
         fi: list[float] = []
         for _ in range(args.repeat):  # alternately: the C library, then afabric
-            fi += await _rma_bw(args, size, window)
-            py.append(await _py_writes(eng, mr, desc, size, window, iters, span=span))
-            raw.append(_raw(raw_loop.write(size, window, iters), iters))
-        _fill(row, py, raw, size)
-        row.fi_gbps = statistics.median(fi) if fi else 0.0
-        rows.append(row)
-        bar.advance()
-    return rows
-
-
-async def _read_rows(
-    args: argparse.Namespace, eng: Engine, slots: _Slots, desc: MrDesc, bar: Progress
-) -> list[Row]:
-    """Reads of the target's region into ours: Python, the raw C loop and fi_rma_bw -o read."""
-    rows = []
-    for size in _read_sizes(args):
-        bar.step(f"read {_fmt_size(size)}")
-        mr, span = slots.region(size), slots.span(size)
-        raw_loop = RawLoop(eng, mr, desc)
-        window, iters = _window_for(size), _iters_for(size, args.quick)
-        row = Row("read", size, 1, window)
-        py: list[float] = []
-        raw: list[float] = []
-        fi: list[float] = []
-        for _ in range(args.repeat):
-            fi += await _rma_bw(args, size, window, "read")
-            py.append(await _py_writes(eng, mr, desc, size, window, iters, read=True, span=span))
-            raw.append(_raw(raw_loop.read(size, window, iters), iters))
+            fi += await _rma_bw(args, size, window, "read" if read else "writedata")
+            py.append(await _py_writes(eng, mr, desc, size, window, iters, read=read, span=span))
+            raw_ns = raw_loop.read(size, window, iters) if read else raw_loop.write(size, window, iters)
+            raw.append(_raw(raw_ns, iters))
         _fill(row, py, raw, size)
         row.fi_gbps = statistics.median(fi) if fi else 0.0
         rows.append(row)
@@ -273,8 +252,9 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
         mr = eng.register(src)
         raw_loop = RawLoop(eng, mr, desc)  # paged rows: the raw loop drives the same imported descriptor
         slots = _Slots(eng, src, mr, args.pattern)
-        rows = await _write_rows(args, eng, slots, desc, sizes, bar)
-        rows += [await _many_row(args, eng, slots, desc, bar), *await _read_rows(args, eng, slots, desc, bar)]
+        rows = await _contig_rows(args, eng, slots, desc, sizes, bar)
+        rows.append(await _many_row(args, eng, slots, desc, bar))
+        rows += await _contig_rows(args, eng, slots, desc, _read_sizes(args), bar, read=True)
         slots.close()
         rng = np.random.default_rng(1)
         for page in pages:
