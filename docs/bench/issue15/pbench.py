@@ -1,7 +1,8 @@
 """Device bench: afabric raw C loop and Python lanes, against one buffer (as fi_rma_bw does:
 every write to offset 0) and across a 128 MiB span (as `afabric bench p2p` does), plus the
 awaited 8 B write latency. Usage: pbench.py PROV POLLING SIZES REGIONS [lat]
-(the target polls as $TPOLL says when set, else as POLLING)."""
+(the target polls as $TPOLL says when set, else as POLLING; $WSPIN and $TSPIN set the
+writer's and the target's spin_us, default 50)."""
 
 import asyncio
 import multiprocessing as mp
@@ -20,7 +21,7 @@ REGION = 128 << 20
 
 def target(conn: Any, prov: str, polling: str) -> None:
     async def run() -> None:
-        async with Engine(prov, polling=polling) as eng:
+        async with Engine(prov, polling=polling, spin_us=int(os.environ.get("TSPIN", "50"))) as eng:
             buf = np.ones(REGION, dtype=np.uint8)
             mr = eng.register(buf)
             conn.send(bytes(mr.descriptor))
@@ -48,7 +49,7 @@ async def main(prov: str, polling: str, sizes: list[int], regions: list[str], la
     p = ctx.Process(target=target, args=(b, prov, os.environ.get("TPOLL", polling)), daemon=True)
     p.start()
     desc = MrDesc.from_bytes(a.recv())
-    eng = Engine(prov, polling=polling)
+    eng = Engine(prov, polling=polling, spin_us=int(os.environ.get("WSPIN", "50")))
     src = np.ones(REGION, dtype=np.uint8)
     big = eng.register(src)
     for size in sizes:
@@ -62,7 +63,8 @@ async def main(prov: str, polling: str, sizes: list[int], regions: list[str], la
             raw = sorted(size * iters / loop.write(size, lanes, iters) for _ in range(3))[1]
             pyi = min(iters, 20000)
             py = sorted([await py_lanes(eng, mr, desc, size, lanes, pyi, span) for _ in range(3)])[1]
-            row = f"ROW {prov} {polling}/{os.environ.get('TPOLL', polling)} {size} {region} W={lanes}"
+            who = f"{polling}(spin_us={os.environ.get('WSPIN', '50')})/{os.environ.get('TPOLL', polling)}"
+            row = f"ROW {prov} {who} {size} {region} W={lanes}"
             print(f"{row} raw_GBps={raw:.2f} py_GBps={py:.2f}", flush=True)
             if mr is not big:
                 eng.deregister(mr)

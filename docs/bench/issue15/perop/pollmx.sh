@@ -3,7 +3,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
 [ -d /tmp/site-new ] || "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-new .whl-ab/new/afabric-*.whl
-run() { PYTHONPATH=/tmp/site-new timeout 120 "$PY" -P docs/bench/issue15/perop/pollmx.py shm "$@" 4096,65536 one; }
+run() { PYTHONPATH=/tmp/site-new timeout 120 "$PY" -P docs/bench/issue15/pbench.py shm "$@" 4096,65536 one; }
 {
   for r in 1 2; do
     TPOLL=adaptive run adaptive
