@@ -73,10 +73,13 @@ class MessagingMixin:
     fabric_provider: str
     log: logging.Logger
     _closed: bool
+    _polling: bool
+    _poll_window: float
 
     if TYPE_CHECKING:
 
         def _check_loop(self) -> None: ...
+        def _start_poll(self) -> None: ...
         def _peer(self, address: Any) -> tuple[int, int]: ...
         async def _wait(self, op_id: int, verb: str, peer: int, refs: tuple[Any, ...], kind: str) -> None:
             return None
@@ -190,6 +193,8 @@ class MessagingMixin:
 
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op_id] = _Op(fut, "send (fragment)", inc, (), "send")
+        if not self._polling and self._poll_window:
+            self._start_poll()  # a stream of fragments: _poll_tick stops when many are in flight
         return fut
 
     def _post(self, peer: Address, kind: int, a: int = 0, b: int = 0, c: int = 0) -> None:

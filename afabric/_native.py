@@ -303,6 +303,10 @@ class NativeEngine:
         # The same records as numpy columns: drain() reads a batch of plain successes (most
         # of them) as one column of ids instead of one Event per record.
         self._cols = np.ctypeslib.as_array(self._ring)
+        # drain()'s arguments made once: ctypes converts a pointer of the declared type and a
+        # c_uint32 (passed by reference) faster than the array and a byref() per call
+        self._ring_ptr = ctypes.cast(self._ring, ctypes.POINTER(Completion))
+        self._count = ctypes.c_uint32()
         # write()'s result word for the creating thread only (Engine's loop thread): it
         # reads it right after its own call, with no Python of another thread in between
         self._owner = threading.get_ident()
@@ -315,6 +319,8 @@ class NativeEngine:
         f = self._s.f
         self._submit = f.afs_submit_req
         self._drain = f.afs_drain
+        self._poll = f.afs_poll
+        self._pending = f.afs_pending
 
     @property
     def open(self) -> bool:
@@ -643,20 +649,33 @@ class NativeEngine:
         rc = self._s.f.afs_recv_release(self._handle(), arr, len(slots))
         self._s.check(rc, "releasing receive buffers", self.provider)
 
-    def drain(self, room: int | None = None, plain: list[int] | None = None) -> list[Event]:
+    def pending(self) -> int:
+        """Records a drain would return now: a cheap look for a loop that polls (it asks
+        the worker not to signal the event fd, as ``drain(poll=True)`` does)."""
+        h = self._h
+        return 0 if h is None else self._pending(h)
+
+    def drain(
+        self, room: int | None = None, plain: list[int] | None = None, poll: bool = False
+    ) -> list[Event]:
         """Every completion ready now (one ctypes call per 256 records). Receive buffers
         go back to the provider at once, except those of messages beyond the first
         ``room`` (None: no limit): their events carry the slot, for release_recv. With
         ``plain``, successful DONE records with nothing attached (the common case) go into
         it as operation ids, no Event made (per-operation cost, README "Python cost per
-        operation"); everything else comes back as Events."""
+        operation"); everything else comes back as Events. ``poll``: the caller looks again
+        soon, so the worker is asked not to signal the event fd (afs_poll); the caller's last
+        look must be a plain drain."""
         h = self._handle()
+        fn = self._poll if poll else self._drain
         out: list[Event] = []
         release: list[int] = []
-        count = ctypes.c_uint32()
+        ring, count = self._ring_ptr, self._count
         while True:
-            self._drain(h, self._ring, self.DRAIN_BATCH, ctypes.byref(count))
+            fn(h, ring, self.DRAIN_BATCH, count)
             n = count.value
+            if n == 0:
+                break
             if plain is not None and self._all_plain(n):
                 plain += self._cols["id"][:n].tolist()
             else:

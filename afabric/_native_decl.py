@@ -484,6 +484,16 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
             ctypes.POINTER(ctypes.c_uint32),
         ],
     ),
+    "afs_poll": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.POINTER(Completion),
+            ctypes.c_uint32,
+            ctypes.POINTER(ctypes.c_uint32),
+        ],
+    ),
+    "afs_pending": (ctypes.c_uint32, [EngineHandle]),
     "afs_timing_drain": (
         ctypes.c_int32,
         [

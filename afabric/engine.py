@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -45,6 +46,22 @@ WORKER_STUCK_S = _native.STUCK_MS / 1000
 _NO_IMM = _native.NO_IMM
 U64_MAX = (1 << 64) - 1
 _REMOTE_CACHE_MAX = 65536
+# The loop polls the completion ring (Engine._poll_tick) only with this few operations in
+# flight: where it waits for one or a few, the fd's wake-up is the latency; with many, the
+# loop has work anyway and one fd signal per batch of completions is cheaper.
+_POLL_MAX_IN_FLIGHT = 4
+# Nor where a write needs the target's worker to copy it (CAP_TARGET_COPIES: libfabric tcp,
+# shm) and the process has fewer CPUs than this: there the polling loop is a third spinning
+# thread beside the worker and the target's, and takes the time the target needs (2 CPUs,
+# shm: awaited 8 B p50 median 75 -> 111 µs over four runs; BENCHMARKS.md).
+_POLL_MIN_CPUS = 4
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _u64(value: Any, name: str) -> int:
@@ -152,8 +169,14 @@ def _imm(value: Any) -> int:
 
 def _on_ready(ref: weakref.ref[Engine]) -> None:
     eng = ref()
+    if eng is not None and eng._process():
+        eng._woken += 1
+
+
+def _on_poll(ref: weakref.ref[Engine]) -> None:
+    eng = ref()
     if eng is not None:
-        eng._process()
+        eng._poll_tick()
 
 
 # ---- fork ----
@@ -250,6 +273,12 @@ class Engine(MessagingMixin):
             raise errors.InvalidArgument("op_timeout must be a number of seconds >= 0 (0 = never)")
         # checked here: ctypes would silently truncate these into the config's 32-bit fields
         _bounded(spin_us, "spin_us", 0, 10_000_000)
+        # While it awaits a few operations the loop looks at the ring itself until spin_us
+        # passed without a completion (_poll_tick): no eventfd write, no epoll wake-up.
+        self._poll_window = spin_us / 1e6
+        self._polling = False
+        self._poll_last = 0.0
+        self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
         _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
         _bounded(rx_depth, "rx_depth", 1, 65535)
         _bounded(tx_depth, "tx_depth", 1, 65535)
@@ -311,6 +340,8 @@ class Engine(MessagingMixin):
         self.max_message_size: int = int(facts.max_msg_size)
         self.max_write_size: int = int(facts.max_write_size)
         self.caps: int = int(facts.caps)
+        if self.caps & _native.CAP_TARGET_COPIES and _usable_cpus() < _POLL_MIN_CPUS:
+            self._poll_window = 0.0  # the loop does not poll (_POLL_MIN_CPUS)
         self.nics: int = int(facts.nics)
         """NICs in this engine's group (contiguous writes are split across them)."""
         self.address: Address = Address(self._n.address())
@@ -345,7 +376,8 @@ class Engine(MessagingMixin):
         self._timings_dropped = 0
         self._first_posts: collections.deque[tuple[int, int]] | None = None  # benchmarks
         self._created_at = traceback.format_stack() if self._loop.get_debug() else None
-        self._loop.add_reader(self._fd, _on_ready, weakref.ref(self))
+        self._wref = weakref.ref(self)
+        self._loop.add_reader(self._fd, _on_ready, self._wref)
         self._closed = False
         self._stuck: errors.AfabricError | None = None  # why the engine closed itself
         _track(self)
@@ -514,7 +546,9 @@ class Engine(MessagingMixin):
         immediates of a new value that found ``max_imm_values`` values in the table) plus the
         operations this engine is waiting on and the received-message queue
         (``messages_queued``, ``messages_held_back``, ``backpressure``, per tag, large
-        messages; :class:`afabric.EngineStats` lists and explains every key). Cheap: read
+        messages; how often the loop found completions by polling the ring itself and how
+        often the event fd had to wake it: ``loop_polled``, ``loop_woken``;
+        :class:`afabric.EngineStats` lists and explains every key). Cheap: read
         it as often as you like."""
         self._check_open()
         return {
@@ -524,6 +558,8 @@ class Engine(MessagingMixin):
             "buffers_held": len(self._held),
             **self._message_stats(),
             "max_imm_values": self._max_imm_values,
+            "loop_polled": self._polled,
+            "loop_woken": self._woken,
             "nics": [cast(NicStats, self._n.stats(k)) for k in range(self.nics)],
         }
 
@@ -704,6 +740,8 @@ class Engine(MessagingMixin):
     ) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op_id] = _Op(fut, verb, peer, refs, kind)
+        if not self._polling and self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
+            self._start_poll()
         # If the awaiting task is cancelled the op stays in _ops, keeping `refs` (the
         # buffers) alive until the native completion: the NIC may still be reading them.
         # A triggered op that has not fired yet is disarmed instead (the shim answers the
@@ -759,6 +797,8 @@ class Engine(MessagingMixin):
             op = self._n.write("write", *args)
             fut: asyncio.Future[None] = self._loop.create_future()
             self._ops[op] = _Op(fut, "write", peer, (mr,), "write")
+            if not self._polling and self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
+                self._start_poll()
             await fut  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
             return
         if length_from is None:
@@ -1090,13 +1130,40 @@ class Engine(MessagingMixin):
 
     # ---- completions ----
 
-    def _process(self) -> None:
-        """Reader callback: drain the ring and resolve futures (on the loop's thread)."""
+    def _start_poll(self) -> None:
+        self._polling = True
+        self._poll_last = time.monotonic()
+        self._loop.call_soon(_on_poll, self._wref)
+
+    def _poll_tick(self) -> None:
+        """One look at the ring from the loop: a callback that schedules itself again until
+        spin_us passed since the last completion (or submission that started it), or many
+        operations are in flight (a busy loop drains in batches when the fd says so). The
+        last look is a plain drain, which asks the worker to signal the fd again."""
         if self._closed:
+            self._polling = False
             return
+        now = time.monotonic()
+        if self._n.pending() and self._process(poll=True):
+            self._poll_last = now
+            self._polled += 1
+        if self._closed:
+            self._polling = False
+        elif now - self._poll_last < self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
+            self._loop.call_soon(_on_poll, self._wref)
+        else:
+            self._polling = False
+            if self._process():
+                self._polled += 1
+
+    def _process(self, poll: bool = False) -> bool:
+        """Drain the ring and resolve futures (on the loop's thread): the fd's reader
+        callback, and _poll_tick's look. Returns whether there was anything."""
+        if self._closed:
+            return False
         room = self._recv_room()
         plain: list[int] | None = [] if self._first_posts is None else None
-        events = self._n.drain(room, plain)
+        events = self._n.drain(room, plain, poll)
         if plain:
             self._succeeded(plain)
         for ev in events:
@@ -1116,13 +1183,14 @@ class Engine(MessagingMixin):
                 self._deliver(ev.payload or b"", ev.slot, ev.id)
             elif ev.kind == _native.C_STUCK:
                 self._on_stuck(ev)
-                return
+                return True
             elif ev.kind == _native.C_NOTICE and ev.id == _native.NOTICE_IMMS_DROPPED:
                 self.log.warning(
                     "%d immediate(s) of new values dropped so far: the counter table holds "
                     "max_imm_values=%d distinct values (expect them before they arrive, or "
                     "raise the limit)", ev.total, self._max_imm_values,
                 )  # fmt: skip
+        return bool(plain or events)
 
     def _peer_closed_here(self, blob: bytes) -> None:
         """An engine of this process that this one resolved closed (_tell_closed_in_process)."""

@@ -55,4 +55,6 @@ class EngineStats(MessageStats):
     ops_in_flight: int
     buffers_held: int
     max_imm_values: int
+    loop_polled: int  # times the loop's own look at the completion ring found completions
+    loop_woken: int  # ... and times the event fd woke the loop with completions to take
     nics: list[NicStats]

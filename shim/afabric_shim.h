@@ -345,6 +345,13 @@ AFS_API int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id);
 AFS_API int32_t afs_imm_return(afs_engine *eng, uint32_t imm, uint64_t count);
 
 AFS_API int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count);
+/* afs_drain for a consumer that polls: the event fd is neither read nor asked to be signalled
+ * (the worker skips its write while the consumer looks); its last look must be afs_drain,
+ * which asks for the signal again before it reports the ring empty. */
+AFS_API int32_t afs_poll(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count);
+/* How many records afs_poll would return now (a cheap look, no syscall); like afs_poll it
+ * asks the worker not to signal the event fd. */
+AFS_API uint32_t afs_pending(afs_engine *eng);
 /* Timing records of completed operations (oldest first); *dropped gets how many were
  * overwritten because nobody drained them in time. */
 AFS_API int32_t afs_timing_drain(afs_engine *eng, afs_op_timing *out, uint32_t max,

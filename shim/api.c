@@ -543,11 +543,11 @@ int32_t afs_imm_return(afs_engine *eng, uint32_t imm, uint64_t count)
     return 0;
 }
 
-int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count)
+static int32_t drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count, bool poll)
 {
     if (!eng || !out || !count)
         return afs_fail(AFS_EINVAL, "drain: NULL argument");
-    *count = afs_ring_drain(&eng->ring, out, max);
+    *count = afs_ring_drain(&eng->ring, out, max, poll);
     /* A stuck worker (peers.c) is reported once, after everything it pushed before. */
     if (*count < max && !eng->stuck_reported &&
         atomic_load_explicit(&eng->stuck, memory_order_acquire)) {
@@ -560,6 +560,26 @@ int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *
         eng->stuck_reported = true;
     }
     return 0;
+}
+
+int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count)
+{
+    return drain(eng, out, max, count, false);
+}
+
+int32_t afs_poll(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count)
+{
+    return drain(eng, out, max, count, true);
+}
+
+uint32_t afs_pending(afs_engine *eng)
+{
+    if (!eng)
+        return 0;
+    uint64_t n = afs_ring_pending(&eng->ring);
+    if (!eng->stuck_reported && atomic_load_explicit(&eng->stuck, memory_order_acquire))
+        n++;
+    return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
 int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)

@@ -76,7 +76,9 @@ int afs_ring_init(afs_ring *r, uint32_t capacity);
 void afs_ring_destroy(afs_ring *r);
 void afs_ring_push(afs_ring *r, const afs_completion *c); /* worker */
 void afs_ring_flush(afs_ring *r);                         /* worker: overflow + eventfd */
-uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max); /* consumer */
+/* consumer; poll: leave the eventfd alone and ask for no signal (the consumer looks again) */
+uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max, bool poll);
+uint64_t afs_ring_pending(afs_ring *r); /* consumer: records ready, and no signal wanted */
 
 /* ---- immtab.c: immediate counters ---- */
 typedef struct afs_imm_entry {

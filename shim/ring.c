@@ -1,7 +1,8 @@
 /*
  * Completion ring: the worker produces, the Python thread consumes (one ctypes call
  * drains many records). The worker writes the eventfd only when the consumer said it
- * is about to wait, so a busy stream costs no syscall per completion.
+ * is about to wait, so a busy stream costs no syscall per completion, and a consumer that
+ * polls (afs_poll: its event loop looks again soon) costs none at all.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -116,10 +117,23 @@ void afs_ring_flush(afs_ring *r)
     r->pushed_since_notify = false;
 }
 
-uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max)
+uint64_t afs_ring_pending(afs_ring *r)
 {
-    uint64_t junk;
-    while (read(r->event_fd, &junk, sizeof(junk)) > 0) {
+    atomic_store(&r->consumer_waiting, 0); /* looking again soon: no signal wanted */
+    atomic_thread_fence(memory_order_seq_cst);
+    return atomic_load_explicit(&r->tail, memory_order_acquire) -
+           atomic_load_explicit(&r->head, memory_order_relaxed);
+}
+
+uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max, bool poll)
+{
+    if (poll) {
+        /* The consumer keeps looking: the worker need not signal (no syscall either side). */
+        atomic_store(&r->consumer_waiting, 0);
+    } else {
+        uint64_t junk;
+        while (read(r->event_fd, &junk, sizeof(junk)) > 0) {
+        }
     }
     uint32_t n = 0;
     for (int pass = 0; pass < 2 && n < max; pass++) {
@@ -131,6 +145,8 @@ uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max)
         }
         atomic_store_explicit(&r->head, head, memory_order_release);
         if (n == max)
+            return n;
+        if (poll)
             return n;
         if (pass == 0) {
             /* About to report "empty": ask for a wakeup, then look once more. */

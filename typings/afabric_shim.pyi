@@ -207,6 +207,14 @@ class ShimLib:
         """int32_t afs_drain(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count);"""
 
     @staticmethod
+    def afs_poll(eng: EngineHandle, out: _Ref[Completion], max: int, count: _Ref[c_uint32]) -> int:
+        """int32_t afs_poll(afs_engine *eng, afs_completion *out, uint32_t max, uint32_t *count);"""
+
+    @staticmethod
+    def afs_pending(eng: EngineHandle) -> int:
+        """uint32_t afs_pending(afs_engine *eng);"""
+
+    @staticmethod
     def afs_timing_drain(
         eng: EngineHandle,
         out: _Ref[OpTimingStruct],

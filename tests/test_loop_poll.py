@@ -1,0 +1,106 @@
+"""The event loop polls the completion ring itself while it waits for a few operations
+(Engine._poll_tick), so an awaited write does not wait for the event fd's wake-up; with
+``spin_us=0``, once the window passed, or where the target's worker must copy each write
+and the process has few CPUs (the poller would take its time), the fd wakes it as before."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from afabric import Engine
+
+WRITES = 100
+
+
+@contextlib.contextmanager
+def _cpus(n: int) -> Iterator[None]:
+    """This thread (and the engines' threads it starts) on the first n CPUs it may use."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(before)[:n])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+async def _polled_and_woken(provider: str, spin_us: int) -> tuple[int, int]:
+    """WRITES awaited writes one at a time, each checked at the target: the writer's
+    loop_polled and loop_woken."""
+    async with Engine(provider) as target:
+        dst = np.zeros(4096, np.uint8)
+        desc = target.register(dst).descriptor
+        async with Engine(provider, spin_us=spin_us) as writer:
+            src = writer.register(np.zeros(4096, np.uint8))
+            for i in range(1, WRITES + 1):
+                src.buffer[:] = i % 256
+                await writer.write(src, desc, 4096)
+                assert (dst == i % 256).all()
+            st = writer.stats()
+    return st["loop_polled"], st["loop_woken"]
+
+
+async def test_awaited_writes_are_found_by_polling() -> None:
+    """cma (the writer copies): with a window longer than any write here takes, nearly every
+    completion is found by the loop's look (the worker is told not to signal the fd);
+    without a window, none is."""
+    polled, _ = await _polled_and_woken("cma", 1_000_000)
+    assert polled >= WRITES // 2
+    polled, woken = await _polled_and_woken("cma", 0)
+    assert (polled, woken >= WRITES // 2) == (0, True)
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+async def test_no_polling_where_the_target_copies_on_few_cpus(provider: str) -> None:
+    """tcp and shm writes complete when the target's worker copied them: on one CPU the
+    loop does not poll (the fd wakes it for every completion)."""
+    with _cpus(1):
+        polled, woken = await _polled_and_woken(provider, 1_000_000)
+    assert (polled, woken >= WRITES // 2) == (0, True)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 4, reason="needs 4 CPUs")
+async def test_polling_where_the_target_copies_on_enough_cpus() -> None:
+    polled, _ = await _polled_and_woken("tcp", 1_000_000)
+    assert polled >= WRITES // 2
+
+
+async def test_a_write_longer_than_the_window_is_woken_by_the_fd() -> None:
+    """The loop stops looking spin_us after the write started; the last look asks the worker
+    to signal the fd again, which then wakes the loop for the completion."""
+    async with Engine("cma") as target:
+        dst = np.zeros(32 << 20, np.uint8)
+        desc = target.register(dst).descriptor
+        async with Engine("cma", spin_us=1) as writer:
+            src = writer.register(np.full(32 << 20, 7, np.uint8))
+            await asyncio.wait_for(writer.write(src, desc, 32 << 20), 30)
+            assert writer.stats()["loop_woken"] >= 1
+    assert (dst == 7).all()
+
+
+async def test_closing_while_the_loop_polls() -> None:
+    """Writes in flight when the engine closes fail with a typed error; the loop's look,
+    already scheduled, finds the engine closed and stops (no error on the loop)."""
+    errors_seen: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors_seen.append(ctx))
+    try:
+        async with Engine("cma") as target:
+            desc = target.register(np.zeros(1 << 20, np.uint8)).descriptor
+            writer = Engine("cma", spin_us=1_000_000)
+            src = writer.register(np.zeros(1 << 20, np.uint8))
+            tasks = [asyncio.ensure_future(writer.write(src, desc, 1 << 20)) for _ in range(4)]
+            await asyncio.sleep(0)
+            await writer.aclose()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(r is None or type(r).__module__ == "afabric.errors" for r in results), results
+            await asyncio.sleep(0.01)
+            assert not writer._polling
+    finally:
+        loop.set_exception_handler(None)
+    assert errors_seen == []
