@@ -1139,22 +1139,28 @@ class Engine(MessagingMixin):
         """One look at the ring from the loop: a callback that schedules itself again until
         spin_us passed since the last completion (or submission that started it), or many
         operations are in flight (a busy loop drains in batches when the fd says so). The
-        last look is a plain drain, which asks the worker to signal the fd again."""
-        if self._closed:
-            self._polling = False
-            return
-        now = time.monotonic()
-        if self._n.pending() and self._process(poll=True):
-            self._poll_last = now
-            self._polled += 1
-        if self._closed:
-            self._polling = False
-        elif now - self._poll_last < self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
-            self._loop.call_soon(_on_poll, self._wref)
-        else:
-            self._polling = False
-            if self._process():
+        last look is a plain drain, which asks the worker to signal the fd again: also when
+        this one raised, so that the fd never stays unasked for."""
+        again = False
+        try:
+            if self._closed:
+                return
+            now = time.monotonic()
+            if self._n.pending() and self._process(poll=True):
+                self._poll_last = now
                 self._polled += 1
+            again = (
+                not self._closed
+                and now - self._poll_last < self._poll_window
+                and len(self._ops) <= _POLL_MAX_IN_FLIGHT
+            )
+        finally:
+            if again:
+                self._loop.call_soon(_on_poll, self._wref)
+            else:
+                self._polling = False
+                if self._process():
+                    self._polled += 1
 
     def _process(self, poll: bool = False) -> bool:
         """Drain the ring and resolve futures (on the loop's thread): the fd's reader

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from afabric import Engine
+from afabric import Engine, _native
 
 WRITES = 100
 
@@ -104,3 +104,41 @@ async def test_closing_while_the_loop_polls() -> None:
     finally:
         loop.set_exception_handler(None)
     assert errors_seen == []
+
+
+async def test_a_look_that_raises_leaves_the_fd_asked_for() -> None:
+    """A poll that raises (here: the drain, once) goes to the loop's exception handler; the
+    tick's last look still asks the worker to signal the fd and the poller stops, so later
+    writes complete and poll again (left marked running, with the worker told not to signal,
+    a write might never be heard of)."""
+    seen: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+    try:
+        async with Engine("cma") as target, Engine("cma", spin_us=1_000_000) as writer:
+            dst = np.zeros(4096, np.uint8)
+            desc = target.register(dst).descriptor
+            src = writer.register(np.full(4096, 5, np.uint8))
+            native = writer._n
+            drain = native.drain
+            failed: list[bool] = []
+
+            def drain_failing_once(
+                room: int | None = None, plain: list[int] | None = None, poll: bool = False
+            ) -> list[_native.Event]:
+                if poll and not failed:
+                    failed.append(True)
+                    raise RuntimeError("look failed")
+                return drain(room, plain, poll)
+
+            native.drain = drain_failing_once  # type: ignore[method-assign]
+            await asyncio.wait_for(writer.write(src, desc, 4096), 10)
+            assert failed and not writer._polling
+            polled = writer.stats()["loop_polled"]
+            for _ in range(20):
+                await asyncio.wait_for(writer.write(src, desc, 4096), 10)
+            assert (dst == 5).all()
+            assert writer.stats()["loop_polled"] >= polled + 10
+    finally:
+        loop.set_exception_handler(None)
+    assert [str(c.get("exception")) for c in seen] == ["look failed"]
