@@ -524,6 +524,7 @@ int32_t afs_cancel(afs_engine *eng, uint64_t xfer_id)
         return afs_fail(AFS_ENOMEM, "cancel: out of memory");
     x->cancel.xfer_id = xfer_id;
     afs_submit(eng, x);
+    atomic_fetch_add_explicit(&eng->cancels_submitted, 1, memory_order_release);
     return 0;
 }
 

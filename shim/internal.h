@@ -411,6 +411,7 @@ typedef struct afs_xfer {
             /* triggered operations: posted by the worker when the condition holds */
             uint32_t trig_kind; /* AFS_TRIG_* */
             bool armed;
+            bool trig_seen; /* worker.c, fire_watched: its word was seen at its value */
             uint64_t trig_watcher, trig_value;
 
             /* dynamic length (dynlen.c, AFS_REQ_WRITE only): `length` is the maximum until
@@ -549,6 +550,10 @@ struct afs_engine {
     bool watch_started;
     _Atomic int watch_stop;
     _Atomic uint32_t armed_on_watchers; /* operations waiting for a watcher value */
+    /* cancels submitted (counted after the push) and taken by the worker: fire_watched
+     * fires only once every cancel submitted before the change it saw was taken */
+    _Atomic uint64_t cancels_submitted;
+    uint64_t cancels_taken;
     void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
     uint64_t last_deadline_check;

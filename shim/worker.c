@@ -792,10 +792,56 @@ static void on_watch(afs_engine *eng, afs_xfer *req, uint64_t now)
     while (x) {
         afs_xfer *next = x->next;
         if (x->rma.trig_kind == AFS_TRIG_WATCHER && x->rma.trig_watcher == req->watch.watcher_id &&
-            req->watch.new_value >= x->rma.trig_value)
+            req->watch.new_value >= x->rma.trig_value) {
+            if (eng->timings)
+                x->t_pickup = req->t_enqueue; /* its "pickup": the watcher saw the change */
             fire(eng, x, now);
+        }
         x = next;
     }
+}
+
+/* Operations armed on a watcher fire from here as soon as the worker (awake while any is
+ * armed) sees the word reach their value: the watcher thread's pass and its hand-over
+ * through the submit queue are not on their path (2-core machine, shm: bump -> first post
+ * p50 7.8-38.8 -> 3.6-8.6 us). The watcher thread still reports every change to Python
+ * (on_watch) and fires whatever this did not. A cancel submitted before the change is
+ * taken first: seen the word, the worker notes how many cancels were submitted, takes its
+ * queue, and fires only once it took that many (else, one stuck behind a producer that is
+ * mid-push, it looks again next turn). A word is freed only at engine close. */
+static bool take_requests(afs_engine *eng, uint64_t now); /* below, with the deadlines */
+
+static bool fire_watched(afs_engine *eng, uint64_t now)
+{
+    bool any = false;
+    for (afs_xfer *x = eng->armed.head; x; x = x->next) {
+        if (x->rma.trig_kind != AFS_TRIG_WATCHER)
+            continue;
+        afs_watcher *w = afs_slots_lookup(&eng->watchers, x->rma.trig_watcher);
+        x->rma.trig_seen = w && w->word &&
+                           atomic_load_explicit(w->word, memory_order_acquire) >= x->rma.trig_value;
+        any |= x->rma.trig_seen;
+    }
+    if (!any)
+        return false;
+    uint64_t cancels = atomic_load_explicit(&eng->cancels_submitted, memory_order_acquire);
+    take_requests(eng, now);
+    bool drained = eng->cancels_taken >= cancels;
+    uint64_t seen_ns = eng->timings ? afs_now_ns() : 0;
+    afs_xfer *x = eng->armed.head;
+    while (x) {
+        afs_xfer *next = x->next;
+        if (x->rma.trig_seen) {
+            x->rma.trig_seen = false;
+            if (drained) {
+                if (eng->timings)
+                    x->t_pickup = seen_ns; /* its "pickup": the change was seen */
+                fire(eng, x, now);
+            }
+        }
+        x = next;
+    }
+    return true;
 }
 
 /* Withdraws an expectation or disarms a triggered operation (fired ones run on). */
@@ -1061,6 +1107,7 @@ static bool take_requests(afs_engine *eng, uint64_t now)
         case AFS_REQ_CANCEL:
             cancel_waiting(eng, x->cancel.xfer_id);
             afs_xfer_free(x);
+            eng->cancels_taken++;
             break;
         case AFS_REQ_WATCH:
             on_watch(eng, x, now);
@@ -1509,6 +1556,8 @@ void *afs_worker_main(void *arg)
         if (eng->postq_head)
             did |= progress_posts(eng);
         did |= retry_rx(eng);
+        if (eng->armed.head && atomic_load_explicit(&eng->armed_on_watchers, memory_order_relaxed))
+            did |= fire_watched(eng, now);
         for (uint32_t k = 0; k < eng->nnics; k++)
             did |= poll_nic(eng, k, now);
         now = afs_now_ns();

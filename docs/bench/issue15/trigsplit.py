@@ -1,0 +1,87 @@
+"""Where a triggered write's microseconds go: the bump of a watcher word (host memory, CPU
+writer) -> the watcher thread saw it (``t_pickup`` of the fired operation, ``timing=True``)
+-> its first work request posted. The bump comes from a thread (as `afabric bench trigger`'s
+writer) or from the loop itself, 200-500 µs after the write was armed; p50 / p99 µs.
+Usage: trigsplit.py PROV [thread|loop]"""
+
+import asyncio
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+from afabric import Engine, MrDesc
+
+N = 1000
+
+
+def target(conn, prov: str) -> None:  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        async with Engine(prov) as eng:
+            mr = eng.register(np.zeros(1 << 20, dtype=np.uint8))
+            conn.send(bytes(mr.descriptor))
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+    asyncio.run(run())
+
+
+def pct(v: list[int], q: float) -> float:
+    return sorted(v)[min(len(v) - 1, int(q * len(v)))] / 1e3
+
+
+async def main(prov: str, mode: str) -> None:
+    a, b = mp.get_context("spawn").Pipe()
+    p = mp.get_context("spawn").Process(target=target, args=(b, prov), daemon=True)
+    p.start()
+    desc = MrDesc.from_bytes(a.recv())
+    rng = random.Random(1)
+    async with Engine(prov, timing=True) as eng:
+        mr = eng.register(np.ones(4096, dtype=np.uint8))
+        w = eng.uvm_watcher()
+        bumps: list[int] = []
+        for k in range(1, N + 1):
+            task = asyncio.ensure_future(eng.write(mr, desc, 64, when=w.reaches(k)))
+            await asyncio.sleep(0)
+            gap = rng.uniform(200e-6, 500e-6)
+            if mode == "thread":
+                out: list[int] = []
+
+                def bump() -> None:
+                    time.sleep(gap)
+                    out.append(time.monotonic_ns())
+                    w.add(1)
+
+                th = threading.Thread(target=bump)
+                th.start()
+                await task
+                th.join()
+                bumps.append(out[0])
+            else:
+                t_end = time.monotonic() + gap
+                while time.monotonic() < t_end:
+                    pass
+                bumps.append(time.monotonic_ns())
+                w.add(1)
+                await task
+        recs = [r for r in eng.timings() if r.kind == "write"]
+        assert len(recs) == N, len(recs)
+        seen = [r.t_pickup - t for r, t in zip(recs, bumps, strict=True)]
+        post = [r.t_first_post - r.t_pickup for r in recs]
+        total = [r.t_first_post - t for r, t in zip(recs, bumps, strict=True)]
+        print(
+            f"TRIG {prov} bump={mode} p50/p99 us: bump->seen {pct(seen, .5):.2f}/{pct(seen, .99):.2f} "
+            f"seen->first post {pct(post, .5):.2f}/{pct(post, .99):.2f} total {pct(total, .5):.2f}/"
+            f"{pct(total, .99):.2f} (mean {statistics.mean(total) / 1e3:.2f})",
+            flush=True,
+        )
+        w.close()
+    a.send("x")
+    p.join(10)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "thread"))
