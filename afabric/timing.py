@@ -14,8 +14,8 @@ STAGES = ("queued", "to_first_post", "posting", "in_flight", "total")
 class OpTiming:
     """One completed operation; times are CLOCK_MONOTONIC ns (``time.monotonic_ns()``),
     0 where a stage was never reached (an operation that failed before posting). For an
-    operation triggered by a watcher, ``t_pickup`` is when the watcher thread saw the change
-    that fired it (``to_first_post``: from there to its first work request)."""
+    operation triggered by a watcher, ``t_pickup`` is when the change that fired it was seen
+    (``to_first_post``: from there to its first work request)."""
 
     id: int
     kind: str

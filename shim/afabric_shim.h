@@ -145,7 +145,8 @@ typedef struct afs_op_timing {
     uint64_t work_requests;
     uint64_t t_enqueue;    /* the caller handed it to the shim */
     uint64_t t_pickup;     /* the worker took it from the submit queue; an operation a watcher
-                              triggered: the watcher thread saw the change that fired it */
+                              triggered: the change that fired it was seen (by the worker,
+                              or by the watcher thread) */
     uint64_t t_first_post; /* its first work request was posted */
     uint64_t t_last_post;  /* its last work request was posted */
     uint64_t t_complete;   /* its last completion was seen */

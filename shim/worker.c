@@ -794,7 +794,7 @@ static void on_watch(afs_engine *eng, afs_xfer *req, uint64_t now)
         if (x->rma.trig_kind == AFS_TRIG_WATCHER && x->rma.trig_watcher == req->watch.watcher_id &&
             req->watch.new_value >= x->rma.trig_value) {
             if (eng->timings)
-                x->t_pickup = req->t_enqueue; /* its "pickup": the watcher saw the change */
+                x->t_pickup = req->t_enqueue; /* "pickup": the watcher thread saw it */
             fire(eng, x, now);
         }
         x = next;

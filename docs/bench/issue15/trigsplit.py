@@ -29,6 +29,13 @@ def target(conn, prov: str) -> None:  # type: ignore[no-untyped-def]
     asyncio.run(run())
 
 
+def bump(w, gap: float, out: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """The writer thread: sleep, note the time, bump."""
+    time.sleep(gap)
+    out.append(time.monotonic_ns())
+    w.add(1)
+
+
 def pct(v: list[int], q: float) -> float:
     return sorted(v)[min(len(v) - 1, int(q * len(v)))] / 1e3
 
@@ -49,13 +56,7 @@ async def main(prov: str, mode: str) -> None:
             gap = rng.uniform(200e-6, 500e-6)
             if mode == "thread":
                 out: list[int] = []
-
-                def bump() -> None:
-                    time.sleep(gap)
-                    out.append(time.monotonic_ns())
-                    w.add(1)
-
-                th = threading.Thread(target=bump)
+                th = threading.Thread(target=bump, args=(w, gap, out))
                 th.start()
                 await task
                 th.join()
