@@ -2,10 +2,12 @@
 writer) -> the watcher thread saw it (``t_pickup`` of the fired operation, ``timing=True``)
 -> its first work request posted. The bump comes from a thread (as `afabric bench trigger`'s
 writer) or from the loop itself, 200-500 µs after the write was armed; p50 / p99 µs.
-Usage: trigsplit.py PROV [thread|loop]"""
+``thread`` starts a thread per bump, ``writer`` keeps one (as the bench does).
+Usage: trigsplit.py PROV [thread|writer|loop]"""
 
 import asyncio
 import multiprocessing as mp
+import queue
 import random
 import statistics
 import sys
@@ -36,6 +38,12 @@ def bump(w, gap: float, out: list[int]) -> None:  # type: ignore[no-untyped-def]
     w.add(1)
 
 
+def writer(w, jobs: "queue.SimpleQueue[float | None]", out: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """A long-lived writer thread: for each gap, sleep, note the time, bump."""
+    while (gap := jobs.get()) is not None:
+        bump(w, gap, out)
+
+
 def pct(v: list[int], q: float) -> float:
     return sorted(v)[min(len(v) - 1, int(q * len(v)))] / 1e3
 
@@ -50,6 +58,11 @@ async def main(prov: str, mode: str) -> None:
         mr = eng.register(np.ones(4096, dtype=np.uint8))
         w = eng.uvm_watcher()
         bumps: list[int] = []
+        jobs: queue.SimpleQueue[float | None] = queue.SimpleQueue()
+        stamps: list[int] = []
+        wt = threading.Thread(target=writer, args=(w, jobs, stamps), daemon=True)
+        if mode == "writer":
+            wt.start()
         for k in range(1, N + 1):
             task = asyncio.ensure_future(eng.write(mr, desc, 64, when=w.reaches(k)))
             await asyncio.sleep(0)
@@ -61,6 +74,10 @@ async def main(prov: str, mode: str) -> None:
                 await task
                 th.join()
                 bumps.append(out[0])
+            elif mode == "writer":
+                jobs.put(gap)
+                await task
+                bumps.append(stamps[-1])
             else:
                 t_end = time.monotonic() + gap
                 while time.monotonic() < t_end:
@@ -68,6 +85,7 @@ async def main(prov: str, mode: str) -> None:
                 bumps.append(time.monotonic_ns())
                 w.add(1)
                 await task
+        jobs.put(None)
         recs = [r for r in eng.timings() if r.kind == "write"]
         assert len(recs) == N, len(recs)
         seen = [r.t_pickup - t for r, t in zip(recs, bumps, strict=True)]
