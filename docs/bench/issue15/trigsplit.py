@@ -15,20 +15,11 @@ import threading
 import time
 
 import numpy as np
+from latsplit import target  # the same target process (this directory is on sys.path)
 
 from afabric import Engine, MrDesc
 
 N = 1000
-
-
-def target(conn, prov: str) -> None:  # type: ignore[no-untyped-def]
-    async def run() -> None:
-        async with Engine(prov) as eng:
-            mr = eng.register(np.zeros(1 << 20, dtype=np.uint8))
-            conn.send(bytes(mr.descriptor))
-            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-
-    asyncio.run(run())
 
 
 def bump(w, gap: float, out: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -50,7 +41,7 @@ def pct(v: list[int], q: float) -> float:
 
 async def main(prov: str, mode: str) -> None:
     a, b = mp.get_context("spawn").Pipe()
-    p = mp.get_context("spawn").Process(target=target, args=(b, prov), daemon=True)
+    p = mp.get_context("spawn").Process(target=target, args=(b, prov, "adaptive"), daemon=True)
     p.start()
     desc = MrDesc.from_bytes(a.recv())
     rng = random.Random(1)

@@ -5,11 +5,8 @@
 # .fabtests (a copy of ../shared/tools/fabtests) in the repository root.
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
-for w in old new; do
-  rm -rf /tmp/site-$w
-  "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-$w .whl-ab/$w/afabric-*.whl 2>&1 | grep -v "Running pip"
-done
-chmod +x .fabtests/*
+. docs/bench/issue15/perop/wheels.sh
+install_wheels old new
 p2p() { PYTHONPATH=/tmp/site-new timeout 170 "$PY" -P -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 "$@"; }
 {
   echo "=== per-op A/B $(date +%T)"

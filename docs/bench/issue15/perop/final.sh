@@ -3,9 +3,8 @@
 # (the default with --fabtests): cma, shm, tcp; shm with spin polling; perop.py; idle engines.
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
-rm -rf /tmp/site-new
-"$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-new .whl-ab/new/afabric-*.whl 2>&1 | grep -v "Running pip"
-chmod +x .fabtests/*
+. docs/bench/issue15/perop/wheels.sh
+install_wheels new
 p2p() { PYTHONPATH=/tmp/site-new timeout 170 "$PY" -P -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 --fabtests "$ROOT/.fabtests" "$@"; }
 {
   for p in shm tcp cma; do echo "=== p2p $p $(date +%T)"; p2p --provider $p; done

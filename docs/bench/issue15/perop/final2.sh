@@ -3,9 +3,8 @@
 # access pattern: shm, tcp, cma; perop.py; bench trigger; latsplit.py; idle engines.
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
-rm -rf /tmp/site-new
-"$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-new .whl-ab/new/afabric-*.whl 2>&1 | grep -v "Running pip"
-chmod +x .fabtests/*
+. docs/bench/issue15/perop/wheels.sh
+install_wheels new
 run() { PYTHONPATH=/tmp/site-new timeout "$1" "$PY" -P "${@:2}"; }
 {
   for p in shm tcp cma; do

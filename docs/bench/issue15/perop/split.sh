@@ -2,8 +2,8 @@
 # Device: where an awaited 8 B write's time goes (latsplit.py), shm / cma / tcp, adaptive and spin.
 set -uo pipefail
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
-rm -rf /tmp/site-new
-"$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-new .whl-ab/new/afabric-*.whl 2>&1 | grep -v "Running pip"
+. docs/bench/issue15/perop/wheels.sh
+install_wheels new
 {
   for r in 1 2; do for p in shm cma tcp; do for pol in adaptive spin; do
     PYTHONPATH=/tmp/site-new timeout 60 "$PY" -P docs/bench/issue15/latsplit.py $p $pol

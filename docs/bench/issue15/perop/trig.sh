@@ -2,10 +2,8 @@
 # Device: bench trigger, the watcher thread yielding every look (new) vs every 64th (pause).
 set -uo pipefail
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
-for w in new pause; do
-  rm -rf /tmp/site-$w
-  "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-$w .whl-ab/$w/afabric-*.whl 2>&1 | grep -v "Running pip"
-done
+. docs/bench/issue15/perop/wheels.sh
+install_wheels new pause
 {
   for r in 1 2; do for p in shm tcp; do for w in new pause; do
     echo "=== $w $p $(date +%T)"

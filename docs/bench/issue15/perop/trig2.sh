@@ -4,10 +4,8 @@
 # no "seen" stamp); latsplit.py (new).
 set -uo pipefail
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
-for w in old new; do
-  rm -rf /tmp/site-$w
-  "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-$w .whl-ab/$w/afabric-*.whl 2>&1 | grep -v "Running pip"
-done
+. docs/bench/issue15/perop/wheels.sh
+install_wheels old new
 {
   for r in 1 2; do for w in old new; do for p in shm tcp; do
     echo "--- $w $p"

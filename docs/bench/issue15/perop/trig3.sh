@@ -3,8 +3,8 @@
 # and the loop; bench trigger once (the tree after 62b2d7e).
 set -uo pipefail
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
-rm -rf /tmp/site-new
-"$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-new .whl-ab/new/afabric-*.whl 2>&1 | grep -v "Running pip"
+. docs/bench/issue15/perop/wheels.sh
+install_wheels new
 {
   for r in 1 2; do for p in shm tcp; do for m in writer thread loop; do
     PYTHONPATH=/tmp/site-new timeout 120 "$PY" -P docs/bench/issue15/trigsplit.py $p $m

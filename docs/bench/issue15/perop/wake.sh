@@ -3,11 +3,8 @@
 # alternated: idle engines, `bench p2p --pattern fixed --fabtests` on shm, perop.py on shm.
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
-for w in old new; do
-  rm -rf /tmp/site-$w
-  "$PY" -m pip install -q --no-deps --no-index --no-compile --target /tmp/site-$w .whl-ab/$w/afabric-*.whl 2>&1 | grep -v "Running pip"
-done
-chmod +x .fabtests/*
+. docs/bench/issue15/perop/wheels.sh
+install_wheels old new
 {
   for r in 1 2; do for w in old new; do
     echo "=== $w round $r $(date +%T)"
