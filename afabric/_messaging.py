@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _native, errors
 from . import messages as m
-from ._ops import _Op
+from ._ops import Op
 from .address import Address
 from .memory import MemoryRegion
 from .stats import MessageStats
@@ -63,7 +63,7 @@ class MessagingMixin:
     # provided by Engine
     _n: _native.NativeEngine
     _loop: asyncio.AbstractEventLoop
-    _ops: dict[int, _Op]
+    _ops: dict[int, Op]
     _peers: dict[bytes, int]
     _max_queued: int
     queue_overflow: str
@@ -192,7 +192,7 @@ class MessagingMixin:
     def _track_send(self, op_id: int, inc: int) -> asyncio.Future[None]:
 
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._ops[op_id] = _Op(fut, "send (fragment)", inc, (), "send")
+        self._ops[op_id] = (fut, "send (fragment)", inc, (), "send")
         if not self._polling and self._poll_window:
             self._start_poll()  # a stream of fragments: _poll_tick stops when many are in flight
         return fut

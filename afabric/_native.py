@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -71,6 +72,32 @@ if TYPE_CHECKING:
 SHIM_NAME = "libafabric_shim.so"
 NO_TRIGGER = (0, 0, 0)
 
+# write()'s (and read()'s) fields, op to imm, packed into the request in one call (seven
+# ctypes field stores cost twice as much); drain()'s look at a record: id, status, kind,
+# data, len, slot, release_later in one call (a ctypes record and its attributes: twice).
+_WRITE_FIELDS = struct.Struct("<IQQQQQq")
+_RECORD_HEAD = struct.Struct("<QiIQQII")
+
+
+def _check_layouts() -> None:
+    """The packed forms above against the generated structures (a header change that moved
+    a field must fail here, not write the wrong word)."""
+    want = {
+        Request: (("op", 4), ("mr_id", 8), ("remote_id", 16), ("length", 24), ("src_offset", 32),
+                  ("dst_offset", 40), ("imm", 48)),
+        Completion: (("id", 0), ("status", 8), ("kind", 12), ("data", 16), ("len", 24), ("slot", 32),
+                     ("release_later", 36)),
+    }  # fmt: skip
+    for struct_type, fields in want.items():
+        got = tuple((name, getattr(struct_type, name).offset) for name, _ in fields)
+        if got != fields:
+            raise ImportError(f"afabric: {struct_type.__name__} layout {got}, packed as {fields}")
+    if _WRITE_FIELDS.size != 52 or _RECORD_HEAD.size != 40:
+        raise ImportError("afabric: packed request or record size changed")
+
+
+_check_layouts()
+
 
 @dataclass(frozen=True)
 class NicInfo:
@@ -96,6 +123,7 @@ class Shim:
             fn.argtypes = argtypes
         # From here on every call goes through the signatures of typings/afabric_shim.pyi.
         self.f = cast("ShimLib", lib)
+        self.hot = HotCalls(lib)
         self.codes: dict[int, tuple[str, str]] = {}
         code = ctypes.c_int32()
         name_p = ctypes.c_char_p()
@@ -114,6 +142,27 @@ class Shim:
 
     def error_name(self, rc: int) -> str:
         return self.codes.get(rc, (f"E{rc}", ""))[0]
+
+
+class HotCalls:
+    """The per-operation calls again, their pointer parameters declared as c_void_p: the
+    loop's thread passes addresses made once, which ctypes takes as they are, where a
+    POINTER(T) parameter converts its argument on every call (afs_poll, 2-core machine:
+    1.15 -> 0.5 µs). New function objects (``lib[name]``): the declared signatures of
+    ``Shim.f`` stay for every other caller."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+        self.submit = self._fn(lib, "afs_submit_req", [EngineHandle, vp, vp])
+        self.drain = self._fn(lib, "afs_drain", [EngineHandle, vp, u32, vp])
+        self.poll = self._fn(lib, "afs_poll", [EngineHandle, vp, u32, vp])
+
+    @staticmethod
+    def _fn(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> Callable[..., int]:
+        fn = lib[name]
+        fn.restype = ctypes.c_int32
+        fn.argtypes = argtypes
+        return cast("Callable[..., int]", fn)
 
 
 _lock = threading.Lock()
@@ -287,6 +336,7 @@ class NativeEngine:
     """An `afs_engine *` with one method per shim call; all ctypes stays in this module."""
 
     DRAIN_BATCH = 256
+    _RECORD_SIZE = ctypes.sizeof(Completion)
     COLUMNS_FROM = 16  # drain(): below this many records, per-record checks cost less than numpy's
 
     def __init__(self, cfg: Config, provider: str) -> None:
@@ -303,9 +353,8 @@ class NativeEngine:
         # The same records as numpy columns: drain() reads a batch of plain successes (most
         # of them) as one column of ids instead of one Event per record.
         self._cols = np.ctypeslib.as_array(self._ring)
-        # drain()'s arguments made once: ctypes converts a pointer of the declared type and a
-        # c_uint32 (passed by reference) faster than the array and a byref() per call
-        self._ring_ptr = ctypes.cast(self._ring, ctypes.POINTER(Completion))
+        # ...and as bytes, for struct's look at one record (_records)
+        self._ring_bytes = memoryview((ctypes.c_char * ctypes.sizeof(self._ring)).from_buffer(self._ring))
         self._count = ctypes.c_uint32()
         # write()'s result word for the creating thread only (Engine's loop thread): it
         # reads it right after its own call, with no Python of another thread in between
@@ -316,11 +365,17 @@ class NativeEngine:
         self._req.size = ctypes.sizeof(Request)
         self._trig = self._req.trigger  # a view into self._req (no copy)
         self._armed = False
-        f = self._s.f
+        f, hot = self._s.f, self._s.hot
         self._submit = f.afs_submit_req
-        self._drain = f.afs_drain
-        self._poll = f.afs_poll
         self._pending = f.afs_pending
+        self._pending_wait = f.afs_pending_wait
+        # the loop thread's calls take these addresses (HotCalls); self keeps what they name
+        self._submit_hot, self._drain_hot, self._poll_hot = hot.submit, hot.drain, hot.poll
+        self._req_p = ctypes.c_void_p(ctypes.addressof(self._req))
+        self._out_p = ctypes.c_void_p(ctypes.addressof(self._out))
+        self._ring_p = ctypes.c_void_p(ctypes.addressof(self._ring))
+        self._count_p = ctypes.c_void_p(ctypes.addressof(self._count))
+        self._batch = ctypes.c_uint32(self.DRAIN_BATCH)
 
     @property
     def open(self) -> bool:
@@ -439,7 +494,9 @@ class NativeEngine:
         t.kind, t.source, t.threshold = trig
         if req is self._req:
             self._armed = trig[0] != TRIG_NONE
-        rc = self._submit(h, req, out)
+            rc = self._submit_hot(h, self._req_p, self._out_p)
+        else:
+            rc = self._submit(h, req, out)
         if rc:
             self._s.check(rc, what, self.provider)
         return out.value
@@ -457,32 +514,28 @@ class NativeEngine:
     ) -> int:
         # the hot path (README "Python cost per operation"): _request and _submit_req inlined;
         # the owner's request keeps trigger.kind 0 unless the call before was triggered
-        if threading.get_ident() == self._owner:
-            req, out = self._req, self._out
-        else:
-            req, out = self._request()
         h = self._h
         if h is None:
             raise errors.EngineClosed("engine is closed")
-        req.op = OP_WRITE
-        req.mr_id = mr_id
-        req.remote_id = remote_id
-        req.length = length
-        req.src_offset = src
-        req.dst_offset = dst
-        req.imm = imm
-        if req is self._req:
-            if trig is not NO_TRIGGER or self._armed:
-                t = self._trig
+        if threading.get_ident() != self._owner:
+            req, out = self._request()
+            _WRITE_FIELDS.pack_into(req, 4, OP_WRITE, mr_id, remote_id, length, src, dst, imm)
+            if trig is not NO_TRIGGER:
+                t = req.trigger
                 t.kind, t.source, t.threshold = trig
-                self._armed = trig[0] != TRIG_NONE
-        elif trig is not NO_TRIGGER:
-            t = req.trigger
+            rc = self._submit(h, req, out)
+            if rc:
+                self._s.check(rc, what, self.provider)
+            return out.value
+        _WRITE_FIELDS.pack_into(self._req, 4, OP_WRITE, mr_id, remote_id, length, src, dst, imm)
+        if trig is not NO_TRIGGER or self._armed:
+            t = self._trig
             t.kind, t.source, t.threshold = trig
-        rc = self._submit(h, req, out)
+            self._armed = trig[0] != TRIG_NONE
+        rc = self._submit_hot(h, self._req_p, self._out_p)
         if rc:
             self._s.check(rc, what, self.provider)
-        return out.value
+        return self._out.value
 
     def write_dynlen(
         self,
@@ -572,8 +625,7 @@ class NativeEngine:
     ) -> int:  # fmt: skip
         """One-sided read: ``length`` bytes from ``src`` of the remote region to ``dst`` of mr."""
         req, out = self._request()
-        req.op, req.mr_id, req.remote_id, req.length = OP_READ, mr_id, remote_id, length
-        req.src_offset, req.dst_offset, req.imm = src, dst, NO_IMM
+        _WRITE_FIELDS.pack_into(req, 4, OP_READ, mr_id, remote_id, length, src, dst, NO_IMM)
         return self._submit_req(what, req, out, trig)
 
     def read_paged(
@@ -649,37 +701,42 @@ class NativeEngine:
         rc = self._s.f.afs_recv_release(self._handle(), arr, len(slots))
         self._s.check(rc, "releasing receive buffers", self.provider)
 
-    def pending(self) -> int:
-        """Records a drain would return now: a cheap look for a loop that polls (it asks
-        the worker not to signal the event fd, as ``drain(poll=True)`` does)."""
+    def pending_wait(self, max_ns: int) -> int:
+        """Records a drain would return now, looking for up to ``max_ns`` (spinning in C, the
+        GIL released) until there is one: a cheap look for a loop that polls (it asks the
+        worker not to signal the event fd, as ``drain(poll=True)`` does)."""
         h = self._h
-        return 0 if h is None else self._pending(h)
+        return 0 if h is None else self._pending_wait(h, max_ns)
 
     def drain(
-        self, room: int | None = None, plain: list[int] | None = None, poll: bool = False
+        self, room: Callable[[], int] | None = None, plain: list[int] | None = None, poll: bool = False
     ) -> list[Event]:
         """Every completion ready now (one ctypes call per 256 records). Receive buffers
         go back to the provider at once, except those of messages beyond the first
-        ``room`` (None: no limit): their events carry the slot, for release_recv. With
-        ``plain``, successful DONE records with nothing attached (the common case) go into
-        it as operation ids, no Event made (per-operation cost, README "Python cost per
-        operation"); everything else comes back as Events. ``poll``: the caller looks again
-        soon, so the worker is asked not to signal the event fd (afs_poll); the caller's last
-        look must be a plain drain."""
-        h = self._handle()
-        fn = self._poll if poll else self._drain
+        ``room()`` (asked at the first message; None: no limit): their events carry the
+        slot, for release_recv. With ``plain``, successful DONE records with nothing
+        attached (the common case) go into it as operation ids, no Event made (per-operation
+        cost, README "Python cost per operation"); everything else comes back as Events.
+        ``poll``: the caller looks again soon, so the worker is asked not to signal the event
+        fd (afs_poll); the caller's last look must be a plain drain. The loop's thread only
+        (Engine: the ring and its count are that thread's)."""
+        h = self._h
+        if h is None:
+            raise errors.EngineClosed("engine is closed")
+        fn = self._poll_hot if poll else self._drain_hot
         out: list[Event] = []
         release: list[int] = []
-        ring, count = self._ring_ptr, self._count
+        left: list[int | None] = [None] if room is None else []
+        ring, batch, count = self._ring_p, self._batch, self._count
         while True:
-            fn(h, ring, self.DRAIN_BATCH, count)
+            fn(h, ring, batch, self._count_p)
             n = count.value
             if n == 0:
                 break
             if plain is not None and self._all_plain(n):
                 plain += self._cols["id"][:n].tolist()
             else:
-                room = self._records(n, room, plain, out, release)
+                self._records(n, room, left, plain, out, release)
             if n < self.DRAIN_BATCH:
                 break
         if release:
@@ -698,34 +755,40 @@ class NativeEngine:
         return not (attached or (b["kind"] != C_DONE).any())
 
     def _records(
-        self, n: int, room: int | None, plain: list[int] | None, out: list[Event], release: list[int]
-    ) -> int | None:
-        """drain()'s record-by-record pass over the ring's first ``n``; returns what is
-        left of ``room``."""
-        ring = self._ring
+        self,
+        n: int,
+        room: Callable[[], int] | None,
+        left: list[int | None],
+        plain: list[int] | None,
+        out: list[Event],
+        release: list[int],
+    ) -> None:
+        """drain()'s record-by-record pass over the ring's first ``n``. ``left`` holds what
+        is left of the room for messages once a message asked for it (None: no limit)."""
+        ring, head, size = self._ring, _RECORD_HEAD.unpack_from, self._RECORD_SIZE
         for i in range(n):
-            c = ring[i]
-            kind = c.kind
-            if kind == C_DONE and plain is not None and not (c.status or c.data or c.release_later):
-                plain.append(c.id)
+            rid, status, kind, data, length, slot, later = head(self._ring_bytes, i * size)
+            if kind == C_DONE and plain is not None and not (status or data or later):
+                plain.append(rid)
             elif kind == C_RECV:
-                keep = room is not None and room <= 0
-                payload = ctypes.string_at(c.data, c.len)
-                out.append(Event(kind, c.id, 0, payload, None, False, slot=c.slot if keep else -1))
+                if not left:
+                    left.append(room() if room is not None else None)
+                room_left = left[0]
+                keep = room_left is not None and room_left <= 0
+                payload = ctypes.string_at(data, length)
+                out.append(Event(kind, rid, 0, payload, None, False, slot=slot if keep else -1))
                 if not keep:
-                    release.append(c.slot)
-                if room is not None:
-                    room -= 1
+                    release.append(slot)
+                if room_left is not None:
+                    left[0] = room_left - 1
             elif kind in (C_DONE, C_STUCK):
                 text = None
-                if c.data:
-                    text = ctypes.string_at(c.data).decode(errors="replace")
-                    self._s.f.afs_text_free(c.data)
-                later = bool(c.release_later)
-                out.append(Event(kind, c.id, c.status, None, text, later, c.first_post_ns))
+                if data:
+                    text = ctypes.string_at(data).decode(errors="replace")
+                    self._s.f.afs_text_free(data)
+                out.append(Event(kind, rid, status, None, text, bool(later), ring[i].first_post_ns))
             else:
-                out.append(self._other_event(c))
-        return room
+                out.append(self._other_event(ring[i]))
 
     def _other_event(self, c: Completion) -> Event:
         """Records other than RECV and DONE. PEER: payload the peer's address, its pid (0:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 HEARTBEAT_MISSES = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
@@ -494,6 +494,7 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
         ],
     ),
     "afs_pending": (ctypes.c_uint32, [EngineHandle]),
+    "afs_pending_wait": (ctypes.c_uint32, [EngineHandle, ctypes.c_uint32]),
     "afs_timing_drain": (
         ctypes.c_int32,
         [

@@ -1,25 +1,20 @@
-"""An operation in flight, as the facade tracks it (shared by engine.py and _messaging.py)."""
+"""An operation in flight, as the facade tracks it (shared by engine.py and _messaging.py).
+
+A plain tuple, ``(future, verb, peer, refs, kind)``: one is made per operation, and a tuple
+costs a third of a slotted object's ``__init__`` (README "Python cost per operation"). The
+future resolves the caller's await; verb and peer name the operation in errors; refs keep
+what the operation uses alive until it completes; kind is "write", "read", "send" or
+"expect"."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+Op = tuple["asyncio.Future[None]", str, int, tuple[Any, ...], str]
 
-class _Op:
-    """An operation in flight: its future, how to name it in errors, what it keeps alive."""
 
-    __slots__ = ("future", "kind", "peer", "refs", "verb")
-
-    def __init__(
-        self, future: asyncio.Future[None], verb: str, peer: int, refs: tuple[Any, ...], kind: str
-    ) -> None:
-        self.future = future
-        self.verb = verb
-        self.peer = peer
-        self.refs = refs
-        self.kind = kind
-
-    def label(self) -> str:
-        where = "from" if self.kind == "read" else "to"
-        return f"{self.verb} {where} peer {self.peer:016x}" if self.peer else self.verb
+def op_label(op: Op) -> str:
+    _, verb, peer, _, kind = op
+    where = "from" if kind == "read" else "to"
+    return f"{verb} {where} peer {peer:016x}" if peer else verb

@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from . import _native, errors, registry, testing
 from ._messaging import MessagingMixin
-from ._ops import _Op
+from ._ops import Op, op_label
 from .address import Address
 from .descriptor import MrDesc
 from .groups import GatherSource, PeerGroup, ScatterTarget
@@ -55,6 +55,11 @@ _POLL_MAX_IN_FLIGHT = 4
 # thread beside the worker and the target's, and takes the time the target needs (2 CPUs,
 # shm: awaited 8 B p50 median 75 -> 111 µs over four runs; BENCHMARKS.md).
 _POLL_MIN_CPUS = 4
+# Each look keeps looking, in C with the GIL released, for up to this long (afs_pending_wait):
+# a completion that lands meanwhile is found at once, not one loop iteration later (each costs
+# an epoll_wait system call, several µs where system calls are slow); other tasks wait at
+# most this long per look.
+_POLL_SLICE_NS = 5_000
 
 
 def _usable_cpus() -> int:
@@ -275,7 +280,7 @@ class Engine(MessagingMixin):
         _bounded(spin_us, "spin_us", 0, 10_000_000)
         # While it awaits a few operations the loop looks at the ring itself until spin_us
         # passed without a completion (_poll_tick): no eventfd write, no epoll wake-up.
-        self._poll_window = spin_us / 1e6
+        self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
         self._polling = False
         self._poll_last = 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
@@ -348,7 +353,7 @@ class Engine(MessagingMixin):
         self.op_timeout = op_timeout
         self.name = name or f"{provider}-{self.address.short()}"
         self.log = logging.getLogger(f"afabric.engine.{self.name}")
-        self._ops: dict[int, _Op] = {}
+        self._ops: dict[int, Op] = {}
         self._held: dict[int, tuple[Any, ...]] = {}
         self._regions: dict[int, MemoryRegion] = {}  # registered: held until deregister/close
         # libfabric 1.17's tcp;ofi_rxm crashes (NULL msg_ep in its rendezvous read) when a
@@ -420,9 +425,9 @@ class Engine(MessagingMixin):
             return
         self._check_loop()
         wait = [
-            op.future
-            for op in self._ops.values()
-            if op.kind in ("write", "read", "send") and not op.future.done()
+            fut
+            for fut, _, _, _, kind in self._ops.values()
+            if kind in ("write", "read", "send") and not fut.done()
         ]
         try:
             if wait:
@@ -454,7 +459,7 @@ class Engine(MessagingMixin):
             self._n.destroy()
         except BaseException:
             # the worker was detached, not stopped: its NIC may still write into these
-            _ABANDONED.append((self._regions, dict(self._held), [op.refs for op in self._ops.values()]))
+            _ABANDONED.append((self._regions, dict(self._held), [op[3] for op in self._ops.values()]))
             self._regions = {}
             raise
         finally:
@@ -489,10 +494,10 @@ class Engine(MessagingMixin):
             watcher._engine_closed()
         ops, self._ops = self._ops, {}
         self._held.clear()
-        for op in ops.values():
-            if not op.future.done() and not op.future.get_loop().is_closed():
-                op.future.set_exception(exc)
-                op.future.exception()  # mark retrieved: nobody may await it any more
+        for fut, *_ in ops.values():
+            if not fut.done() and not fut.get_loop().is_closed():
+                fut.set_exception(exc)
+                fut.exception()  # mark retrieved: nobody may await it any more
         self._fail_messages(exc)
 
     def __del__(self) -> None:
@@ -739,7 +744,7 @@ class Engine(MessagingMixin):
         self, op_id: int, verb: str, peer: int, refs: tuple[Any, ...], kind: str, when: Trigger | None = None
     ) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._ops[op_id] = _Op(fut, verb, peer, refs, kind)
+        self._ops[op_id] = (fut, verb, peer, refs, kind)
         if not self._polling and self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
             self._start_poll()
         # If the awaiting task is cancelled the op stays in _ops, keeping `refs` (the
@@ -792,15 +797,16 @@ class Engine(MessagingMixin):
             length = _u64(length, "length")
             src_offset = _u64(src_offset, "src_offset")
             dst_offset = _u64(dst_offset, "dst_offset")
-        args = (mr_id, rid, length, src_offset, dst_offset, _NO_IMM if imm is None else _imm(imm))
+        imm_v = _NO_IMM if imm is None else _imm(imm)
         if when is None and length_from is None:
-            op = self._n.write("write", *args)
+            op = self._n.write("write", mr_id, rid, length, src_offset, dst_offset, imm_v)
             fut: asyncio.Future[None] = self._loop.create_future()
-            self._ops[op] = _Op(fut, "write", peer, (mr,), "write")
+            self._ops[op] = (fut, "write", peer, (mr,), "write")
             if not self._polling and self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
                 self._start_poll()
             await fut  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
             return
+        args = (mr_id, rid, length, src_offset, dst_offset, imm_v)
         if length_from is None:
             op = self._n.write("write", *args, self._trigger(when))
             await self._wait(op, "write", peer, (mr,), "write", when)
@@ -1106,7 +1112,7 @@ class Engine(MessagingMixin):
         n = _u64(count, "count")
         op_id = self._n.expect_imm(value, n)
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._ops[op_id] = _Op(fut, f"expect_imm({value}, {n})", 0, (value, n), "expect")
+        self._ops[op_id] = (fut, f"expect_imm({value}, {n})", 0, (value, n), "expect")
         try:
             if timeout is None:
                 await fut
@@ -1145,13 +1151,12 @@ class Engine(MessagingMixin):
         try:
             if self._closed:
                 return
-            now = time.monotonic()
-            if self._n.pending() and self._process(poll=True):
-                self._poll_last = now
+            if self._n.pending_wait(self._poll_slice_ns) and self._process(poll=True):
+                self._poll_last = time.monotonic()
                 self._polled += 1
             again = (
                 not self._closed
-                and now - self._poll_last < self._poll_window
+                and time.monotonic() - self._poll_last < self._poll_window
                 and len(self._ops) <= _POLL_MAX_IN_FLIGHT
             )
         finally:
@@ -1167,9 +1172,8 @@ class Engine(MessagingMixin):
         callback, and _poll_tick's look. Returns whether there was anything."""
         if self._closed:
             return False
-        room = self._recv_room()
         plain: list[int] | None = [] if self._first_posts is None else None
-        events = self._n.drain(room, plain, poll)
+        events = self._n.drain(self._recv_room, plain, poll)
         if plain:
             self._succeeded(plain)
         for ev in events:
@@ -1219,28 +1223,29 @@ class Engine(MessagingMixin):
             op = pop(op_id, None)
             if op is None:
                 continue
-            fut = op.future
+            fut = op[0]
             if not fut.done():
                 fut.set_result(None)
-            elif op.kind == "expect" and fut.cancelled():
-                self._n.imm_return(*op.refs)  # withdrawn, yet it consumed: give them back
+            elif op[4] == "expect" and fut.cancelled():
+                self._n.imm_return(*op[3])  # withdrawn, yet it consumed: give them back
 
     def _done(self, ev: _native.Event) -> None:
         op = self._ops.pop(ev.id, None)
         if op is None:
             return
+        fut, _, _, refs, kind = op
         if ev.release_later:
-            self._held[ev.id] = op.refs
+            self._held[ev.id] = refs
         if self._first_posts is not None and ev.first_post_ns:
             self._first_posts.append((ev.id, ev.first_post_ns))
-        if op.future.done():
-            if op.kind == "expect" and ev.status == 0 and op.future.cancelled():
-                self._n.imm_return(*op.refs)  # withdrawn, yet it consumed: give them back
+        if fut.done():
+            if kind == "expect" and ev.status == 0 and fut.cancelled():
+                self._n.imm_return(*refs)  # withdrawn, yet it consumed: give them back
             return
         if ev.status == 0:
-            op.future.set_result(None)
+            fut.set_result(None)
         else:
-            op.future.set_exception(self._n.error(ev.status, op.label(), ev.text))
+            fut.set_exception(self._n.error(ev.status, op_label(op), ev.text))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -21,7 +21,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 6u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 7u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
@@ -29,7 +29,8 @@
                               afs_completion fields;
                               5: afs_config.heartbeat_ms, afs_nic_stats.ctrl_sent/received,
                               AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO;
-                              6: AFS_ESTUCK, AFS_C_STUCK, AFS_STUCK_MS */
+                              6: AFS_ESTUCK, AFS_C_STUCK, AFS_STUCK_MS;
+                              7: afs_poll, afs_pending, afs_pending_wait */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -354,6 +355,10 @@ AFS_API int32_t afs_poll(afs_engine *eng, afs_completion *out, uint32_t max, uin
 /* How many records afs_poll would return now (a cheap look, no syscall); like afs_poll it
  * asks the worker not to signal the event fd. */
 AFS_API uint32_t afs_pending(afs_engine *eng);
+/* afs_pending that keeps looking for up to max_ns (spinning; a ctypes caller has released
+ * the GIL) until there is a record: an event loop that polls finds a completion a few
+ * hundred ns after the worker pushed it instead of one loop iteration later. */
+AFS_API uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns);
 /* Timing records of completed operations (oldest first); *dropped gets how many were
  * overwritten because nobody drained them in time. */
 AFS_API int32_t afs_timing_drain(afs_engine *eng, afs_op_timing *out, uint32_t max,

@@ -583,6 +583,34 @@ uint32_t afs_pending(afs_engine *eng)
     return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns)
+{
+    uint32_t n = afs_pending(eng); /* also asks the worker not to signal the fd */
+    if (n || !eng || !max_ns)
+        return n;
+    afs_ring *r = &eng->ring;
+    uint64_t until = afs_now_ns() + max_ns;
+    for (;;) {
+        for (int i = 0; i < 8; i++) { /* the clock every 8 looks (a pause is up to ~50 ns) */
+            cpu_relax();
+            if (atomic_load_explicit(&r->tail, memory_order_acquire) !=
+                atomic_load_explicit(&r->head, memory_order_relaxed))
+                return afs_pending(eng);
+        }
+        if (atomic_load_explicit(&eng->stuck, memory_order_acquire) || afs_now_ns() >= until)
+            return afs_pending(eng);
+    }
+}
+
 int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
 {
     int rc = afs_engine_check_open(eng);

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -83,6 +84,28 @@ async def test_a_write_longer_than_the_window_is_woken_by_the_fd() -> None:
     assert (dst == 7).all()
 
 
+async def test_a_look_waits_at_most_its_time_and_returns_at_a_completion() -> None:
+    """Each look keeps looking for a slice (afs_pending_wait): with nothing in flight it
+    returns 0 once its time is up, not before and not unbounded later; with a write in flight
+    it returns when the completion is there, long before its limit."""
+    async with Engine("cma") as target, Engine("cma", spin_us=0) as writer:
+        desc = target.register(np.zeros(4096, np.uint8)).descriptor
+        src = writer.register(np.full(4096, 3, np.uint8))
+        await writer.write(src, desc, 4096)  # resolves the peer, imports the descriptor
+        native = writer._n
+        t0 = time.monotonic()
+        assert native.pending_wait(20_000_000) == 0
+        assert 0.019 <= time.monotonic() - t0 < 5
+        # no await from here to the drain: the loop's fd reader cannot take the record
+        op = native.write("write", src.id or 0, writer._remote(desc)[0], 4096, 0, 0, _native.NO_IMM)
+        t0 = time.monotonic()
+        assert native.pending_wait(4_000_000_000) == 1
+        assert time.monotonic() - t0 < 2
+        plain: list[int] = []
+        native.drain(None, plain)
+        assert plain == [op]
+
+
 async def test_closing_while_the_loop_polls() -> None:
     """Writes in flight when the engine closes fail with a typed error; the loop's look,
     already scheduled, finds the engine closed and stops (no error on the loop)."""
@@ -124,7 +147,7 @@ async def test_a_look_that_raises_leaves_the_fd_asked_for() -> None:
             failed: list[bool] = []
 
             def drain_failing_once(
-                room: int | None = None, plain: list[int] | None = None, poll: bool = False
+                room: Callable[[], int] | None = None, plain: list[int] | None = None, poll: bool = False
             ) -> list[_native.Event]:
                 if poll and not failed:
                     failed.append(True)

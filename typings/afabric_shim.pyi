@@ -215,6 +215,10 @@ class ShimLib:
         """uint32_t afs_pending(afs_engine *eng);"""
 
     @staticmethod
+    def afs_pending_wait(eng: EngineHandle, max_ns: int) -> int:
+        """uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns);"""
+
+    @staticmethod
     def afs_timing_drain(
         eng: EngineHandle,
         out: _Ref[OpTimingStruct],

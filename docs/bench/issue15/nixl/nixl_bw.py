@@ -1,0 +1,169 @@
+"""NIXL (UCX backend) between two processes on one host, the same pattern as `afabric bench
+p2p --pattern fixed`: W writes of one size in flight, each from and to offset 0 of a buffer
+of its size, reposted as soon as it completes; and one 8 B write at a time, awaited by
+polling its state. Run with a Python that has NIXL (`pip install nixl-cu12`); UCX_TLS picks
+UCX's transports (cma: the writer's own process_vm_writev; tcp).
+Usage: nixl_bw.py [--sizes 4K,64K,1M,16M] [--seconds 1.0]"""
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+REGION = 64 << 20
+
+
+def _size(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(s[-1].upper(), 1)
+    return int(s[:-1] if mult > 1 else s) * mult
+
+
+def target(conn: Any) -> None:
+    agent = nixl_agent("target", nixl_agent_config(backends=["UCX"]))
+    buf = np.zeros(REGION, dtype=np.uint8)
+    agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, REGION, 0, "")], "DRAM"))
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    conn.recv()  # "done": the initiator has finished; then check what landed
+    conn.send(int(buf[:16].sum()))
+
+
+def rate(agent: Any, remote: str, laddr: int, raddr: int, size: int, window: int, seconds: float) -> float:
+    """Writes per second with `window` requests in flight for about `seconds`."""
+    hs = [
+        agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs([(laddr, size, 0)], "DRAM"),
+            agent.get_xfer_descs([(raddr, size, 0)], "DRAM"),
+            remote,
+        )
+        for _ in range(window)
+    ]
+    done = 0
+    t0 = time.perf_counter()
+    for h in hs:
+        agent.transfer(h)
+    while True:
+        for h in hs:
+            st = agent.check_xfer_state(h)
+            if st == "DONE":
+                done += 1
+                agent.transfer(h)
+            elif st == "ERR":
+                raise RuntimeError("NIXL transfer failed")
+        if done and time.perf_counter() - t0 >= seconds:
+            break
+    elapsed = time.perf_counter() - t0
+    for h in hs:  # let the last ones finish before releasing them
+        while agent.check_xfer_state(h) == "PROC":
+            pass
+        agent.release_xfer_handle(h)
+    return done / elapsed
+
+
+def batch_rate(agent: Any, remote: str, laddr: int, raddr: int, size: int, per: int, calls: int,
+               seconds: float) -> float:
+    """Writes per second with `calls` requests of `per` writes each in flight (NIXL's own
+    batch form: one request, many descriptors; afabric's write_many)."""
+    hs = [
+        agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs([(laddr, size, 0)] * per, "DRAM"),
+            agent.get_xfer_descs([(raddr, size, 0)] * per, "DRAM"),
+            remote,
+        )
+        for _ in range(calls)
+    ]
+    done = 0
+    t0 = time.perf_counter()
+    for h in hs:
+        agent.transfer(h)
+    while True:
+        for h in hs:
+            st = agent.check_xfer_state(h)
+            if st == "DONE":
+                done += per
+                agent.transfer(h)
+            elif st == "ERR":
+                raise RuntimeError("NIXL transfer failed")
+        if done and time.perf_counter() - t0 >= seconds:
+            break
+    elapsed = time.perf_counter() - t0
+    for h in hs:
+        while agent.check_xfer_state(h) == "PROC":
+            pass
+        agent.release_xfer_handle(h)
+    return done / elapsed
+
+
+def latency(agent: Any, remote: str, laddr: int, raddr: int, n: int) -> list[float]:
+    h = agent.initialize_xfer(
+        "WRITE",
+        agent.get_xfer_descs([(laddr, 8, 0)], "DRAM"),
+        agent.get_xfer_descs([(raddr, 8, 0)], "DRAM"),
+        remote,
+    )
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        agent.transfer(h)
+        while (st := agent.check_xfer_state(h)) == "PROC":
+            pass
+        if st != "DONE":
+            raise RuntimeError("NIXL transfer failed")
+        out.append((time.perf_counter() - t0) * 1e6)
+    agent.release_xfer_handle(h)
+    return out
+
+
+def report(label: str, size: int, rates: list[float]) -> None:
+    gbs = sorted(r * size / 1e9 for r in rates)
+    mid = len(gbs) // 2
+    print(f"NIXL {label}: {gbs[mid]:7.2f} GB/s (median of {len(gbs)}; {gbs[0]:.2f}-{gbs[-1]:.2f}), "
+          f"{sorted(rates)[mid]:,.0f} op/s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="4K,64K,1M,16M")
+    ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=target, args=(b,), daemon=True)
+    p.start()
+    meta, raddr = a.recv()
+    agent = nixl_agent("init", nixl_agent_config(backends=["UCX"]))
+    buf = np.full(REGION, 1, dtype=np.uint8)
+    agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, REGION, 0, "")], "DRAM"))
+    remote = agent.add_remote_agent(meta)
+    laddr = buf.ctypes.data
+    while not agent.check_remote_metadata(remote):
+        time.sleep(0.01)
+    for s in args.sizes.split(","):
+        size = _size(s)
+        window = 64 if size < (1 << 20) else 16
+        rates = [rate(agent, remote, laddr, raddr, size, window, args.seconds) for _ in range(args.repeat)]
+        report(f"write {s:>4} win {window:2d}", size, rates)
+        if size <= (64 << 10):  # 4 requests of 64 writes in flight
+            rates = [batch_rate(agent, remote, laddr, raddr, size, 64, 4, args.seconds)
+                     for _ in range(args.repeat)]
+            report(f"many  {s:>4} 4x64  ", size, rates)
+    lat = sorted(latency(agent, remote, laddr, raddr, 2000)[100:])
+    print(f"NIXL awaited 8 B write, one at a time: p50 {lat[len(lat) // 2]:.2f} us, "
+          f"p99 {lat[int(len(lat) * 0.99)]:.2f} us ({len(lat)} samples)", flush=True)
+    a.send("done")
+    landed = a.recv()
+    print(f"NIXL target saw its first 16 bytes sum to {landed} (16 expected: the writes landed)")
+    p.join(10)
+    sys.stdout.flush()
+    os._exit(0)  # NIXL 1.5.1's teardown at interpreter exit segfaulted here (after the results)
+
+
+if __name__ == "__main__":
+    main()
