@@ -459,7 +459,8 @@ class Engine(MessagingMixin):
             self._n.destroy()
         except BaseException:
             # the worker was detached, not stopped: its NIC may still write into these
-            _ABANDONED.append((self._regions, dict(self._held), [op[3] for op in self._ops.values()]))
+            refs = [op_refs for _, _, _, op_refs, _ in self._ops.values()]
+            _ABANDONED.append((self._regions, dict(self._held), refs))
             self._regions = {}
             raise
         finally:
@@ -1223,7 +1224,7 @@ class Engine(MessagingMixin):
             op = pop(op_id, None)
             if op is None:
                 continue
-            fut = op[0]
+            fut = op[0]  # (future, verb, peer, refs, kind): afabric/_ops.py
             if not fut.done():
                 fut.set_result(None)
             elif op[4] == "expect" and fut.cancelled():
