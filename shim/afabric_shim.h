@@ -30,7 +30,7 @@
                               5: afs_config.heartbeat_ms, afs_nic_stats.ctrl_sent/received,
                               AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO;
                               6: AFS_ESTUCK, AFS_C_STUCK, AFS_STUCK_MS;
-                              7: afs_poll, afs_pending, afs_pending_wait */
+                              7: afs_pending_wait (afs_poll and afs_pending came in 6, unbumped) */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))

@@ -27,7 +27,7 @@ from afabric.bench.raw import RawLoop
 
 from .conftest import libfabric_version
 from .faults import Held, bystander, held, imm_sender, noop, pattern, victim_target
-from .procs import Peer
+from .procs import Peer, stop_process
 
 OP_TIMEOUT = 2.0  # the engine's bound for writes and sends in these tests
 SLACK = 15.0  # what a loaded 2-core CI machine may add to it
@@ -237,8 +237,8 @@ async def test_stopped_peer_times_out_then_recovers(provider: str, peers: list[P
         # stopped while it holds its region's lock holds every writer to it until it runs
         # again (README, Known limitations), and then nothing can time out meanwhile
         await asyncio.sleep(0.2)
-        os.kill(pid, signal.SIGSTOP)
         try:
+            await stop_process(pid)  # every thread stopped, not only signalled
             t0 = time.monotonic()
             # The raw C loop too (off the loop, so it is timed out beside the Python writes):
             # it returns once every write is reported, not when the provider lets go of the
