@@ -729,7 +729,9 @@ class NativeEngine:
         left: list[int | None] = [None] if room is None else []
         ring, batch, count = self._ring_p, self._batch, self._count
         while True:
-            fn(h, ring, batch, self._count_p)
+            rc = fn(h, ring, batch, self._count_p)
+            if rc:
+                self._s.check(rc, "draining completions", self.provider)
             n = count.value
             if n == 0:
                 break

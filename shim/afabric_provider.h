@@ -73,6 +73,16 @@ __attribute__((format(printf, 3, 4))) static inline void afp_errf(char *buf, siz
     va_end(ap);
 }
 
+/* For provider authors (and the shim): one pause of a spin-wait loop. Not part of the table. */
+static inline void afp_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 typedef struct afp_domain afp_domain; /* opaque, owned by the provider */
 typedef struct afp_mr afp_mr;         /* opaque, owned by the provider */
 

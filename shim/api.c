@@ -583,15 +583,6 @@ uint32_t afs_pending(afs_engine *eng)
     return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns)
 {
     uint32_t n = afs_pending(eng); /* also asks the worker not to signal the fd */
@@ -601,7 +592,7 @@ uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns)
     uint64_t until = afs_now_ns() + max_ns;
     for (;;) {
         for (int i = 0; i < 8; i++) { /* the clock every 8 looks (a pause is up to ~50 ns) */
-            cpu_relax();
+            afp_cpu_relax();
             if (atomic_load_explicit(&r->tail, memory_order_acquire) !=
                 atomic_load_explicit(&r->head, memory_order_relaxed))
                 return afs_pending(eng);

@@ -804,8 +804,8 @@ static void on_watch(afs_engine *eng, afs_xfer *req, uint64_t now)
 /* Operations armed on a watcher fire from here as soon as the worker (awake while any is
  * armed) sees the word reach their value: the watcher thread's pass and its hand-over
  * through the submit queue are not on their path (2-core machine, shm: bump -> first post
- * p50 7.8 -> 3.6-5.8 us bumped from the loop, 38.8 -> 8.6-15.8 from a thread). The watcher thread still reports every change to Python
- * (on_watch) and fires whatever this did not. A cancel submitted before the change is
+ * p50 7.8 -> 3.6-5.8 us bumped from the loop, 38.8 -> 8.6-15.8 from a thread). The watcher
+ * thread still reports every change to Python (on_watch) and fires whatever this did not. A cancel submitted before the change is
  * taken first: seen the word, the worker notes how many cancels were submitted, takes its
  * queue, and fires only once it took that many (else, one stuck behind a producer that is
  * mid-push, it looks again next turn). A word is freed only at engine close. */

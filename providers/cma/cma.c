@@ -90,15 +90,6 @@ struct afp_domain {
 
 #define DERR(d, code, ...) AFN_ERR(&(d)->c, code, __VA_ARGS__)
 
-static inline void cpu_relax_cma(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 static cma_slot *slots(mb_header *h) { return (cma_slot *)(void *)mb_extra(h); }
 
 /* ------------------------------------------------------------------------------------ */
@@ -360,7 +351,7 @@ static void quiesce(afp_domain *d)
     uint32_t turns = 0;
     for (reap_jobs(d); d->pool.inflight; reap_jobs(d)) {
         if (++turns < 1000)
-            cpu_relax_cma();
+            afp_cpu_relax();
         else {
             struct timespec ts = {0, 20000};
             (void)nanosleep(&ts, NULL);

@@ -26,15 +26,6 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 /* A byte count from the environment ("262144", "256K", "1M", "1G"); dflt when unset or bad. */
 static uint64_t env_bytes(const char *name, uint64_t dflt)
 {
@@ -211,7 +202,7 @@ static void *copier_main(void *arg)
         while (atomic_load_explicit(&c->posted, memory_order_acquire) == seen &&
                !atomic_load_explicit(&p->qlen, memory_order_relaxed) &&
                now_ns() - t0 < CMA_SPIN_NS)
-            cpu_relax();
+            afp_cpu_relax();
         cma_job *job = NULL;
         if (atomic_load_explicit(&c->posted, memory_order_acquire) == seen) {
             bool stop = false;
@@ -352,7 +343,7 @@ static void wait_part(cma_copier *c)
     uint64_t t0 = now_ns();
     while (atomic_load_explicit(&c->finished, memory_order_acquire) != want &&
            now_ns() - t0 < CMA_SPIN_NS)
-        cpu_relax();
+        afp_cpu_relax();
     if (atomic_load_explicit(&c->finished, memory_order_acquire) == want)
         return;
     pthread_mutex_lock(&c->mu);

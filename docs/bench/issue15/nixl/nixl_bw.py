@@ -32,52 +32,22 @@ def target(conn: Any) -> None:
     conn.send(int(buf[:16].sum()))
 
 
-def rate(agent: Any, remote: str, laddr: int, raddr: int, size: int, window: int, seconds: float) -> float:
-    """Writes per second with `window` requests in flight for about `seconds`."""
-    hs = [
-        agent.initialize_xfer(
-            "WRITE",
-            agent.get_xfer_descs([(laddr, size, 0)], "DRAM"),
-            agent.get_xfer_descs([(raddr, size, 0)], "DRAM"),
-            remote,
-        )
-        for _ in range(window)
-    ]
-    done = 0
-    t0 = time.perf_counter()
-    for h in hs:
-        agent.transfer(h)
-    while True:
-        for h in hs:
-            st = agent.check_xfer_state(h)
-            if st == "DONE":
-                done += 1
-                agent.transfer(h)
-            elif st == "ERR":
-                raise RuntimeError("NIXL transfer failed")
-        if done and time.perf_counter() - t0 >= seconds:
-            break
-    elapsed = time.perf_counter() - t0
-    for h in hs:  # let the last ones finish before releasing them
-        while agent.check_xfer_state(h) == "PROC":
-            pass
-        agent.release_xfer_handle(h)
-    return done / elapsed
+def _request(agent: Any, remote: str, laddr: int, raddr: int, size: int, per: int) -> Any:
+    """One WRITE request of `per` writes of `size` bytes, each from and to offset 0."""
+    return agent.initialize_xfer(
+        "WRITE",
+        agent.get_xfer_descs([(laddr, size, 0)] * per, "DRAM"),
+        agent.get_xfer_descs([(raddr, size, 0)] * per, "DRAM"),
+        remote,
+    )
 
 
-def batch_rate(agent: Any, remote: str, laddr: int, raddr: int, size: int, per: int, calls: int,
-               seconds: float) -> float:
-    """Writes per second with `calls` requests of `per` writes each in flight (NIXL's own
-    batch form: one request, many descriptors; afabric's write_many)."""
-    hs = [
-        agent.initialize_xfer(
-            "WRITE",
-            agent.get_xfer_descs([(laddr, size, 0)] * per, "DRAM"),
-            agent.get_xfer_descs([(raddr, size, 0)] * per, "DRAM"),
-            remote,
-        )
-        for _ in range(calls)
-    ]
+def rate(agent: Any, remote: str, laddr: int, raddr: int, size: int, window: int, seconds: float,
+         per: int = 1) -> float:
+    """Writes per second with `window` requests of `per` writes each in flight for about
+    `seconds` (per > 1: NIXL's batch form, one request of many descriptors, as afabric's
+    write_many), each reposted as soon as it is DONE."""
+    hs = [_request(agent, remote, laddr, raddr, size, per) for _ in range(window)]
     done = 0
     t0 = time.perf_counter()
     for h in hs:
@@ -93,7 +63,7 @@ def batch_rate(agent: Any, remote: str, laddr: int, raddr: int, size: int, per: 
         if done and time.perf_counter() - t0 >= seconds:
             break
     elapsed = time.perf_counter() - t0
-    for h in hs:
+    for h in hs:  # let the last ones finish before releasing them
         while agent.check_xfer_state(h) == "PROC":
             pass
         agent.release_xfer_handle(h)
@@ -101,12 +71,7 @@ def batch_rate(agent: Any, remote: str, laddr: int, raddr: int, size: int, per: 
 
 
 def latency(agent: Any, remote: str, laddr: int, raddr: int, n: int) -> list[float]:
-    h = agent.initialize_xfer(
-        "WRITE",
-        agent.get_xfer_descs([(laddr, 8, 0)], "DRAM"),
-        agent.get_xfer_descs([(raddr, 8, 0)], "DRAM"),
-        remote,
-    )
+    h = _request(agent, remote, laddr, raddr, 8, 1)
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -151,7 +116,7 @@ def main() -> None:
         rates = [rate(agent, remote, laddr, raddr, size, window, args.seconds) for _ in range(args.repeat)]
         report(f"write {s:>4} win {window:2d}", size, rates)
         if size <= (64 << 10):  # 4 requests of 64 writes in flight
-            rates = [batch_rate(agent, remote, laddr, raddr, size, 64, 4, args.seconds)
+            rates = [rate(agent, remote, laddr, raddr, size, 4, args.seconds, per=64)
                      for _ in range(args.repeat)]
             report(f"many  {s:>4} 4x64  ", size, rates)
     lat = sorted(latency(agent, remote, laddr, raddr, 2000)[100:])
