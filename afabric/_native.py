@@ -312,6 +312,13 @@ def read_u64(address: int) -> int:
     return int(ctypes.c_uint64.from_address(address).value)
 
 
+def word_view(address: int) -> npt.NDArray[np.uint64]:
+    """A one-element array over the 64-bit word at `address` (a watcher's word), for a CPU
+    writer that stores into it as a GPU kernel does, with no call between its clock and the
+    store (`afabric bench trigger`). The caller keeps the word alive while it uses the view."""
+    return np.ctypeslib.as_array((ctypes.c_uint64 * 1).from_address(address))
+
+
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ cost 1 µs per completion
 class Event:
     """One drained completion record, already converted to Python objects (read-only by

@@ -664,9 +664,37 @@ static void bench_count(void *arg, int32_t status, uint32_t what)
         bench_unref(c);
 }
 
-/* Caller side: sleep until `done` reaches `want` (or 1 ms passes). */
-static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want)
+/* With at most this many in flight the caller looks for spin_us before it sleeps, as the
+ * Python loop polls the ring (afabric/engine.py: _POLL_MAX_IN_FLIGHT). */
+#define BENCH_POLL_MAX_IN_FLIGHT 4u
+
+/* How long the benchmark's caller looks before it sleeps: spin_us, unless a target's
+ * worker copies the bytes and the process has too few CPUs for a third spinning thread
+ * (the Python loop's rule, Engine._adopt). */
+static uint64_t bench_spin_ns(const afs_engine *eng)
 {
+    bool copies = false;
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        copies |= (eng->nics[k].caps.flags & AFP_CAP_TARGET_COPIES) != 0;
+    if (copies && afs_few_cpus())
+        return 0;
+    return (uint64_t)eng->cfg.spin_us * 1000u;
+}
+
+/* Caller side: wait until `done` reaches `want`: looking for up to `spin_ns`, then asleep
+ * (for at most 1 ms at a time). */
+static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want, uint64_t spin_ns)
+{
+    if (spin_ns) {
+        const uint64_t until = afs_now_ns() + spin_ns;
+        do {
+            for (int i = 0; i < 64; i++) {
+                if ((int32_t)(atomic_load(&c->done) - want) >= 0)
+                    return;
+                afp_cpu_relax();
+            }
+        } while (afs_now_ns() < until);
+    }
     struct timespec ts = {0, 1000000};
     atomic_store(&c->waiting, want ? want : 1);
     uint32_t now = atomic_load(&c->done);
@@ -695,6 +723,7 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         window = 1;
     if (span == 0)
         span = 1;
+    const uint64_t spin_ns = bench_spin_ns(eng);
     uint64_t t0 = afs_now_ns();
     for (;;) {
         uint32_t done = atomic_load(&c->done);
@@ -750,7 +779,8 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         uint64_t want = done + batch;
         if (want > submitted)
             want = submitted;
-        bench_wait(c, done, (uint32_t)want);
+        bench_wait(c, done, (uint32_t)want,
+                   submitted - done <= BENCH_POLL_MAX_IN_FLIGHT ? spin_ns : 0);
     }
     *elapsed_ns = afs_now_ns() - t0;
     int32_t st = atomic_load(&c->status);

@@ -33,6 +33,11 @@ const char *afs_error_name(int code);
 
 /* ---- util.c ---- */
 uint64_t afs_now_ns(void);
+/* Fewer CPUs than this for the calling thread: a third thread that spins (the Python loop's
+ * polling, a benchmark's waiting) takes the time a worker needs (afabric/engine.py,
+ * _POLL_MIN_CPUS), and a worker with nothing to do yields its core (worker.c). */
+#define AFS_FEW_CPUS 4
+bool afs_few_cpus(void);
 uint64_t afs_random_u64(void);
 uint64_t afs_mix64(uint64_t x);
 uint32_t afs_crc32(const uint8_t *buf, size_t len);

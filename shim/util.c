@@ -1,5 +1,6 @@
-/* Clocks, randomness and checksums. */
+/* Clocks, CPUs, randomness and checksums. */
 #include <errno.h>
+#include <sched.h>
 #include <sys/random.h>
 #include <time.h>
 
@@ -10,6 +11,12 @@ uint64_t afs_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+bool afs_few_cpus(void)
+{
+    cpu_set_t set;
+    return sched_getaffinity(0, sizeof(set), &set) != 0 || CPU_COUNT(&set) < AFS_FEW_CPUS;
 }
 
 uint64_t afs_mix64(uint64_t x)

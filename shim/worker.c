@@ -1225,18 +1225,26 @@ static void ka_found(afs_engine *eng, uint32_t finding, uint64_t peer_id, const 
     afs_submit(eng, x);
 }
 
-static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
+/* What one look at a NIC found (poll_nic). */
+enum nic_found { FOUND_NOTHING = 0, FOUND_SLOW_CALL = 1, FOUND_WORK = 2 };
+
+/* FOUND_SLOW_CALL: only a progress call that took long without an event of its own
+ * (AFP_EV_ACTIVITY with len 0): data moving for a transfer in flight, or a call that ran
+ * on cold caches after a nap (the worker tells the two apart, afs_worker_main). */
+static enum nic_found poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
 {
     afp_event ev[AFS_POLL_BATCH];
     uint64_t src[AFS_POLL_BATCH]; /* senders, for the allow-list (allow.c) */
     uint32_t n = 0;
     int rc = afs_allow_poll(eng, nic, ev, src, AFS_POLL_BATCH, &n);
     if (rc && rc != AFS_EAGAIN)
-        return false; /* a failing CQ; errors of operations arrive as events */
+        return FOUND_NOTHING; /* a failing CQ; errors of operations arrive as events */
     afs_nic *nn = &eng->nics[nic];
+    bool slow_call_only = n > 0;
     for (uint32_t i = 0; i < n; i++) {
         const afp_event *e = &ev[i];
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
+        slow_call_only &= e->kind == AFP_EV_ACTIVITY && e->len == 0;
         if (e->kind != AFP_EV_RECV && e->kind != AFP_EV_IMM && afs_ka_owns(e->ctx)) {
             afs_ka_sent(eng, e); /* keepalive.c: one of the shim's own frames went */
             continue;
@@ -1286,7 +1294,7 @@ static bool poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
             break;
         }
     }
-    return n > 0;
+    return n == 0 ? FOUND_NOTHING : slow_call_only ? FOUND_SLOW_CALL : FOUND_WORK;
 }
 
 /* ---- peers (peers.c): a peer's process is gone ---- */
@@ -1544,12 +1552,14 @@ static void fail_queued(afs_engine *eng)
 void *afs_worker_main(void *arg)
 {
     afs_engine *eng = arg;
+    const bool yields = afs_few_cpus(); /* before pinning: the process's CPUs */
     pin_self(eng->cfg.cpu);
     uint64_t idle_since = afs_now_ns();
     uint64_t sleep_ns = SLEEP_MIN_NS;
     const uint64_t spin_ns = (uint64_t)eng->cfg.spin_us * 1000ull;
     uint64_t now = idle_since;
     uint32_t fruitless = 0; /* provider wake-ups in a row with nothing to do (FRUITLESS_WAKES) */
+    bool napped = false;    /* the last turn ended in a nap */
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
         atomic_store_explicit(&eng->beat_ns, now, memory_order_relaxed); /* peers.c watches it */
         bool did = take_requests(eng, now);
@@ -1558,8 +1568,19 @@ void *afs_worker_main(void *arg)
         did |= retry_rx(eng);
         if (eng->armed.head && atomic_load_explicit(&eng->armed_on_watchers, memory_order_relaxed))
             did |= fire_watched(eng, now);
-        for (uint32_t k = 0; k < eng->nnics; k++)
-            did |= poll_nic(eng, k, now);
+        bool slow = false;
+        for (uint32_t k = 0; k < eng->nnics; k++) {
+            enum nic_found f = poll_nic(eng, k, now);
+            did |= f == FOUND_WORK;
+            slow |= f == FOUND_SLOW_CALL;
+        }
+        /* A slow progress call means data is moving, except the first after a nap: caches
+         * gone cold make an idle call slow too, and believing it cost an idle shm engine a
+         * spin_us spin per wake-up (0.46-0.59% of a core against 0.28-0.34 on the GPU
+         * machine, BENCHMARKS.md). That one is believed if the next look is slow as well. */
+        bool look_again = slow && napped && !did;
+        did |= slow && !napped;
+        napped = false;
         now = afs_now_ns();
         if (eng->settling.head) {
             settle_deregs(eng, now);
@@ -1577,8 +1598,9 @@ void *afs_worker_main(void *arg)
             idle_since = now;
             sleep_ns = SLEEP_MIN_NS;
             fruitless = 0;
-        } else if (eng->cfg.poll_mode == AFS_POLL_ADAPTIVE && now - idle_since > spin_ns &&
-                   !eng->postq_head && !atomic_load(&eng->armed_on_watchers)) {
+        } else if (!look_again && eng->cfg.poll_mode == AFS_POLL_ADAPTIVE &&
+                   now - idle_since > spin_ns && !eng->postq_head &&
+                   !atomic_load(&eng->armed_on_watchers)) {
             /* (stays awake while operations are armed on watchers: they fire from here).
              * Not napping while our own operations are with the provider made 1 MiB shm
              * writes 1.5x faster on the 16-core host (libfabric 1.17's shm and tcp;ofi_rxm
@@ -1588,7 +1610,12 @@ void *afs_worker_main(void *arg)
              * clean-clone CI runs). Kept out until the same-host path needs no such lock. */
             if (worker_sleep(eng, &sleep_ns, fruitless >= FRUITLESS_WAKES && fds_exhausted(eng)))
                 fruitless++;
+            napped = true;
             now = afs_now_ns(); /* requests taken next are stamped with the time they came */
+        } else if (yields) {
+            /* Nothing to do this turn: on a machine of few CPUs the loop's thread and the
+             * peer's worker need the core more than this look does. */
+            sched_yield();
         }
     }
     /* Goodbyes to the peers that resolved this engine (keepalive.c), waited for a little:

@@ -53,6 +53,11 @@ def reference_fabric(provider: str, fabric: str) -> str:
     return REFERENCE.get(provider, fabric)
 
 
+# fi_rma_bw's warm-up operations before its clock starts (fabtests' INIT_OPTS): the rows
+# compared with it run as many untimed first.
+RMA_WARMUP = 10
+
+
 def rma_iters(size: int, quick: bool) -> int:
     """fi_rma_bw iterations for one size (as the fabtests pair.sh picks them)."""
     n = 500 if size >= 16 << 20 else 4000 if size >= 1 << 20 else 20000

@@ -136,14 +136,17 @@ async def _py_writes(
     if span is None:
         span = max(1, REGION // max(nbytes, 1))
 
+    async def one(off: int) -> None:
+        if read:
+            await eng.read(mr, desc, nbytes, src_offset=off, dst_offset=off)
+        else:
+            await eng.write(mr, desc, nbytes, src_offset=off, dst_offset=off)
+
     async def lane(k: int) -> None:
         for i in range(per):
-            off = ((k * per + i) % span) * nbytes
-            if read:
-                await eng.read(mr, desc, nbytes, src_offset=off, dst_offset=off)
-            else:
-                await eng.write(mr, desc, nbytes, src_offset=off, dst_offset=off)
+            await one(((k * per + i) % span) * nbytes)
 
+    await asyncio.gather(*(one((k % span) * nbytes) for k in range(fabtests.RMA_WARMUP)))
     t0 = time.perf_counter()
     await asyncio.gather(*(lane(k) for k in range(window)))
     return (time.perf_counter() - t0) / (per * window)
@@ -164,7 +167,8 @@ async def _contig_rows(
     rows: list[Row] = []
     for size in sizes:
         bar.step(f"{kind} {_fmt_size(size)}")
-        window, iters = _window_for(size), _iters_for(size, args.quick)
+        # fi_rma_bw's window, operations and warm-up, so that the rows compare like with like
+        window, iters = _window_for(size), fabtests.rma_iters(size, args.quick)
         mr, span = slots.region(size), slots.span(size)
         raw_loop = RawLoop(eng, mr, desc)
         row = Row(kind, size, 1, window)
@@ -174,7 +178,9 @@ async def _contig_rows(
         for _ in range(args.repeat):  # alternately: the C library, then afabric
             fi += await _rma_bw(args, size, window, "read" if read else "writedata")
             py.append(await _py_writes(eng, mr, desc, size, window, iters, read=read, span=span))
-            raw_ns = raw_loop.read(size, window, iters) if read else raw_loop.write(size, window, iters)
+            run = raw_loop.read if read else raw_loop.write
+            run(size, window, fabtests.RMA_WARMUP)
+            raw_ns = run(size, window, iters)
             raw.append(_raw(raw_ns, iters))
         _fill(row, py, raw, size)
         row.fi_gbps = statistics.median(fi) if fi else 0.0

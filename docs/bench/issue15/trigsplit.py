@@ -3,7 +3,9 @@ writer) -> the watcher thread saw it (``t_pickup`` of the fired operation, ``tim
 -> its first work request posted. The bump comes from a thread (as `afabric bench trigger`'s
 writer) or from the loop itself, 200-500 µs after the write was armed; p50 / p99 µs.
 ``thread`` starts a thread per bump, ``writer`` keeps one (as the bench does).
-Usage: trigsplit.py PROV [thread|writer|loop]"""
+A bump is a plain store into the word, as `bench trigger`'s (a kernel's); with ``add`` as a
+second argument word it is ``UvmWatcher.add(1)``, a ctypes call after the clock.
+Usage: trigsplit.py PROV [thread|writer|loop] [add]"""
 
 import asyncio
 import multiprocessing as mp
@@ -17,16 +19,27 @@ import time
 import numpy as np
 from latsplit import target  # the same target process (this directory is on sys.path)
 
-from afabric import Engine, MrDesc
+from afabric import Engine, MrDesc, _native
 
 N = 1000
+
+
+ADD = "add" in sys.argv[3:]
+
+
+def store(w) -> None:  # type: ignore[no-untyped-def]
+    """One bump: the next value stored into the word (or ``add`` with ADD)."""
+    if ADD:
+        w.add(1)
+    else:
+        w.word[0] += 1
 
 
 def bump(w, gap: float, out: list[int]) -> None:  # type: ignore[no-untyped-def]
     """The writer thread: sleep, note the time, bump."""
     time.sleep(gap)
     out.append(time.monotonic_ns())
-    w.add(1)
+    store(w)
 
 
 def writer(w, jobs: "queue.SimpleQueue[float | None]", out: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -48,6 +61,7 @@ async def main(prov: str, mode: str) -> None:
     async with Engine(prov, timing=True) as eng:
         mr = eng.register(np.ones(4096, dtype=np.uint8))
         w = eng.uvm_watcher()
+        w.word = _native.word_view(w.host_ptr)  # the watcher outlives every bump
         bumps: list[int] = []
         jobs: queue.SimpleQueue[float | None] = queue.SimpleQueue()
         stamps: list[int] = []
@@ -74,7 +88,7 @@ async def main(prov: str, mode: str) -> None:
                 while time.monotonic() < t_end:
                     pass
                 bumps.append(time.monotonic_ns())
-                w.add(1)
+                store(w)
                 await task
         jobs.put(None)
         recs = [r for r in eng.timings() if r.kind == "write"]
