@@ -592,6 +592,9 @@ bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len
                  afs_ka_hook hook);
 void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status); /* an AFS_REQ_PEER */
 void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook);   /* heartbeats, grace */
+/* Nothing of the keepalive's needs a tick: heartbeats off, no goodbye's grace running, no
+ * hello to retry, no control frame with the provider. */
+bool afs_ka_timers_idle(const afs_engine *eng);
 /* After a goodbye, operations in flight to the peer get AFS_KA_GRACE_MS to complete (ones it
  * took before closing may have their completions still on the way): true if so, and
  * AFS_KA_GRACE_OVER then fails what is left (an AFS_REQ_PEER with AFS_PEER_GRACE_OVER,

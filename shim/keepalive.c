@@ -83,6 +83,12 @@ struct afs_ka {
     uint32_t hellos_due; /* peers with hello_until set */
 };
 
+bool afs_ka_timers_idle(const afs_engine *eng)
+{
+    const struct afs_ka *ka = eng->ka;
+    return !eng->cfg.heartbeat_ms && (!ka || (!ka->n_grace && !ka->hellos_due && !ka->out));
+}
+
 bool afs_ka_owns(uint64_t ctx)
 {
     uint64_t t = ctx & 0xffu;
