@@ -673,10 +673,7 @@ static void bench_count(void *arg, int32_t status, uint32_t what)
  * (the Python loop's rule, Engine._adopt). */
 static uint64_t bench_spin_ns(const afs_engine *eng)
 {
-    bool copies = false;
-    for (uint32_t k = 0; k < eng->nnics; k++)
-        copies |= (eng->nics[k].caps.flags & AFP_CAP_TARGET_COPIES) != 0;
-    if (copies && afs_few_cpus())
+    if (afs_target_copies(eng) && afs_few_cpus())
         return 0;
     return (uint64_t)eng->cfg.spin_us * 1000u;
 }

@@ -608,6 +608,9 @@ void afs_ka_free(afs_engine *eng);
 
 /* worker.c */
 void *afs_worker_main(void *arg);
+/* Whether a NIC's provider has the target's worker copy a write's bytes
+ * (AFP_CAP_TARGET_COPIES; worker.c). */
+bool afs_target_copies(const afs_engine *eng);
 void afs_submit(afs_engine *eng, afs_xfer *x);
 /* A synchronous control request. On AFS_ESTUCK the worker keeps `x`: leave it (and what it
  * points to) allocated. */

@@ -929,16 +929,21 @@ static uint64_t landed_total(afs_engine *eng)
 #define DEREG_QUIET_NS 50000000ull  /* 50 ms */
 #define DEREG_MAX_NS 2000000000ull  /* 2 s */
 
+bool afs_target_copies(const afs_engine *eng)
+{
+    for (uint32_t k = 0; k < eng->nnics; k++)
+        if (eng->nics[k].caps.flags & AFP_CAP_TARGET_COPIES)
+            return true;
+    return false;
+}
+
 static bool settle_dereg(afs_engine *eng, afs_xfer *x, uint64_t now)
 {
     /* readable regions too: a read accepted before the revocation may still be answered from
      * the region by the target's progress (nothing counts those, so they get the quiet time) */
     if (!(x->ctrl.mr->flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) || x->ctrl.rc)
         return false;
-    bool copies = false;
-    for (uint32_t k = 0; k < eng->nnics; k++)
-        copies |= (eng->nics[k].caps.flags & AFP_CAP_TARGET_COPIES) != 0;
-    if (!copies)
+    if (!afs_target_copies(eng))
         return false;
     x->ctrl.settle_seen = landed_total(eng);
     x->ctrl.settle_since = now;
