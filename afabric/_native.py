@@ -51,6 +51,7 @@ from ._native_decl import (
     OP_WRITE_PAGED,
     POLL_ADAPTIVE,
     POLL_SPIN,
+    TAKE_NONE,
     TRIG_NONE,
     Completion,
     Config,
@@ -156,6 +157,7 @@ class HotCalls:
         self.submit = self._fn(lib, "afs_submit_req", [EngineHandle, vp, vp])
         self.drain = self._fn(lib, "afs_drain", [EngineHandle, vp, u32, vp])
         self.poll = self._fn(lib, "afs_poll", [EngineHandle, vp, u32, vp])
+        self.submit_take = self._fn(lib, "afs_submit_take", [EngineHandle, vp, vp, u32])
 
     @staticmethod
     def _fn(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> Callable[..., int]:
@@ -378,6 +380,7 @@ class NativeEngine:
         self._pending_wait = f.afs_pending_wait
         # the loop thread's calls take these addresses (HotCalls); self keeps what they name
         self._submit_hot, self._drain_hot, self._poll_hot = hot.submit, hot.drain, hot.poll
+        self._submit_take_hot = hot.submit_take
         self._req_p = ctypes.c_void_p(ctypes.addressof(self._req))
         self._out_p = ctypes.c_void_p(ctypes.addressof(self._out))
         self._ring_p = ctypes.c_void_p(ctypes.addressof(self._ring))
@@ -543,6 +546,24 @@ class NativeEngine:
         if rc:
             self._s.check(rc, what, self.provider)
         return self._out.value
+
+    def write_take(
+        self, mr_id: int, remote_id: int, length: int, src: int, dst: int, imm: int, max_ns: int
+    ) -> tuple[int, int]:
+        """A plain write awaited alone (the owner's thread; no trigger armed): submitted, then
+        looked for up to ``max_ns`` (afs_submit_take). Returns (operation id, TAKEN when its
+        completion, a plain success, was consumed here: nothing of it reaches drain(); else
+        TAKE_NONE or TAKE_OTHER, and the operation completes through drain() as any other)."""
+        h = self._h
+        if h is None:
+            raise errors.EngineClosed("engine is closed")
+        if threading.get_ident() != self._owner or self._armed:
+            return self.write("write", mr_id, remote_id, length, src, dst, imm), TAKE_NONE
+        _WRITE_FIELDS.pack_into(self._req, 4, OP_WRITE, mr_id, remote_id, length, src, dst, imm)
+        rc = self._submit_take_hot(h, self._req_p, self._out_p, max_ns)
+        if rc < 0:
+            self._s.check(rc, "write", self.provider)
+        return self._out.value, rc
 
     def write_dynlen(
         self,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 HEARTBEAT_MISSES = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
@@ -37,6 +37,9 @@ OP_READ = 5
 OP_READ_PAGED = 6
 OP_GATHER = 7
 REQUEST_MIN_SIZE = 184
+TAKE_NONE = 0
+TAKEN = 1
+TAKE_OTHER = 2
 C_DONE = 1
 C_RELEASE = 2
 C_RECV = 3
@@ -432,6 +435,15 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
             EngineHandle,
             ctypes.POINTER(Request),
             ctypes.POINTER(ctypes.c_uint64),
+        ],
+    ),
+    "afs_submit_take": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.POINTER(Request),
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_uint32,
         ],
     ),
     "afs_watcher_create": (

@@ -60,6 +60,9 @@ _POLL_MIN_CPUS = 4
 # an epoll_wait system call, several µs where system calls are slow); other tasks wait at
 # most this long per look.
 _POLL_SLICE_NS = 5_000
+# An operation awaited alone gets its first look at the ring from the awaiting call itself
+# (_look_inline): this many in a row at most, then one await that yields to the loop.
+_INLINE_RUN = 8
 
 
 def _usable_cpus() -> int:
@@ -281,7 +284,7 @@ class Engine(MessagingMixin):
         # While it awaits a few operations the loop looks at the ring itself until spin_us
         # passed without a completion (_poll_tick): no eventfd write, no epoll wake-up.
         self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
-        self._polling = False
+        self._polling, self._inline_left = False, _INLINE_RUN  # _inline_ok
         self._poll_last = 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
         _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
@@ -746,8 +749,11 @@ class Engine(MessagingMixin):
     ) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op_id] = (fut, verb, peer, refs, kind)
-        if not self._polling and self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
-            self._start_poll()
+        if self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
+            if not self._polling:
+                self._start_poll()
+            if when is None and len(self._ops) == 1 and self._inline_ok():
+                self._look_inline(fut)
         # If the awaiting task is cancelled the op stays in _ops, keeping `refs` (the
         # buffers) alive until the native completion: the NIC may still be reading them.
         # A triggered op that has not fired yet is disarmed instead (the shim answers the
@@ -800,6 +806,11 @@ class Engine(MessagingMixin):
             dst_offset = _u64(dst_offset, "dst_offset")
         imm_v = _NO_IMM if imm is None else _imm(imm)
         if when is None and length_from is None:
+            if not self._ops and self._poll_window and self._first_posts is None:
+                alone = self._write_alone(mr, peer, (mr_id, rid, length, src_offset, dst_offset, imm_v))
+                if alone is not None:
+                    await alone  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
+                return
             op = self._n.write("write", mr_id, rid, length, src_offset, dst_offset, imm_v)
             fut: asyncio.Future[None] = self._loop.create_future()
             self._ops[op] = (fut, "write", peer, (mr,), "write")
@@ -1136,6 +1147,66 @@ class Engine(MessagingMixin):
             self._n.cancel(op_id)
 
     # ---- completions ----
+
+    def _inline_ok(self) -> bool:
+        """Whether an operation awaited alone may get its first look from the awaiting call:
+        at most _INLINE_RUN in a row complete so (their awaits do not suspend), then one
+        waits on the loop, so other tasks run at least that often."""
+        if self._inline_left > 0:
+            return True
+        self._inline_left = _INLINE_RUN
+        return False
+
+    def _look_inline(self, fut: asyncio.Future[None]) -> None:
+        """The first look for an operation awaited alone, from the awaiting call (the poll
+        is started: its tick keeps the fd's contract). Found within one poll slice, the
+        future is done and ``await`` does not suspend: no loop iteration before the look,
+        none between the result and the caller's next line."""
+        if self._n.pending_wait(self._poll_slice_ns):
+            self._process_inline()
+        self._inline_counted(fut.done())
+
+    def _process_inline(self) -> None:
+        """_process from the awaiting call; what it raises goes to the loop, as _poll_tick's."""
+        try:
+            if self._process(poll=True):
+                self._poll_last = time.monotonic()
+                self._polled += 1
+        except Exception as e:  # noqa: BLE001 (another event's trouble is not this call's)
+            self._loop.call_exception_handler({"message": "afabric: inline look", "exception": e})
+
+    def _inline_counted(self, found: bool) -> None:
+        if found:
+            self._inline_left -= 1
+        else:
+            self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
+
+    def _write_alone(
+        self, mr: MemoryRegion, peer: int, args: tuple[int, int, int, int, int, int]
+    ) -> asyncio.Future[None] | None:
+        """write()'s plain write with nothing else in flight, where the loop polls: the shim
+        submits it and looks for its completion in one call (afs_submit_take), and one found
+        there is consumed there: no future, no drain (None). Otherwise its future, after the
+        inline look's accounting (_inline_ok)."""
+        if not self._polling:
+            self._start_poll()
+        if not self._inline_ok():
+            op, took = self._n.write("write", *args), _native.TAKE_NONE
+        else:
+            op, took = self._n.write_take(*args, self._poll_slice_ns)
+            if took == _native.TAKEN:
+                self._inline_left -= 1
+                self._poll_last = time.monotonic()
+                self._polled += 1
+                return None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._ops[op] = (fut, "write", peer, (mr,), "write")
+        if took == _native.TAKE_OTHER:
+            self._process_inline()
+            self._inline_counted(fut.done())
+        else:
+            self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
+        return fut
 
     def _start_poll(self) -> None:
         self._polling = True

@@ -21,7 +21,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 7u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 8u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
@@ -30,7 +30,8 @@
                               5: afs_config.heartbeat_ms, afs_nic_stats.ctrl_sent/received,
                               AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO;
                               6: AFS_ESTUCK, AFS_C_STUCK, AFS_STUCK_MS;
-                              7: afs_pending_wait (afs_poll and afs_pending came in 6, unbumped) */
+                              7: afs_pending_wait (afs_poll and afs_pending came in 6, unbumped);
+                              8: afs_submit_take */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -330,6 +331,16 @@ typedef struct afs_request {
 /* Checks `req` (a bad one fails here with a typed code, nothing posted) and submits it;
  * *xfer_id gets the operation's id, which its AFS_C_DONE record carries. */
 AFS_API int32_t afs_submit_req(afs_engine *eng, const afs_request *req, uint64_t *xfer_id);
+/* afs_submit_req for an operation its caller awaits alone, then afs_pending_wait's look for
+ * up to max_ns: when the ring then holds just this operation's plain success (done, no error
+ * text, nothing held back), that record is consumed here and the result is AFS_TAKEN; else
+ * AFS_TAKE_NONE (no record yet) or AFS_TAKE_OTHER (records to drain, this one's perhaps among
+ * them). Either way the worker was asked not to signal the event fd, as by afs_poll. */
+AFS_API int32_t afs_submit_take(afs_engine *eng, const afs_request *req, uint64_t *xfer_id,
+                                uint32_t max_ns);
+#define AFS_TAKE_NONE 0
+#define AFS_TAKEN 1
+#define AFS_TAKE_OTHER 2
 
 /* Watchers: a 64-bit word in host memory (mapped into CUDA device `device`'s address space
  * when device >= 0) that anyone may bump; the shim reports each change it observes as an

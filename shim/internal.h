@@ -84,6 +84,8 @@ void afs_ring_flush(afs_ring *r);                         /* worker: overflow + 
 /* consumer; poll: leave the eventfd alone and ask for no signal (the consumer looks again) */
 uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max, bool poll);
 uint64_t afs_ring_pending(afs_ring *r); /* consumer: records ready, and no signal wanted */
+/* consumer: when the ring holds just operation `id`'s plain success, consume it */
+bool afs_ring_take(afs_ring *r, uint64_t id);
 
 /* ---- immtab.c: immediate counters ---- */
 typedef struct afs_imm_entry {

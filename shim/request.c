@@ -82,3 +82,14 @@ int32_t afs_submit_req(afs_engine *eng, const afs_request *req, uint64_t *xfer_i
         return afs_fail(AFS_EINVAL, "submit: unknown op %u", r.op);
     }
 }
+
+int32_t afs_submit_take(afs_engine *eng, const afs_request *req, uint64_t *xfer_id,
+                        uint32_t max_ns)
+{
+    int32_t rc = afs_submit_req(eng, req, xfer_id);
+    if (rc)
+        return rc;
+    if (!afs_pending_wait(eng, max_ns))
+        return AFS_TAKE_NONE;
+    return afs_ring_take(&eng->ring, *xfer_id) ? AFS_TAKEN : AFS_TAKE_OTHER;
+}

@@ -156,3 +156,15 @@ uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max, bool pol
     }
     return n;
 }
+
+bool afs_ring_take(afs_ring *r, uint64_t id)
+{
+    uint64_t head = atomic_load_explicit(&r->head, memory_order_relaxed);
+    if (atomic_load_explicit(&r->tail, memory_order_acquire) != head + 1)
+        return false;
+    const afs_completion *c = &r->slots[head & r->mask];
+    if (c->kind != AFS_C_DONE || c->id != id || c->status || c->data || c->release_later)
+        return false;
+    atomic_store_explicit(&r->head, head + 1, memory_order_release);
+    return true;
+}

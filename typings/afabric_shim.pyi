@@ -167,6 +167,11 @@ class ShimLib:
         """int32_t afs_submit_req(afs_engine *eng, const afs_request *req, uint64_t *xfer_id);"""
 
     @staticmethod
+    def afs_submit_take(eng: EngineHandle, req: _Ref[Request], xfer_id: _Ref[c_uint64], max_ns: int) -> int:
+        """int32_t afs_submit_take(afs_engine *eng, const afs_request *req, uint64_t *xfer_id, uint32_t
+            max_ns);"""
+
+    @staticmethod
     def afs_watcher_create(
         eng: EngineHandle,
         device: int,
