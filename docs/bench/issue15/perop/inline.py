@@ -3,20 +3,24 @@ p99 µs, alternated over rounds against one target process, three ways: "off" (_
 every await waits on the loop, as before), "look" (the write submitted, then looked for and
 drained from Python, as _look_inline does for other operations), "take" (the default: one
 call submits and takes the completion, afs_submit_take).
-Usage: inline.py PROV [ROUNDS [WRITES [LOOP]]] (LOOP asyncio or uvloop, default uvloop: the
-loop `afabric bench` uses where it is installed)."""
+Usage: inline.py PROV [ROUNDS [WRITES [LOOP]]] (the writer's LOOP asyncio or uvloop, default
+uvloop: the loop `afabric bench` uses where it is installed; the target is perop.py's)."""
 
 import asyncio
 import multiprocessing as mp
 import sys
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import afabric.engine as engine_mod
 from afabric import Engine, MrDesc, _native
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # -P leaves this directory out
+from perop import target  # the target process: a registered 1 MiB region
 
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 WRITES = int(sys.argv[3]) if len(sys.argv) > 3 else 3000
@@ -29,16 +33,6 @@ def runner() -> Callable[[Coroutine[Any, Any, None]], None]:
 
         return uvloop.run
     return asyncio.run
-
-
-def target(conn: Any, prov: str) -> None:
-    async def run() -> None:
-        async with Engine(prov) as eng:
-            mr = eng.register(np.zeros(1 << 20, dtype=np.uint8))
-            conn.send(bytes(mr.descriptor))
-            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-
-    runner()(run())
 
 
 def look_only(eng: Engine) -> None:
