@@ -720,6 +720,7 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         p->incarnation = v->incarnation;
         p->max_msg = v->max_msg;
         p->pid = v->proc.pid;
+        p->start = v->proc.start;
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
         for (uint32_t k = 0; k < v->nics; k++) { /* v was parsed from blob: they point in it */

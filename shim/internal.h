@@ -135,13 +135,21 @@ void *afs_slots_lookup(afs_slots *s, uint64_t id);
 bool afs_slots_still(afs_slots *s, uint64_t id);
 void *afs_slots_at(afs_slots *s, uint32_t index); /* raw, NULL if never allocated */
 
-/* ---- peers.c: which process owns an engine, and watching it (same host) ---- */
+/* ---- procfs.c: what /proc says of a process ---- */
 typedef struct afs_proc_id {
     uint64_t host;  /* boot id and pid namespace, hashed; 0 = unknown */
     uint64_t start; /* start time (clock ticks after boot): a reused pid has another */
     uint32_t pid;
 } afs_proc_id;
 int afs_proc_self(afs_proc_id *out);
+int afs_proc_stat(uint32_t pid, char *state, uint64_t *start); /* AFS_EIO if unreadable */
+uint64_t afs_proc_start(uint32_t pid);                          /* 0 if unreadable */
+/* The process `pid` that started at `start` has exited or is exiting (PF_EXITING: a
+ * SIGKILLed process's sockets close before its pidfd turns readable). A process whose main
+ * thread alone has exited (pthread_exit) reads as exiting too. */
+bool afs_proc_gone(uint32_t pid, uint64_t start);
+
+/* ---- peers.c: watching same-host peers' processes ---- */
 typedef struct afs_live afs_live;
 #define AFS_PEER_EXITED 1  /* afs_peer_entry.down: for good */
 #define AFS_PEER_STOPPED 2 /* until the process runs again (afs_config.peer_stop_ms) */
@@ -230,6 +238,7 @@ typedef struct afs_peer_entry {
     _Atomic int32_t down;           /* peers.c: AFS_PEER_*, else 0 */
     _Atomic uint32_t ka;            /* AFS_KA_* (keepalive.c, peers.c, api.c) */
     uint32_t pid;                   /* its process as its address names it (0: unknown) */
+    uint64_t start;                 /* ... and that process's start time */
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
     uint8_t addr[512];

@@ -18,7 +18,10 @@
  * (api.c then refuses every new operation to it before posting, with AFS_EPEER) and hands
  * the worker an AFS_REQ_PEER request: the worker fails every operation in flight to that
  * peer at once and reports a peer-down record (AFS_C_PEER). Resolving a peer reports it up.
- * The worker never waits for this thread, nor this thread for the worker's provider.
+ * The worker never waits for this thread, nor this thread for the worker's provider. A
+ * provider may fail an operation to a peer before this thread hears of its exit (a SIGKILLed
+ * process's sockets close before its pidfd turns readable); the worker then asks /proc
+ * itself (worker.c fail_op, procfs.c) and reports the same AFS_EPEER.
  *
  * A peer that is alive but stopped (SIGSTOP) does not progress: with afs_config.peer_stop_ms
  * the thread also reads each watched process's state from /proc (every peer_stop_ms / 4, at
@@ -37,14 +40,12 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -73,70 +74,6 @@ struct afs_live {
     size_t n, cap;
     uint64_t last_check, seen_beat, seen_since; /* check_worker's, this thread's own */
 };
-
-static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) {
-        h ^= b[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
-
-/* State (field 3) and start time (field 22) of `pid` from /proc/<pid>/stat; 0 if unreadable. */
-static int proc_stat(uint32_t pid, char *state, uint64_t *start)
-{
-    char path[64], buf[1024];
-    snprintf(path, sizeof(path), "/proc/%u/stat", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return AFS_EIO;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0)
-        return AFS_EIO;
-    buf[n] = '\0';
-    char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
-    unsigned long long st = 0;
-    /* after ")": state(3) ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
-     * utime stime cutime cstime priority nice threads itrealvalue starttime(22) */
-    if (!p || sscanf(p + 1, " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d "
-                            "%*d %*d %*d %llu", state, &st) != 2)
-        return AFS_EIO;
-    *start = st;
-    return 0;
-}
-
-/* Start time of `pid`, or 0 if it cannot be read. */
-static uint64_t proc_start(uint32_t pid)
-{
-    char state;
-    uint64_t start = 0;
-    return proc_stat(pid, &state, &start) == 0 ? start : 0;
-}
-
-int afs_proc_self(afs_proc_id *out)
-{
-    memset(out, 0, sizeof(*out));
-    char boot[64] = {0};
-    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return AFS_EIO;
-    ssize_t n = read(fd, boot, sizeof(boot) - 1);
-    close(fd);
-    struct stat ns;
-    if (n <= 0 || stat("/proc/self/ns/pid", &ns) != 0)
-        return AFS_EIO;
-    uint64_t h = fnv1a(0xcbf29ce484222325ull, boot, (size_t)n);
-    uint64_t dev = (uint64_t)ns.st_dev, ino = (uint64_t)ns.st_ino;
-    h = fnv1a(h, &dev, sizeof(dev));
-    h = fnv1a(h, &ino, sizeof(ino));
-    out->pid = (uint32_t)getpid();
-    out->start = proc_start(out->pid);
-    out->host = out->start ? h | 1u : 0; /* never 0 when known */
-    return out->host ? 0 : AFS_EIO;
-}
 
 /* The worker learns of a peer going up or down through its queue, like any request. */
 static void tell_worker(afs_engine *eng, uint64_t peer_id, int32_t status, uint32_t pid,
@@ -177,7 +114,7 @@ static void check_stopped(afs_engine *eng, afs_live *l, uint64_t now)
         afs_watch *w = &l->w[k];
         char state = 'R';
         uint64_t start;
-        if (proc_stat(w->pid, &state, &start) != 0)
+        if (afs_proc_stat(w->pid, &state, &start) != 0)
             continue; /* exiting: the pidfd says so */
         if (state != 'T' && state != 't') {
             w->stopped_since = 0;
@@ -218,7 +155,7 @@ static bool a_peer_is_stopped(afs_live *l)
     for (size_t k = 0; k < l->n && !stopped; k++) {
         char state = 'R';
         uint64_t start;
-        stopped = proc_stat(l->w[k].pid, &state, &start) == 0 && (state == 'T' || state == 't');
+        stopped = afs_proc_stat(l->w[k].pid, &state, &start) == 0 && (state == 'T' || state == 't');
     }
     pthread_mutex_unlock(&l->lock);
     return stopped;
@@ -357,7 +294,7 @@ static int watch(afs_engine *eng, uint64_t peer_id, const afs_proc_id *who)
     int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)who->pid, 0);
     if (pidfd < 0)
         return errno == ESRCH ? -1 : 0; /* ENOSYS (kernel < 5.3), EMFILE: unwatched */
-    if (proc_start(who->pid) != who->start) { /* gone, and the pid given to another */
+    if (afs_proc_start(who->pid) != who->start) { /* gone, and the pid given to another */
         close(pidfd);
         return -1;
     }

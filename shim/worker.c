@@ -222,6 +222,24 @@ static void set_error(afs_xfer *x, int status, const char *fmt, const char *text
     x->errtext = afs_strdup_printf(fmt, text);
 }
 
+static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid);
+
+/* The provider failed x (posting it or its completion). To a same-host peer whose process
+ * is gone or exiting, that is the peer's exit, reported as on_peer reports it: the provider
+ * can see a SIGKILLed peer's connection reset before the pidfd watch does (procfs.c). */
+static void fail_op(afs_engine *eng, afs_xfer *x, int status, const char *fmt, const char *text)
+{
+    uint32_t pid = 0;
+    if (!x->status && to_gone_peer(eng, x, &pid)) {
+        char msg[96];
+        snprintf(msg, sizeof(msg), "peer (process %u): %s", pid,
+                 afs_peer_down_text(AFS_PEER_EXITED));
+        set_error(x, AFS_EPEER, "%s", msg);
+        return;
+    }
+    set_error(x, status, fmt, text);
+}
+
 static void record_timing(afs_engine *eng, const afs_xfer *x)
 {
     bool read = afs_xfer_is_rma(x) && x->rma.read;
@@ -455,7 +473,7 @@ static int post_whole(afs_engine *eng, afs_xfer *x)
         return AFS_EAGAIN;
     }
     if (rc) {
-        set_error(x, rc, "posting paged write: %s", eng->ops->errbuf(n->dom));
+        fail_op(eng, x, rc, "posting paged write: %s", eng->ops->errbuf(n->dom));
         x->total_wr = x->posted_wr;
         return 0;
     }
@@ -508,8 +526,8 @@ static int post_round(afs_engine *eng, afs_xfer *x)
             return AFS_EAGAIN;
         }
         if (rc) {
-            set_error(x, rc, x->rma.read ? "posting read: %s" : "posting write: %s",
-                      eng->ops->errbuf(eng->nics[nic].dom));
+            fail_op(eng, x, rc, x->rma.read ? "posting read: %s" : "posting write: %s",
+                    eng->ops->errbuf(eng->nics[nic].dom));
             x->total_wr = x->posted_wr; /* nothing more will be posted */
             x->rma.imm_pending = false;
             return 0;
@@ -535,7 +553,7 @@ static int post_send(afs_engine *eng, afs_xfer *x)
         return AFS_EAGAIN;
     }
     if (rc) {
-        set_error(x, rc, "posting send: %s", eng->ops->errbuf(n->dom));
+        fail_op(eng, x, rc, "posting send: %s", eng->ops->errbuf(n->dom));
         x->total_wr = x->posted_wr;
         return 0;
     }
@@ -1171,7 +1189,7 @@ static void on_op_done(afs_engine *eng, const afp_event *ev, uint64_t now)
      * on the operation (tcp;ofi_rxm reports a target's refusal of a remote access so). */
     int status = ev->status == AFS_ECANCELED ? AFS_EIO : ev->status;
     if (status)
-        set_error(x, status, "%s", ev->errtext[0] ? ev->errtext : afs_error_name(status));
+        fail_op(eng, x, status, "%s", ev->errtext[0] ? ev->errtext : afs_error_name(status));
     x->done_wr++;
     check_xfer(eng, x);
 }
@@ -1325,6 +1343,26 @@ static bool goes_to(const afs_engine *eng, const afs_xfer *x, const afs_peer_ent
     default:
         return false;
     }
+}
+
+/* x goes to a same-host peer whose process has exited or is exiting (its pid in *pid). Only
+ * on a failure: it reads /proc once per watched peer x goes to. */
+static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid)
+{
+    pthread_mutex_lock(&eng->peers.lock);
+    uint32_t n = eng->peers.n_alloc;
+    pthread_mutex_unlock(&eng->peers.lock);
+    for (uint32_t i = 0; i < n; i++) {
+        afs_peer_entry *p = afs_slots_at(&eng->peers, i);
+        if (!p || !(atomic_load(&p->hdr.gen) & 1u) || atomic_load(&p->superseded_by) ||
+            !(atomic_load(&p->ka) & AFS_KA_WATCHED) || !goes_to(eng, x, p))
+            continue;
+        if (afs_proc_gone(p->pid, p->start)) {
+            *pid = p->pid;
+            return true;
+        }
+    }
+    return false;
 }
 
 /* The worker's own list of down peers. api.c refuses an operation to a down peer before
