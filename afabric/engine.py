@@ -27,6 +27,7 @@ import numpy.typing as npt
 from . import _native, errors, registry, testing
 from ._messaging import MessagingMixin
 from ._ops import Op, op_label
+from ._take import TakeWindow
 from .address import Address
 from .descriptor import MrDesc
 from .groups import GatherSource, PeerGroup, ScatterTarget
@@ -193,6 +194,7 @@ def _on_poll(ref: weakref.ref[Engine]) -> None:
 # engine inert, so that nothing there calls into the native engine or touches that epoll set.
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 _get_ident = threading.get_ident
+_perf_ns = time.perf_counter_ns
 _fork_hook = False
 # Buffers of engines whose worker could not be stopped (close raised): it may still write.
 _ABANDONED: list[object] = []
@@ -284,7 +286,11 @@ class Engine(MessagingMixin):
         # While it awaits a few operations the loop looks at the ring itself until spin_us
         # passed without a completion (_poll_tick): no eventfd write, no epoll wake-up.
         self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
-        self._polling, self._inline_left = False, _INLINE_RUN  # _inline_ok
+        self._polling, self._inline_left, self._take_window = (  # _inline_ok, _write_alone
+            False,
+            _INLINE_RUN,
+            TakeWindow(self._poll_slice_ns, spin_us * 1000),
+        )
         self._poll_last = 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
         _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
@@ -1185,16 +1191,19 @@ class Engine(MessagingMixin):
         self, mr: MemoryRegion, peer: int, args: tuple[int, int, int, int, int, int]
     ) -> asyncio.Future[None] | None:
         """write()'s plain write with nothing else in flight, where the loop polls: the shim
-        submits it and looks for its completion in one call (afs_submit_take), and one found
-        there is consumed there: no future, no drain (None). Otherwise its future, after the
-        inline look's accounting (_inline_ok)."""
+        submits it and looks for its completion in one call (afs_submit_take, for as long as
+        _take_window says), and one found there is consumed there: no future, no drain (None).
+        Otherwise its future, after the inline look's accounting (_inline_ok)."""
         if not self._polling:
             self._start_poll()
-        if not self._inline_ok():
+        looked = self._inline_ok()
+        if not looked:
             op, took = self._n.write("write", *args), _native.TAKE_NONE
         else:
-            op, took = self._n.write_take(*args, self._poll_slice_ns)
+            t0 = _perf_ns()
+            op, took = self._n.write_take(*args, self._take_window.ns)
             if took == _native.TAKEN:
+                self._take_window.found(_perf_ns() - t0)
                 self._inline_left -= 1
                 self._poll_last = time.monotonic()
                 self._polled += 1
@@ -1204,8 +1213,10 @@ class Engine(MessagingMixin):
         if took == _native.TAKE_OTHER:
             self._process_inline()
             self._inline_counted(fut.done())
-        else:
-            self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
+            return fut
+        if looked:
+            self._take_window.missed()
+        self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
         return fut
 
     def _start_poll(self) -> None:
