@@ -27,7 +27,6 @@ import numpy.typing as npt
 from . import _native, errors, registry, testing
 from ._messaging import MessagingMixin
 from ._ops import Op, op_label
-from ._take import TakeWindow
 from .address import Address
 from .descriptor import MrDesc
 from .groups import GatherSource, PeerGroup, ScatterTarget
@@ -64,6 +63,15 @@ _POLL_SLICE_NS = 5_000
 # An operation awaited alone gets its first look at the ring from the awaiting call itself
 # (_look_inline): this many in a row at most, then one await that yields to the loop.
 _INLINE_RUN = 8
+# A write awaited alone is looked for in the call that submits it (afs_submit_take) for up to
+# spin_us, at most this long: found there, its completion costs no future, no drain and no
+# loop iteration (complete -> resume 1.8-2.3 µs against 5.7-8.9 through the poll tick, 16-core
+# GPU machine, docs/bench/issue15/latsplit.py). tcp's 8 B writes complete 16-18 µs after
+# posting (the target acknowledges each) and p99 ~50 µs after the call there: one look of a
+# poll slice misses them. A longer look costs a found write nothing (it ends at the
+# completion); one that misses held the loop this long, as the poll tick would have spun in
+# slices meanwhile (it polls spin_us after a submission).
+_TAKE_MAX_NS = 50_000
 
 
 def _usable_cpus() -> int:
@@ -194,7 +202,6 @@ def _on_poll(ref: weakref.ref[Engine]) -> None:
 # engine inert, so that nothing there calls into the native engine or touches that epoll set.
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 _get_ident = threading.get_ident
-_perf_ns = time.perf_counter_ns
 _fork_hook = False
 # Buffers of engines whose worker could not be stopped (close raised): it may still write.
 _ABANDONED: list[object] = []
@@ -286,12 +293,9 @@ class Engine(MessagingMixin):
         # While it awaits a few operations the loop looks at the ring itself until spin_us
         # passed without a completion (_poll_tick): no eventfd write, no epoll wake-up.
         self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
-        self._polling, self._inline_left, self._take_window = (  # _inline_ok, _write_alone
-            False,
-            _INLINE_RUN,
-            TakeWindow(self._poll_slice_ns, spin_us * 1000),
-        )
-        self._poll_last = 0.0
+        # _inline_ok's run, and how long _write_alone's look lasts
+        self._polling, self._inline_left = False, _INLINE_RUN
+        self._take_ns, self._poll_last = min(spin_us * 1000, _TAKE_MAX_NS), 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
         _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
         _bounded(rx_depth, "rx_depth", 1, 65535)
@@ -1191,19 +1195,16 @@ class Engine(MessagingMixin):
         self, mr: MemoryRegion, peer: int, args: tuple[int, int, int, int, int, int]
     ) -> asyncio.Future[None] | None:
         """write()'s plain write with nothing else in flight, where the loop polls: the shim
-        submits it and looks for its completion in one call (afs_submit_take, for as long as
-        _take_window says), and one found there is consumed there: no future, no drain (None).
+        submits it and looks for its completion in one call (afs_submit_take, up to
+        _TAKE_MAX_NS), and one found there is consumed there: no future, no drain (None).
         Otherwise its future, after the inline look's accounting (_inline_ok)."""
         if not self._polling:
             self._start_poll()
-        looked = self._inline_ok()
-        if not looked:
+        if not self._inline_ok():
             op, took = self._n.write("write", *args), _native.TAKE_NONE
         else:
-            t0 = _perf_ns()
-            op, took = self._n.write_take(*args, self._take_window.ns)
+            op, took = self._n.write_take(*args, self._take_ns)
             if took == _native.TAKEN:
-                self._take_window.found(_perf_ns() - t0)
                 self._inline_left -= 1
                 self._poll_last = time.monotonic()
                 self._polled += 1
@@ -1213,10 +1214,8 @@ class Engine(MessagingMixin):
         if took == _native.TAKE_OTHER:
             self._process_inline()
             self._inline_counted(fut.done())
-            return fut
-        if looked:
-            self._take_window.missed()
-        self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
+        else:
+            self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
         return fut
 
     def _start_poll(self) -> None:

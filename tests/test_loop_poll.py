@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from afabric import Engine, _native
-from afabric._take import _REST, TakeWindow
 
 WRITES = 100
 
@@ -136,7 +135,7 @@ def _looks_find_completions(eng: Engine) -> None:
     its completion is there (a completion later than the slice would make the tests below
     depend on timing); a tick with nothing in flight looks for the usual slice."""
     eng._poll_slice_ns = 2_000_000_000
-    eng._take_window = TakeWindow(2_000_000_000, 2_000_000_000)
+    eng._take_ns = 2_000_000_000
     wait = eng._n.pending_wait
     eng._n.pending_wait = lambda ns: wait(ns if eng._ops else 5_000)  # type: ignore[method-assign]
 
@@ -230,54 +229,30 @@ async def test_awaits_found_inline_yield_to_the_loop_regularly() -> None:
         assert drains < 9 * 20 // 2
 
 
-def test_the_take_window_follows_what_found_writes_took() -> None:
-    """A write found where it was submitted sets the next look to 1.5x its time plus 1 µs
-    (never under the slice, never over spin_us); a miss doubles it; a miss at the cap puts
-    it back to the slice for _REST writes, then it grows again."""
-    w = TakeWindow(5_000, 50_000)
-    assert w.ns == 5_000
-    w.found(2_000)
-    assert w.ns == 5_000
-    w.found(18_000)
-    assert w.ns == 28_000
-    w.found(1_000_000)
-    assert w.ns == 50_000
-    w.missed()
-    assert w.ns == 5_000
-    for _ in range(_REST):
-        w.missed()
-        assert w.ns == 5_000
-    w.missed()
-    assert w.ns == 10_000
-    w.missed()
-    assert w.ns == 20_000
-    w.found(4_000)
-    assert w.ns == 7_000
-    assert TakeWindow(5_000, 0).ns == 5_000  # spin_us below the slice: the slice
-    z = TakeWindow(5_000, 0)
-    z.missed()
-    assert z.ns == 5_000
-
-
-async def test_writes_slower_than_the_slice_are_taken_where_submitted() -> None:
-    """tcp's 8 B writes complete later than one poll slice (the target acknowledges each):
-    the window learns that, and writes awaited alone are then taken in the submitting call
-    with looks longer than the slice. With the look fixed at the slice none would be."""
-    async with Engine("tcp") as target, Engine("tcp", spin_us=1_000_000) as writer:
+@pytest.mark.parametrize(("spin_us", "look_ns"), [(50, 50_000), (20, 20_000), (3, 3_000), (10_000, 50_000)])
+async def test_a_write_alone_is_looked_for_up_to_spin_us_at_most_50us(spin_us: int, look_ns: int) -> None:
+    """tcp's 8 B writes complete later than one poll slice (the target acknowledges each), so
+    the look in the submitting call lasts up to spin_us, capped at _TAKE_MAX_NS (50 µs: the
+    loop is held no longer). Given that long, tcp writes awaited alone are taken there."""
+    async with Engine("tcp") as target, Engine("tcp", spin_us=spin_us) as writer:
         desc = target.register(np.zeros(4096, np.uint8)).descriptor
         src = writer.register(np.full(4096, 9, np.uint8))
         writer._poll_window = 1.0  # polls even on few CPUs (_POLL_MIN_CPUS)
         await writer.write(src, desc, 8)
-        taken = []
+        looks: list[tuple[bool, int]] = []
         take = writer._n.write_take
 
         def counted(*a: Any) -> tuple[int, int]:
             op, took = take(*a)
-            taken.append((took == _native.TAKEN, a[-1]))
+            looks.append((took == _native.TAKEN, a[-1]))
             return op, took
 
         writer._n.write_take = counted  # type: ignore[method-assign]
-        for _ in range(60):
+        for _ in range(9):
             await writer.write(src, desc, 8)
-    found_late = [ns for hit, ns in taken if hit and ns > 5_000]
-    assert len(found_late) >= 5, taken
+        assert {ns for _, ns in looks} == {look_ns}, looks
+        writer._take_ns = 2_000_000_000  # every look waits for its completion (none is late)
+        looks.clear()
+        for _ in range(18):
+            await writer.write(src, desc, 8)
+    assert len(looks) == 16 and all(hit for hit, _ in looks), looks  # 2 of 18 wait on the loop

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Device: the take window fixed at one poll slice against learned (window.py, in one
-# process: shm, tcp, cma); latsplit.py; then bench p2p against fi_rma_bw (shm, tcp) and cma,
-# bench trigger, idle — all of the new tree (.whl-ab/new).
+# Device: a write awaited alone looked for for one poll slice against up to spin_us
+# (window.py, in one process: shm, tcp, cma; tcp also with 64 KiB writes); latsplit.py;
+# then bench p2p against fi_rma_bw (shm, tcp) and cma, bench trigger, idle — all of the
+# new tree (.whl-ab/new).
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
@@ -10,6 +11,7 @@ run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "$PY" -P 
 {
   echo "=== start $(date +%T) $(nproc) CPUs"
   for p in tcp shm cma; do run new 150 docs/bench/issue15/perop/window.py $p 4 3000; done
+  run new 150 docs/bench/issue15/perop/window.py tcp 4 2000 uvloop 65536
   for p in shm cma tcp; do run new 60 docs/bench/issue15/latsplit.py $p adaptive uvloop; done
   for p in shm tcp; do
     echo "=== p2p $p new $(date +%T)"
