@@ -547,23 +547,30 @@ class NativeEngine:
             self._s.check(rc, what, self.provider)
         return self._out.value
 
-    def write_take(
-        self, mr_id: int, remote_id: int, length: int, src: int, dst: int, imm: int, max_ns: int
-    ) -> tuple[int, int]:
-        """A plain write awaited alone (the owner's thread; no trigger armed): submitted, then
-        looked for up to ``max_ns`` (afs_submit_take). Returns (operation id, TAKEN when its
+    def take(
+        self, what: str, op: int, mr_id: int, remote_id: int, length: int, src: int, dst: int,
+        imm: int, max_ns: int,
+    ) -> tuple[int, int]:  # fmt: skip
+        """A plain write or read (``op``: OP_WRITE, OP_READ) awaited alone: submitted, then
+        looked for up to ``max_ns`` (afs_submit_take; the owner's thread, no trigger armed,
+        ``max_ns`` >= 0, else only submitted). Returns (operation id, TAKEN when its
         completion, a plain success, was consumed here: nothing of it reaches drain(); else
         TAKE_NONE or TAKE_OTHER, and the operation completes through drain() as any other)."""
         h = self._h
         if h is None:
             raise errors.EngineClosed("engine is closed")
         if threading.get_ident() != self._owner or self._armed:
-            return self.write("write", mr_id, remote_id, length, src, dst, imm), TAKE_NONE
-        _WRITE_FIELDS.pack_into(self._req, 4, OP_WRITE, mr_id, remote_id, length, src, dst, imm)
-        rc = self._submit_take_hot(h, self._req_p, self._out_p, max_ns)
+            req, out = self._request()
+            _WRITE_FIELDS.pack_into(req, 4, op, mr_id, remote_id, length, src, dst, imm)
+            return self._submit_req(what, req, out, NO_TRIGGER), TAKE_NONE
+        _WRITE_FIELDS.pack_into(self._req, 4, op, mr_id, remote_id, length, src, dst, imm)
+        if max_ns < 0:
+            rc, took = self._submit_hot(h, self._req_p, self._out_p), TAKE_NONE
+        else:
+            rc = took = self._submit_take_hot(h, self._req_p, self._out_p, max_ns)
         if rc < 0:
-            self._s.check(rc, "write", self.provider)
-        return self._out.value, rc
+            self._s.check(rc, what, self.provider)
+        return self._out.value, took
 
     def write_dynlen(
         self,

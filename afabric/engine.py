@@ -293,7 +293,7 @@ class Engine(MessagingMixin):
         # While it awaits a few operations the loop looks at the ring itself until spin_us
         # passed without a completion (_poll_tick): no eventfd write, no epoll wake-up.
         self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
-        # _inline_ok's run, and how long _write_alone's look lasts
+        # _inline_ok's run, and how long _alone's look lasts
         self._polling, self._inline_left = False, _INLINE_RUN
         self._take_ns, self._poll_last = min(spin_us * 1000, _TAKE_MAX_NS), 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
@@ -817,7 +817,9 @@ class Engine(MessagingMixin):
         imm_v = _NO_IMM if imm is None else _imm(imm)
         if when is None and length_from is None:
             if not self._ops and self._poll_window and self._first_posts is None:
-                alone = self._write_alone(mr, peer, (mr_id, rid, length, src_offset, dst_offset, imm_v))
+                alone = self._alone(
+                    "write", _native.OP_WRITE, mr, peer, (mr_id, rid, length, src_offset, dst_offset, imm_v)
+                )
                 if alone is not None:
                     await alone  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
                 return
@@ -1015,10 +1017,19 @@ class Engine(MessagingMixin):
         self._check_loop()
         mr_id = self._read_dest(mr, "read")
         rid, peer = self._remote(remote_desc)
-        op = self._n.read(
-            "read", mr_id, rid, _u64(length, "length"), _u64(src_offset, "src_offset"),
-            _u64(dst_offset, "dst_offset"), self._trigger(when),
-        )  # fmt: skip
+        args = (
+            mr_id,
+            rid,
+            _u64(length, "length"),
+            _u64(src_offset, "src_offset"),
+            _u64(dst_offset, "dst_offset"),
+        )
+        if when is None and not self._ops and self._poll_window and self._first_posts is None:
+            alone = self._alone("read", _native.OP_READ, mr, peer, (*args, _NO_IMM))
+            if alone is not None:
+                await alone  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
+            return
+        op = self._n.read("read", *args, self._trigger(when))
         await self._wait(op, "read", peer, (mr,), "read", when)
 
     async def read_paged(
@@ -1191,26 +1202,23 @@ class Engine(MessagingMixin):
         else:
             self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
 
-    def _write_alone(
-        self, mr: MemoryRegion, peer: int, args: tuple[int, int, int, int, int, int]
+    def _alone(
+        self, verb: str, code: int, mr: MemoryRegion, peer: int, args: tuple[int, int, int, int, int, int]
     ) -> asyncio.Future[None] | None:
-        """write()'s plain write with nothing else in flight, where the loop polls: the shim
-        submits it and looks for its completion in one call (afs_submit_take, up to
+        """A plain write or read (``code``) with nothing else in flight, where the loop polls:
+        the shim submits it and looks for its completion in one call (afs_submit_take, up to
         _TAKE_MAX_NS), and one found there is consumed there: no future, no drain (None).
         Otherwise its future, after the inline look's accounting (_inline_ok)."""
         if not self._polling:
             self._start_poll()
-        if not self._inline_ok():
-            op, took = self._n.write("write", *args), _native.TAKE_NONE
-        else:
-            op, took = self._n.write_take(*args, self._take_ns)
-            if took == _native.TAKEN:
-                self._inline_left -= 1
-                self._poll_last = time.monotonic()
-                self._polled += 1
-                return None
+        op, took = self._n.take(verb, code, *args, self._take_ns if self._inline_ok() else -1)
+        if took == _native.TAKEN:
+            self._inline_left -= 1
+            self._poll_last = time.monotonic()
+            self._polled += 1
+            return None
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._ops[op] = (fut, "write", peer, (mr,), "write")
+        self._ops[op] = (fut, verb, peer, (mr,), verb)
         if took == _native.TAKE_OTHER:
             self._process_inline()
             self._inline_counted(fut.done())

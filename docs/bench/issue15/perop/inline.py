@@ -36,14 +36,14 @@ def runner() -> Callable[[Coroutine[Any, Any, None]], None]:
 
 
 def look_only(eng: Engine) -> None:
-    """write_take as submit, then afs_pending_wait: a record found is drained in Python."""
+    """take as submit, then afs_pending_wait: a record found is drained in Python."""
     n = eng._n
 
-    def write_take(*a: int) -> tuple[int, int]:
-        op = n.write("write", *a[:-1])
-        return op, (_native.TAKE_OTHER if n.pending_wait(a[-1]) else _native.TAKE_NONE)
+    def take(what: str, code: int, *a: int) -> tuple[int, int]:
+        op = n.write(what, *a[:-1])
+        return op, (_native.TAKE_OTHER if a[-1] >= 0 and n.pending_wait(a[-1]) else _native.TAKE_NONE)
 
-    n.write_take = write_take  # type: ignore[method-assign]
+    n.take = take  # type: ignore[method-assign]
 
 
 async def awaited(eng: Engine, mr: Any, desc: MrDesc) -> tuple[float, float]:
