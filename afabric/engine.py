@@ -63,12 +63,12 @@ _POLL_SLICE_NS = 5_000
 # An operation awaited alone gets its first look at the ring from the awaiting call itself
 # (_look_inline): this many in a row at most, then one await that yields to the loop.
 _INLINE_RUN = 8
-# A write awaited alone is looked for in the call that submits it (afs_submit_take) for up to
-# spin_us, at most this long: found there, its completion costs no future, no drain and no
-# loop iteration (complete -> resume 1.8-2.3 µs against 5.7-8.9 through the poll tick, 16-core
-# GPU machine, docs/bench/issue15/latsplit.py). tcp's 8 B writes complete 16-18 µs after
-# posting (the target acknowledges each) and p99 ~50 µs after the call there: one look of a
-# poll slice misses them. A longer look costs a found write nothing (it ends at the
+# A write or read awaited alone is looked for in the call that submits it (afs_submit_take)
+# for up to spin_us, at most this long: found there, its completion costs no future, no drain
+# and no loop iteration (complete -> resume 1.8-2.3 µs against 5.7-8.9 through the poll tick,
+# 16-core GPU machine, docs/bench/issue15/latsplit.py). tcp's 8 B writes complete 16-18 µs
+# after posting (the target acknowledges each) and p99 ~50 µs after the call there: one look
+# of a poll slice misses them. A longer look costs a found one nothing (it ends at the
 # completion); one that misses held the loop this long, as the poll tick would have spun in
 # slices meanwhile (it polls spin_us after a submission).
 _TAKE_MAX_NS = 50_000

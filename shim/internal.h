@@ -576,6 +576,7 @@ struct afs_engine {
     afs_live *live; /* peers.c: same-host peers' processes watched (NULL: none yet) */
     uint64_t *down_peers; /* worker-owned: ids of the peers it was told are down, so that */
     uint32_t n_down, cap_down; /* a request taken after that fails instead of posting */
+    uint64_t gone_peer;        /* worker-owned: the last peer /proc showed gone (worker.c) */
     struct afs_ka *ka; /* keepalive.c: worker-owned (NULL: nothing sent yet) */
 };
 

@@ -1346,7 +1346,8 @@ static bool goes_to(const afs_engine *eng, const afs_xfer *x, const afs_peer_ent
 }
 
 /* x goes to a same-host peer whose process has exited or is exiting (its pid in *pid). Only
- * on a failure: it reads /proc once per watched peer x goes to. */
+ * on a failure: it reads /proc once per watched peer x goes to, except for the last one found
+ * gone (a process gone stays gone: a dead peer's thousands of failures read /proc once). */
 static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid)
 {
     pthread_mutex_lock(&eng->peers.lock);
@@ -1354,10 +1355,13 @@ static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid)
     pthread_mutex_unlock(&eng->peers.lock);
     for (uint32_t i = 0; i < n; i++) {
         afs_peer_entry *p = afs_slots_at(&eng->peers, i);
-        if (!p || !(atomic_load(&p->hdr.gen) & 1u) || atomic_load(&p->superseded_by) ||
+        uint32_t gen = p ? atomic_load(&p->hdr.gen) : 0;
+        if (!(gen & 1u) || atomic_load(&p->superseded_by) ||
             !(atomic_load(&p->ka) & AFS_KA_WATCHED) || !goes_to(eng, x, p))
             continue;
-        if (afs_proc_gone(p->pid, p->start)) {
+        uint64_t id = ((uint64_t)gen << 32) | i;
+        if (eng->gone_peer == id || afs_proc_gone(p->pid, p->start)) {
+            eng->gone_peer = id;
             *pid = p->pid;
             return true;
         }
