@@ -13,18 +13,6 @@ run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "$PY" -P 
   for p in tcp shm cma; do run new 150 docs/bench/issue15/perop/window.py $p 4 3000; done
   run new 150 docs/bench/issue15/perop/window.py tcp 4 2000 uvloop 65536
   for p in shm cma tcp; do run new 60 docs/bench/issue15/latsplit.py $p adaptive uvloop; done
-  for p in shm tcp; do
-    echo "=== p2p $p new $(date +%T)"
-    run new 200 -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 \
-      --fabtests "$ROOT/.fabtests" --provider $p | sed -n '/^op /,/^awaited/p'
-  done
-  echo "=== p2p cma new $(date +%T)"
-  run new 120 -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 --pattern fixed \
-    --provider cma | sed -n '/^op /,/^awaited/p'
-  for p in shm tcp; do
-    echo "--- trigger $p $(date +%T)"
-    run new 120 -m afabric.cli bench trigger --quick --provider $p | grep -E "^triggered|^python "
-  done
-  for p in shm tcp cma; do echo "--- new"; run new 30 docs/bench/issue15/idle.py $p; done
+  standard_rows new
   echo "=== end $(date +%T)"
 } 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/eleventh.log"

@@ -7,7 +7,6 @@ Usage: inline.py PROV [ROUNDS [WRITES [LOOP]]] (the writer's LOOP asyncio or uvl
 uvloop: the loop `afabric bench` uses where it is installed; the target is perop.py's)."""
 
 import asyncio
-import multiprocessing as mp
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -20,7 +19,7 @@ import afabric.engine as engine_mod
 from afabric import Engine, MrDesc, _native
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # -P leaves this directory out
-from perop import target  # the target process: a registered 1 MiB region
+from perop import start_target  # the target process: a registered 1 MiB region
 
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 WRITES = int(sys.argv[3]) if len(sys.argv) > 3 else 3000
@@ -46,24 +45,25 @@ def look_only(eng: Engine) -> None:
     n.take = take  # type: ignore[method-assign]
 
 
-async def awaited(eng: Engine, mr: Any, desc: MrDesc) -> tuple[float, float]:
+async def awaited(
+    eng: Engine, mr: Any, desc: MrDesc, n: int, size: int = 8, read: bool = False
+) -> tuple[float, float]:
+    """n awaited writes (or reads) of ``size`` bytes one at a time, after 300 unmeasured:
+    p50 and p99 µs."""
+    op = eng.read if read else eng.write
     for _ in range(300):
-        await eng.write(mr, desc, 8)
+        await op(mr, desc, size)
     xs = []
-    for _ in range(WRITES):
+    for _ in range(n):
         t0 = time.perf_counter_ns()
-        await eng.write(mr, desc, 8)
+        await op(mr, desc, size)
         xs.append(time.perf_counter_ns() - t0)
     xs.sort()
     return xs[len(xs) // 2] / 1e3, xs[int(len(xs) * 0.99)] / 1e3
 
 
 async def main(prov: str) -> None:
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=target, args=(b, prov), daemon=True)
-    p.start()
-    desc = MrDesc.from_bytes(a.recv())
+    a, p, desc = start_target(prov)
     modes = ["off", "look", "take"]
     res: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for r in range(ROUNDS):
@@ -73,7 +73,7 @@ async def main(prov: str) -> None:
                 if mode == "look":
                     look_only(eng)
                 mr = eng.register(np.ones(1 << 20, dtype=np.uint8))
-                res[mode].append(await awaited(eng, mr, desc))
+                res[mode].append(await awaited(eng, mr, desc, WRITES))
     for mode, v in res.items():
         runs = " ".join(f"{x:.1f}/{y:.1f}" for x, y in v)
         print(f"inline {prov} {LOOP} {mode} p50/p99 us: {runs}", flush=True)

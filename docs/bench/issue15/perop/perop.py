@@ -19,11 +19,21 @@ from afabric import Engine, MrDesc
 def target(conn: Any, prov: str) -> None:
     async def run() -> None:
         async with Engine(prov) as eng:
-            mr = eng.register(np.ones(1 << 20, dtype=np.uint8))
+            mr = eng.register(np.ones(1 << 20, dtype=np.uint8), remote="rw")
             conn.send(bytes(mr.descriptor))
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)
 
     uvloop.run(run())
+
+
+def start_target(prov: str) -> tuple[Any, Any, MrDesc]:
+    """The target process (a registered 1 MiB region, writable and readable) and its region's
+    descriptor: (pipe, process, descriptor); send anything on the pipe to stop it."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=target, args=(b, prov), daemon=True)
+    p.start()
+    return a, p, MrDesc.from_bytes(a.recv())
 
 
 async def lanes(eng: Any, mr: Any, desc: Any, n: int, width: int) -> tuple[float, float]:
@@ -41,18 +51,17 @@ async def lanes(eng: Any, mr: Any, desc: Any, n: int, width: int) -> tuple[float
 
 
 async def main(prov: str) -> None:
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=target, args=(b, prov), daemon=True)
-    p.start()
-    desc = MrDesc.from_bytes(a.recv())
+    a, p, desc = start_target(prov)
     eng = Engine(prov)
     mr = eng.register(np.ones(1 << 20, dtype=np.uint8))
     await lanes(eng, mr, desc, 20000, 64)
     r = [await lanes(eng, mr, desc, 60000, 64) for _ in range(7)]
     wall, cpu = sorted(x for x, _ in r), sorted(y for _, y in r)
-    print(f"PEROP {prov} wall us/op min {wall[0]:.2f} med {wall[3]:.2f}; "
-          f"loop thread cpu us/op min {cpu[0]:.2f} med {cpu[3]:.2f}", flush=True)
+    print(
+        f"PEROP {prov} wall us/op min {wall[0]:.2f} med {wall[3]:.2f}; "
+        f"loop thread cpu us/op min {cpu[0]:.2f} med {cpu[3]:.2f}",
+        flush=True,
+    )
     await eng.aclose()
     a.send("x")
     p.join(10)

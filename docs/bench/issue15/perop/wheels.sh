@@ -1,6 +1,7 @@
 # Sourced by the device scripts here: install_wheels NAME... puts each wheel of .whl-ab/NAME
 # (built on the development machine) into /tmp/site-NAME, for PYTHONPATH=/tmp/site-NAME
 # python -P; and makes the carried fabtests (.fabtests) executable where they came along.
+# standard_rows NAME (below): the rows every call ends with.
 install_wheels() {
   local w
   for w in "$@"; do
@@ -9,4 +10,24 @@ install_wheels() {
       .whl-ab/"$w"/afabric-*.whl 2>&1 | grep -v "Running pip"
   done
   if [ -d .fabtests ]; then chmod +x .fabtests/*; fi
+}
+
+# The usual rows of the wheel NAME (the caller defines run NAME SECONDS ARGS... and ROOT):
+# bench p2p against fi_rma_bw (shm, tcp; .fabtests), cma, bench trigger (shm, tcp), and
+# idle engines (shm, tcp, cma).
+standard_rows() {
+  local w=$1 p
+  for p in shm tcp; do
+    echo "=== p2p $p $w $(date +%T)"
+    run "$w" 200 -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 \
+      --fabtests "$ROOT/.fabtests" --provider $p | sed -n '/^op /,/^awaited/p'
+  done
+  echo "=== p2p cma $w $(date +%T)"
+  run "$w" 120 -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 --pattern fixed \
+    --provider cma | sed -n '/^op /,/^awaited/p'
+  for p in shm tcp; do
+    echo "--- trigger $p $(date +%T)"
+    run "$w" 120 -m afabric.cli bench trigger --quick --provider $p | grep -E "^triggered|^python "
+  done
+  for p in shm tcp cma; do echo "--- $w"; run "$w" 30 docs/bench/issue15/idle.py $p; done
 }
