@@ -6,7 +6,6 @@ set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
-run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "$PY" -P "$@"; }
 {
   echo "=== start $(date +%T) $(nproc) CPUs"
   for p in shm tcp cma; do run new 120 docs/bench/issue15/perop/inline.py $p 4 3000; done

@@ -5,7 +5,6 @@ set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
-run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "$PY" -P "$@"; }
 {
   echo "=== start $(date +%T) $(nproc) CPUs"
   for r in 1 2; do for p in shm cma; do run new 90 docs/bench/issue15/perop/perop.py $p; done; done

@@ -6,7 +6,6 @@ set -uo pipefail
 OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
-run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "$PY" -P "$@"; }
 {
   echo "=== start $(date +%T) $(nproc) CPUs"
   for r in 1 2; do for w in old new; do

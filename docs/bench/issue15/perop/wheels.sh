@@ -1,6 +1,7 @@
 # Sourced by the device scripts here: install_wheels NAME... puts each wheel of .whl-ab/NAME
 # (built on the development machine) into /tmp/site-NAME, for PYTHONPATH=/tmp/site-NAME
 # python -P; and makes the carried fabtests (.fabtests) executable where they came along.
+# run NAME SECONDS ARGS...: python -P ARGS with the wheel NAME, under a time limit.
 # standard_rows NAME (below): the rows every call ends with.
 install_wheels() {
   local w
@@ -12,7 +13,9 @@ install_wheels() {
   if [ -d .fabtests ]; then chmod +x .fabtests/*; fi
 }
 
-# The usual rows of the wheel NAME (the caller defines run NAME SECONDS ARGS... and ROOT):
+run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "${PY:-python3}" -P "$@"; }
+
+# The usual rows of the wheel NAME (the caller sets ROOT):
 # bench p2p against fi_rma_bw (shm, tcp; .fabtests), cma, bench trigger (shm, tcp), and
 # idle engines (shm, tcp, cma).
 standard_rows() {
