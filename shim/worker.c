@@ -1630,11 +1630,12 @@ void *afs_worker_main(void *arg)
     while (!atomic_load_explicit(&eng->stop, memory_order_acquire)) {
         atomic_store_explicit(&eng->beat_ns, now, memory_order_relaxed); /* peers.c watches it */
         bool did = take_requests(eng, now);
+        /* before the posts: what fires is posted in this turn, not after a provider call */
+        if (eng->armed.head && atomic_load_explicit(&eng->armed_on_watchers, memory_order_relaxed))
+            did |= fire_watched(eng, now);
         if (eng->postq_head)
             did |= progress_posts(eng);
         did |= retry_rx(eng);
-        if (eng->armed.head && atomic_load_explicit(&eng->armed_on_watchers, memory_order_relaxed))
-            did |= fire_watched(eng, now);
         bool slow = false;
         for (uint32_t k = 0; k < eng->nnics; k++) {
             enum nic_found f = poll_nic(eng, k, now);
