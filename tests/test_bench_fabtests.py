@@ -69,9 +69,10 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
     assert "fi_rdm_pingpong" in proc.stdout
     (write,) = [r for r in doc["rows"] if r["kind"] == "write"]
     assert write["window"] == 64 and write["fi_gbps"] > 0  # fi_rma_bw ran at afabric's size and window
+    assert write["fi_dc_gbps"] > 0 and "fi -U" in proc.stdout  # and its delivery-complete -U beside it
     assert all(r["fi_gbps"] == 0 for r in doc["rows"] if r["kind"] == "paged")
     reads = [r for r in doc["rows"] if r["kind"] == "read"]  # fi_rma_bw -o read beside them
-    assert reads and all(r["fi_gbps"] > 0 for r in reads)
+    assert reads and all(r["fi_gbps"] > 0 and r["fi_dc_gbps"] == 0 for r in reads)
     assert doc["latency"][0]["fi_pingpong_us"] > 0
 
 

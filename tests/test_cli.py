@@ -290,6 +290,12 @@ def test_report_shows_the_fabtests_ratio_and_the_pattern() -> None:
     table = report._p2p(doc)
     assert "Python/fi" in table[0] and "fi_rma_bw GB/s" in table[0]
     assert "| 2.00 | 0.52 |" in table[2]
+    assert "-U" not in table[0]  # no delivery-complete reference measured: no such column
+    row.fi_dc_gbps = 1.05
+    doc["rows"] = [asdict(row) | {"ratio": row.ratio}]
+    table = report._p2p(doc)
+    assert "fi_rma_bw -U GB/s" in table[0] and "Python/fi -U" in table[0]
+    assert "| 2.00 | 0.52 | 1.05 | 1.00 |" in table[2]
     assert "--pattern fixed" in report._reconstructed_command(doc)
 
 

@@ -134,11 +134,15 @@ def _pair_once(directory: str, binary: str, fabric: str, opts: list[str]) -> lis
     return lines[-1]
 
 
-def rma_bw(directory: str, fabric: str, size: int, window: int, iters: int, op: str = "writedata") -> float:
+def rma_bw(
+    directory: str, fabric: str, size: int, window: int, iters: int, op: str = "writedata",
+    delivery_complete: bool = False,
+) -> float:  # fmt: skip
     """GB/s of `fi_rma_bw -o <op>` (writedata, or read) at this size and window (its MB/sec
-    column / 1000)."""
-    fields = _pair(directory, RMA_BW, fabric,
-                   ["-o", op, "-S", str(size), "-I", str(iters), "-W", str(window)])
+    column / 1000); with ``delivery_complete`` its -U: each write completes once the target
+    has it, the completion afabric's writes ask for."""
+    opts = ["-o", op, "-S", str(size), "-I", str(iters), "-W", str(window)]
+    fields = _pair(directory, RMA_BW, fabric, opts + (["-U"] if delivery_complete else []))
     return float(fields[4]) / 1e3
 
 

@@ -60,6 +60,8 @@ class Row:
     py_ops: float = 0.0  # writes (or pages) per second
     raw_ops: float = 0.0
     fi_gbps: float = 0.0  # fi_rma_bw at the same size and window (--fabtests), else 0
+    # fi_rma_bw -U (delivery complete, as afabric's writes complete) beside write rows, else 0
+    fi_dc_gbps: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -175,8 +177,11 @@ async def _contig_rows(
         py: list[float] = []
         raw: list[float] = []
         fi: list[float] = []
+        fi_dc: list[float] = []
         for _ in range(args.repeat):  # alternately: the C library, then afabric
             fi += await _rma_bw(args, size, window, "read" if read else "writedata")
+            if not read:
+                fi_dc += await _rma_bw(args, size, window, "writedata", delivery_complete=True)
             py.append(await _py_writes(eng, mr, desc, size, window, iters, read=read, span=span))
             run = raw_loop.read if read else raw_loop.write
             run(size, window, fabtests.RMA_WARMUP)
@@ -184,6 +189,7 @@ async def _contig_rows(
             raw.append(_raw(raw_ns, iters))
         _fill(row, py, raw, size)
         row.fi_gbps = statistics.median(fi) if fi else 0.0
+        row.fi_dc_gbps = statistics.median(fi_dc) if fi_dc else 0.0
         rows.append(row)
         bar.advance()
     return rows
@@ -312,12 +318,16 @@ async def _off_loop(fn: Callable[..., float], *a: object) -> float:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *a)
 
 
-async def _rma_bw(args: argparse.Namespace, size: int, window: int, op: str = "writedata") -> list[float]:
-    """One fi_rma_bw sample (-o op) at this size and window with --fabtests, else none."""
+async def _rma_bw(
+    args: argparse.Namespace, size: int, window: int, op: str = "writedata", delivery_complete: bool = False
+) -> list[float]:
+    """One fi_rma_bw sample (-o op; -U with ``delivery_complete``) at this size and window
+    with --fabtests, else none."""
     if not args.fabtests:
         return []
     iters = fabtests.rma_iters(size, args.quick)
-    return [await _off_loop(fabtests.rma_bw, args.fabtests, args.fabric, size, window, iters, op)]
+    fi = (args.fabtests, args.fabric, size, window, iters, op, delivery_complete)
+    return [await _off_loop(fabtests.rma_bw, *fi)]
 
 
 async def _pingpong(args: argparse.Namespace) -> float:
@@ -345,9 +355,11 @@ def _fmt_size(n: int) -> str:
 def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     out = [header, ""]
     fi = any(r.fi_gbps for r in rows)
+    dc = any(r.fi_dc_gbps for r in rows)
     out.append(
         f"{'op':<6} {'size':>8} {'win':>4} {'py GB/s':>9} {'raw GB/s':>9} {'py/raw':>7} "
         f"{'py op/s':>11} {'raw op/s':>11}" + (f" {'fi_rma_bw':>9} {'py/fi':>6}" if fi else "")
+        + (f" {'fi -U':>7} {'py/-U':>6}" if dc else "")
     )
     for r in rows:
         size = _fmt_size(r.size) + ("/pg" if r.kind == "paged" else "")
@@ -355,6 +367,7 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
             f"{r.kind:<6} {size:>8} {r.window:>4} {r.py_gbps:>9.2f} {r.raw_gbps:>9.2f} {r.ratio:>7.2f} "
             f"{r.py_ops:>11,.0f} {r.raw_ops:>11,.0f}"
             + (f" {r.fi_gbps:>9.2f} {r.py_gbps / r.fi_gbps:>6.2f}" if r.fi_gbps else "")
+            + (f" {r.fi_dc_gbps:>7.2f} {r.py_gbps / r.fi_dc_gbps:>6.2f}" if r.fi_dc_gbps else "")
         )
     for x in lat:
         out.append(
@@ -367,6 +380,9 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
                    "size and window, run alternately with afabric's rows; py/fi is the API's share of it")
         out.append("  fi_rma_bw rewrites one cache-resident buffer: like with like under --pattern fixed "
                    "(the default with --fabtests; the header names this run's pattern)")
+    if dc:
+        out.append("fi -U: fi_rma_bw -U, each write done once the target has it (delivery complete): the "
+                   "completion afabric's writes ask for; plain fi_rma_bw's are done once sent")
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
     if any(r.kind == "read" for r in rows):
         out.append("read rows: one-sided READs of the target's region into ours (remote -> local)")

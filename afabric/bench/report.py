@@ -171,20 +171,23 @@ def _header(r: Result, link: str) -> list[str]:
 def _p2p(d: Doc) -> list[str]:
     rows = []
     fi = any(r.get("fi_gbps") for r in d.get("rows", []))  # --fabtests: fi_rma_bw beside each row
+    dc = any(r.get("fi_dc_gbps") for r in d.get("rows", []))  # ...and its -U beside write rows
     for r in d.get("rows", []):
         size = plots.fmt_size(float(r["size"])) + ("/page" if r.get("kind") == "paged" else "")
         rows.append([
             r.get("kind", "?"), size, r.get("window", ""), _f(r.get("py_gbps"), 2), _f(r.get("raw_gbps"), 2),
             _f(r.get("ratio"), 2), _f(r.get("py_ops"), 0), _f(r.get("raw_ops"), 0),
         ])  # fmt: skip
-        if fi:
-            ref = r.get("fi_gbps") or 0.0
-            rows[-1] += [_f(ref, 2) if ref else "", _f(float(r.get("py_gbps") or 0) / ref, 2) if ref else ""]
+        py = float(r.get("py_gbps") or 0)
+        for key in [k for k, shown in (("fi_gbps", fi), ("fi_dc_gbps", dc)) if shown]:
+            ref = r.get(key) or 0.0
+            rows[-1] += [_f(ref, 2) if ref else "", _f(py / ref, 2) if ref else ""]
     out = _table(
         ["op", "size", "window", "Python GB/s", "raw GB/s", "Python/raw", "Python op/s", "raw op/s"]
-        + (["fi_rma_bw GB/s", "Python/fi"] if fi else []),
+        + (["fi_rma_bw GB/s", "Python/fi"] if fi else [])
+        + (["fi_rma_bw -U GB/s", "Python/fi -U"] if dc else []),
         rows,
-        "llrrrrrr" + ("rr" if fi else ""),
+        "llrrrrrr" + ("rr" if fi else "") + ("rr" if dc else ""),
     )
     out.append("")
     for x in d.get("latency", []):

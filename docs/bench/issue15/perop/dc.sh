@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Device: bench p2p --fabtests with the fi_rma_bw -U column (delivery complete, the completion
+# afabric's writes ask for) beside plain fi_rma_bw, shm and tcp, twice.
+set -uo pipefail
+ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
+. docs/bench/issue15/perop/wheels.sh
+install_wheels new
+{
+  echo "=== start $(date +%T) $(nproc) CPUs"
+  for r in 1 2; do
+    for p in shm tcp; do
+      echo "=== p2p $p $(date +%T)"
+      run new 300 -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 \
+        --fabtests "$ROOT/.fabtests" --provider $p | sed -n '/^op /,/^awaited/p' | grep -v "^read\|^paged"
+    done
+  done
+  echo "=== end $(date +%T)"
+} 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/dc.log"
