@@ -326,8 +326,8 @@ async def _rma_bw(
     if not args.fabtests:
         return []
     iters = fabtests.rma_iters(size, args.quick)
-    fi = (args.fabtests, args.fabric, size, window, iters, op, delivery_complete)
-    return [await _off_loop(fabtests.rma_bw, *fi)]
+    return [await _off_loop(fabtests.rma_bw, args.fabtests, args.fabric, size, window, iters, op,
+                            delivery_complete)]  # fmt: skip
 
 
 async def _pingpong(args: argparse.Namespace) -> float:
