@@ -62,6 +62,7 @@ from ._native_decl import (
     NicStats,
     OpTimingStruct,
     Request,
+    WorkerStats,
 )
 
 if TYPE_CHECKING:
@@ -431,6 +432,13 @@ class NativeEngine:
         # work requests still with the provider: this NIC's queue depth right now
         counts["outstanding"] = counts["writes"] + counts["reads"] + counts["sends"] - counts["completions"]
         return counts
+
+    def worker_naps(self) -> int:
+        """How often the engine's worker has slept (afs_engine_worker_stats)."""
+        out = WorkerStats()
+        rc = self._s.f.afs_engine_worker_stats(self._handle(), ctypes.byref(out))
+        self._s.check(rc, "worker stats", self.provider)
+        return int(out.naps)
 
     def address(self) -> bytes:
         buf = (ctypes.c_uint8 * 2048)()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 HEARTBEAT_MISSES = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
@@ -164,6 +164,15 @@ class NicStats(ctypes.Structure):
         ("read_bytes", ctypes.c_uint64),
         ("ctrl_sent", ctypes.c_uint64),
         ("ctrl_received", ctypes.c_uint64),
+    ]
+
+
+class WorkerStats(ctypes.Structure):
+    """`afs_worker_stats`."""
+
+    naps: int
+    _fields_ = [
+        ("naps", ctypes.c_uint64),
     ]
 
 
@@ -365,6 +374,7 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     "afs_engine_destroy": (ctypes.c_int32, [EngineHandle]),
     "afs_engine_info": (ctypes.c_int32, [EngineHandle, ctypes.POINTER(EngineFacts)]),
     "afs_engine_stats": (ctypes.c_int32, [EngineHandle, ctypes.c_uint32, ctypes.POINTER(NicStats)]),
+    "afs_engine_worker_stats": (ctypes.c_int32, [EngineHandle, ctypes.POINTER(WorkerStats)]),
     "afs_engine_address": (
         ctypes.c_int32,
         [

@@ -566,7 +566,8 @@ class Engine(MessagingMixin):
         operations this engine is waiting on and the received-message queue
         (``messages_queued``, ``messages_held_back``, ``backpressure``, per tag, large
         messages; how often the loop found completions by polling the ring itself and how
-        often the event fd had to wake it: ``loop_polled``, ``loop_woken``;
+        often the event fd had to wake it: ``loop_polled``, ``loop_woken``; how often the
+        worker slept, ``worker_naps``;
         :class:`afabric.EngineStats` lists and explains every key). Cheap: read
         it as often as you like."""
         self._check_open()
@@ -579,6 +580,7 @@ class Engine(MessagingMixin):
             "max_imm_values": self._max_imm_values,
             "loop_polled": self._polled,
             "loop_woken": self._woken,
+            "worker_naps": self._n.worker_naps(),
             "nics": [cast(NicStats, self._n.stats(k)) for k in range(self.nics)],
         }
 

@@ -57,4 +57,5 @@ class EngineStats(MessageStats):
     max_imm_values: int
     loop_polled: int  # times the loop's own look at the completion ring found completions
     loop_woken: int  # ... and times the event fd woke the loop with completions to take
+    worker_naps: int  # times the worker slept (adaptive polling): what arrives next waits for it
     nics: list[NicStats]

@@ -25,8 +25,8 @@
 #include <stdio.h>
 
 #define AFP_ABI_MAJOR 1u
-#define AFP_ABI_MINOR 5u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from; 4: post_reads,
-                            AFP_MR_REMOTE_READ; 5: peer_exited */
+#define AFP_ABI_MINOR 6u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from; 4: post_reads,
+                            AFP_MR_REMOTE_READ; 5: peer_exited; 6: AFP_ACTIVITY_ARRIVED */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
@@ -182,6 +182,14 @@ enum afp_event_kind {
                               moved for an operation in flight; tells an adaptive worker that
                               it is still making progress (as a target, or mid-transfer) */
 };
+
+/* AFP_EV_ACTIVITY's `op` (minor 6; 0 before): how the provider knows that data moved. 0: len
+ * writes counted, or with len 0 a progress call that took long (which may only be caches gone
+ * cold after a nap: the worker believes it if the next call is slow too). ARRIVED: the
+ * provider's wait object was ready before the call and the call drained it: bytes came in and
+ * its progress took them (a remote write without an event of its own, where the provider has
+ * no write counter), believed at once. */
+#define AFP_ACTIVITY_ARRIVED 1u
 
 typedef struct afp_event {
     uint32_t kind;

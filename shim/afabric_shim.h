@@ -21,7 +21,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 8u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 9u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
@@ -31,7 +31,8 @@
                               AFS_C_PEER flags 4 (closed) and 8 (silent), AFS_C_HELLO;
                               6: AFS_ESTUCK, AFS_C_STUCK, AFS_STUCK_MS;
                               7: afs_pending_wait (afs_poll and afs_pending came in 6, unbumped);
-                              8: afs_submit_take */
+                              8: afs_submit_take;
+                              9: afs_engine_worker_stats */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -136,6 +137,12 @@ typedef struct afs_nic_stats {
                                   their answers, goodbyes; shim/keepalive.c): not in `sends` */
     uint64_t ctrl_received;    /* ... received: not in `recvs` */
 } afs_nic_stats;
+
+/* Counters of the engine's worker thread (afs_engine_worker_stats). */
+typedef struct afs_worker_stats {
+    uint64_t naps; /* times it slept (adaptive polling, nothing to do for spin_us): the next
+                      arrival or request then waits for it to wake */
+} afs_worker_stats;
 
 /* Where one operation's time went (AFS_CFG_TIMING), CLOCK_MONOTONIC ns; 0 = stage not
  * reached (e.g. failed before posting). */
@@ -247,6 +254,7 @@ AFS_API int32_t afs_engine_create(const afs_config *cfg, afs_engine **out);
 AFS_API int32_t afs_engine_destroy(afs_engine *eng);
 AFS_API int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out);
 AFS_API int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out);
+AFS_API int32_t afs_engine_worker_stats(afs_engine *eng, afs_worker_stats *out);
 AFS_API int32_t afs_engine_address(afs_engine *eng, uint8_t *buf, uint32_t cap, uint32_t *len);
 
 AFS_API int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t flags,

@@ -538,6 +538,14 @@ int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out)
     return 0;
 }
 
+int32_t afs_engine_worker_stats(afs_engine *eng, afs_worker_stats *out)
+{
+    if (!eng || !out)
+        return afs_fail(AFS_EINVAL, "NULL argument");
+    out->naps = atomic_load_explicit(&eng->worker_naps, memory_order_relaxed);
+    return 0;
+}
+
 int32_t afs_engine_address(afs_engine *eng, uint8_t *buf, uint32_t cap, uint32_t *len)
 {
     if (!eng || !buf || !len)

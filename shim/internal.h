@@ -526,6 +526,7 @@ struct afs_engine {
     _Atomic int stop;
     _Atomic int closed;
     _Atomic int worker_sleeping;
+    _Atomic uint64_t worker_naps; /* afs_engine_worker_stats */
     /* The worker's heartbeat: the time of its loop's last turn, and whether it was found
      * stuck in one (peers.c's thread watches it; AFS_C_STUCK). `stuck_text` is written
      * once, before `stuck` is set; `stuck_reported` belongs to the draining thread. */

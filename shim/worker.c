@@ -1256,8 +1256,8 @@ static void ka_found(afs_engine *eng, uint32_t finding, uint64_t peer_id, const 
 enum nic_found { FOUND_NOTHING = 0, FOUND_SLOW_CALL = 1, FOUND_WORK = 2 };
 
 /* FOUND_SLOW_CALL: only a progress call that took long without an event of its own
- * (AFP_EV_ACTIVITY with len 0): data moving for a transfer in flight, or a call that ran
- * on cold caches after a nap (the worker tells the two apart, afs_worker_main). */
+ * (AFP_EV_ACTIVITY with len 0, not ARRIVED): data moving for a transfer in flight, or a call
+ * that ran on cold caches after a nap (the worker tells the two apart, afs_worker_main). */
 static enum nic_found poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
 {
     afp_event ev[AFS_POLL_BATCH];
@@ -1271,7 +1271,7 @@ static enum nic_found poll_nic(afs_engine *eng, uint32_t nic, uint64_t now)
     for (uint32_t i = 0; i < n; i++) {
         const afp_event *e = &ev[i];
         bool is_rx = (e->ctx & 0xffu) == RX_TAG;
-        slow_call_only &= e->kind == AFP_EV_ACTIVITY && e->len == 0;
+        slow_call_only &= e->kind == AFP_EV_ACTIVITY && e->len == 0 && e->op != AFP_ACTIVITY_ARRIVED;
         if (e->kind != AFP_EV_RECV && e->kind != AFP_EV_IMM && afs_ka_owns(e->ctx)) {
             afs_ka_sent(eng, e); /* keepalive.c: one of the shim's own frames went */
             continue;
@@ -1553,6 +1553,7 @@ static bool worker_sleep(afs_engine *eng, uint64_t *sleep_ns, bool timers_only)
     for (nfds_t i = 1; rc > 0 && i < nfds; i++)
         by_provider |= fds[i].revents != 0;
     atomic_store(&eng->worker_sleeping, 0);
+    atomic_fetch_add_explicit(&eng->worker_naps, 1, memory_order_relaxed);
     return by_provider;
 }
 

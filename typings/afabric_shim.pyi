@@ -46,6 +46,7 @@ from afabric._native_decl import (
     NicStats,
     OpTimingStruct,
     Request,
+    WorkerStats,
 )
 
 _T = TypeVar("_T")
@@ -107,6 +108,10 @@ class ShimLib:
     @staticmethod
     def afs_engine_stats(eng: EngineHandle, nic: int, out: _Ref[NicStats]) -> int:
         """int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out);"""
+
+    @staticmethod
+    def afs_engine_worker_stats(eng: EngineHandle, out: _Ref[WorkerStats]) -> int:
+        """int32_t afs_engine_worker_stats(afs_engine *eng, afs_worker_stats *out);"""
 
     @staticmethod
     def afs_engine_address(eng: EngineHandle, buf: _Ref[c_uint8], cap: int, len: _Ref[c_uint32]) -> int:

@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/random.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -1799,6 +1800,13 @@ static int on_error(afp_domain *d, afp_event *ev)
     return 1;
 }
 
+/* Whether fd is readable now (without waiting). */
+static bool fd_ready(int fd)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    return poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
+}
+
 /* Polls; with `src`, each event's sender as a resolve handle where FI_SOURCE names it
  * exactly (trust_sources), AFP_SRC_UNRESOLVED for a sender it says was never resolved, and
  * AFP_SRC_UNKNOWN for the rest: events whose source the provider leaves unset (remote CQ
@@ -1820,6 +1828,13 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
             rekick(d, now);
         }
     }
+    /* A remote write without an immediate shows nowhere where the provider counts no remote
+     * writes (1.17 tcp;ofi_rxm): its wait object ready before this call and drained by it is
+     * the sign that bytes came in and its progress took them, so an adaptive target keeps
+     * polling instead of napping until the next write wakes it (AFP_ACTIVITY_ARRIVED). One
+     * that stays ready is not counted: a listening socket whose accept fails with EMFILE
+     * stays readable however often progress runs (FRUITLESS_WAKES, shim/worker.c). */
+    bool arriving = !d->rw_cntr && d->wait_fd >= 0 && fd_ready(d->wait_fd);
     /* Each entry yields at most one event, so reading no more entries than there are
      * free event slots means nothing read is ever dropped. */
     bool busy = false;
@@ -1878,6 +1893,14 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
         if (src)
             src[got] = AFP_SRC_UNKNOWN;
         d->rw_seen += landed;
+        got++;
+    }
+    if (arriving && got == 0 && !fd_ready(d->wait_fd)) {
+        memset(&ev[got], 0, sizeof ev[got]);
+        ev[got].kind = AFP_EV_ACTIVITY;
+        ev[got].op = AFP_ACTIVITY_ARRIVED;
+        if (src)
+            src[got] = AFP_SRC_UNKNOWN;
         got++;
     }
     *n = got;
