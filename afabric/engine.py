@@ -202,6 +202,9 @@ def _on_poll(ref: weakref.ref[Engine]) -> None:
 # engine inert, so that nothing there calls into the native engine or touches that epoll set.
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 _get_ident = threading.get_ident
+_monotonic = time.monotonic
+_TAKEN = _native.TAKEN
+_OP_WRITE = _native.OP_WRITE
 _fork_hook = False
 # Buffers of engines whose worker could not be stopped (close raised): it may still write.
 _ABANDONED: list[object] = []
@@ -820,7 +823,7 @@ class Engine(MessagingMixin):
         if when is None and length_from is None:
             if not self._ops and self._poll_window and self._first_posts is None:
                 alone = self._alone(
-                    "write", _native.OP_WRITE, mr, peer, (mr_id, rid, length, src_offset, dst_offset, imm_v)
+                    "write", _OP_WRITE, mr, peer, mr_id, rid, length, src_offset, dst_offset, imm_v
                 )
                 if alone is not None:
                     await alone  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
@@ -1027,7 +1030,7 @@ class Engine(MessagingMixin):
             _u64(dst_offset, "dst_offset"),
         )
         if when is None and not self._ops and self._poll_window and self._first_posts is None:
-            alone = self._alone("read", _native.OP_READ, mr, peer, (*args, _NO_IMM))
+            alone = self._alone("read", _native.OP_READ, mr, peer, *args, _NO_IMM)
             if alone is not None:
                 await alone  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
             return
@@ -1205,18 +1208,24 @@ class Engine(MessagingMixin):
             self._inline_left = _INLINE_RUN  # this await suspends: the loop runs
 
     def _alone(
-        self, verb: str, code: int, mr: MemoryRegion, peer: int, args: tuple[int, int, int, int, int, int]
-    ) -> asyncio.Future[None] | None:
+        self, verb: str, code: int, mr: MemoryRegion, peer: int,
+        mr_id: int, rid: int, length: int, src: int, dst: int, imm: int,
+    ) -> asyncio.Future[None] | None:  # fmt: skip
         """A plain write or read (``code``) with nothing else in flight, where the loop polls:
         the shim submits it and looks for its completion in one call (afs_submit_take, up to
         _TAKE_MAX_NS), and one found there is consumed there: no future, no drain (None).
-        Otherwise its future, after the inline look's accounting (_inline_ok)."""
+        Otherwise its future, after the inline look's accounting (_inline_ok, inlined here:
+        this is the awaited write's path, README "Python cost per operation")."""
         if not self._polling:
             self._start_poll()
-        op, took = self._n.take(verb, code, *args, self._take_ns if self._inline_ok() else -1)
-        if took == _native.TAKEN:
+        if self._inline_left > 0:
+            look = self._take_ns
+        else:
+            look, self._inline_left = -1, _INLINE_RUN
+        op, took = self._n.take(verb, code, mr_id, rid, length, src, dst, imm, look)
+        if took == _TAKEN:
             self._inline_left -= 1
-            self._poll_last = time.monotonic()
+            self._poll_last = _monotonic()
             self._polled += 1
             return None
         fut: asyncio.Future[None] = self._loop.create_future()
