@@ -799,7 +799,7 @@ class Engine(MessagingMixin):
         ``when`` the shim posts it itself once the trigger holds (see afabric.triggers).
         With ``length_from`` (afabric.lengths) ``length`` is the maximum and the shim reads
         the actual length from memory when the write starts."""
-        # The per-call path is inlined (submit cost, README "Python cost per operation"):
+        # The per-call path is inlined (submit cost, README "One call per operation"):
         # the same checks as _check_loop, _remote, _u64, _imm and _trigger, in that order.
         if self._closed or _get_ident() != self._thread or not self._loop.is_running():
             self._refuse()
@@ -1215,7 +1215,7 @@ class Engine(MessagingMixin):
         the shim submits it and looks for its completion in one call (afs_submit_take, up to
         _TAKE_MAX_NS), and one found there is consumed there: no future, no drain (None).
         Otherwise its future, after the inline look's accounting (_inline_ok, inlined here:
-        this is the awaited write's path, README "Python cost per operation")."""
+        this is the awaited write's path, README "One call per operation")."""
         if not self._polling:
             self._start_poll()
         if self._inline_left > 0:
