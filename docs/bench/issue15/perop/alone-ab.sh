@@ -5,15 +5,9 @@
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
-install_wheels old new
-{
-  echo "=== start $(date +%T) $(nproc) CPUs"
-  for r in 1 2; do
-    for w in old new; do
-      echo "--- $w $(date +%T)"
-      for p in cma shm tcp; do run "$w" 60 docs/bench/issue15/alone.py $p; done
-      run "$w" 60 docs/bench/issue15/perop/perop.py shm
-    done
-  done
-  echo "=== end $(date +%T)"
-} 2>&1 | tee "$OUT/alone-ab.log"
+one_round() {
+  local w=$1 p
+  for p in cma shm tcp; do run "$w" 60 docs/bench/issue15/alone.py $p; done
+  run "$w" 60 docs/bench/issue15/perop/perop.py shm
+}
+ab_rounds alone-ab.log one_round

@@ -5,15 +5,9 @@
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
-install_wheels old new
-{
-  echo "=== start $(date +%T) $(nproc) CPUs"
-  for r in 1 2; do
-    for w in old new; do
-      echo "--- $w $(date +%T)"
-      run "$w" 60 docs/bench/issue15/naps.py tcp
-      run "$w" 60 -m afabric.cli bench p2p --quick --sizes 4K --repeat 1 --provider tcp | grep "^awaited"
-    done
-  done
-  echo "=== end $(date +%T)"
-} 2>&1 | tee "$OUT/spins-ab.log"
+one_round() {
+  local w=$1
+  run "$w" 60 docs/bench/issue15/naps.py tcp
+  run "$w" 60 -m afabric.cli bench p2p --quick --sizes 4K --repeat 1 --provider tcp | grep "^awaited"
+}
+ab_rounds spins-ab.log one_round

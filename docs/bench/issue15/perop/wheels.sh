@@ -34,3 +34,20 @@ standard_rows() {
   done
   for p in shm tcp cma; do echo "--- $w"; run "$w" 30 docs/bench/issue15/idle.py $p; done
 }
+
+# ab_rounds LOG FN: FN old, FN new, twice, between start and end lines, into $OUT/LOG (the
+# A/B scripts here; FN gets the wheel name). Installs both wheels first.
+ab_rounds() {
+  local log=$1 fn=$2 r w
+  install_wheels old new
+  {
+    echo "=== start $(date +%T) $(nproc) CPUs"
+    for r in 1 2; do
+      for w in old new; do
+        echo "--- $w $(date +%T)"
+        "$fn" "$w"
+      done
+    done
+    echo "=== end $(date +%T)"
+  } 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/$log"
+}
