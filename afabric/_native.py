@@ -859,6 +859,16 @@ class NativeEngine:
         self._s.check(rc, "raw benchmark", self.provider)
         return ns.value
 
+    def bench_write_lat(self, mr_id: int, remote_id: int, length: int, iters: int) -> npt.NDArray[np.uint64]:
+        """The raw C loop of writes one at a time: each one's ns from submission to completion."""
+        out = np.zeros(iters, dtype=np.uint64)
+        h = self._handle()
+        rc = self._s.f.afs_bench_write_lat(
+            h, mr_id, remote_id, length, iters, out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+        )
+        self._s.check(rc, "raw benchmark", self.provider)
+        return out
+
     def bench_read(self, mr_id: int, remote_id: int, length: int, window: int, iters: int) -> int:
         """The raw C loop of contiguous reads (elapsed ns), as bench_write."""
         ns = ctypes.c_uint64()

@@ -21,7 +21,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 9u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 10u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
@@ -32,7 +32,8 @@
                               6: AFS_ESTUCK, AFS_C_STUCK, AFS_STUCK_MS;
                               7: afs_pending_wait (afs_poll and afs_pending came in 6, unbumped);
                               8: afs_submit_take;
-                              9: afs_engine_worker_stats */
+                              9: afs_engine_worker_stats;
+                              10: afs_bench_write_lat */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -389,6 +390,10 @@ AFS_API int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_
 AFS_API int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
                                 uint64_t length, uint32_t window, uint64_t iters,
                                 uint64_t *elapsed_ns);
+/* The write loop one at a time: lat_ns[i] gets write i's nanoseconds from its submission to
+ * the loop seeing it reported (`iters` entries, each filled once its write is reported). */
+AFS_API int32_t afs_bench_write_lat(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
+                                    uint64_t length, uint64_t iters, uint64_t *lat_ns);
 /* The same loop of contiguous reads (remote -> mr_id), rotating through the regions alike. */
 AFS_API int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id,
                                uint64_t length, uint32_t window, uint64_t iters,

@@ -703,9 +703,10 @@ static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want, uint6
 /* Submits `iters` copies of `proto` keeping `window` in flight, until every one is
  * reported (or the first failure is, and every one submitted so far). Contiguous writes
  * rotate through `span` slots of their length, as the Python benchmark does, so neither
- * side measures one cache-resident buffer. */
+ * side measures one cache-resident buffer. With `lat_ns` (window 1), each operation's
+ * nanoseconds from its submission to this loop seeing it reported go there, in order. */
 static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t span, uint32_t window,
-                      uint64_t iters, uint64_t *elapsed_ns)
+                      uint64_t iters, uint64_t *lat_ns, uint64_t *elapsed_ns)
 {
     afs_bench_counter *c = malloc(sizeof(*c));
     if (!c)
@@ -720,10 +721,14 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         window = 1;
     if (span == 0)
         span = 1;
+    if (lat_ns)
+        window = 1;
     const uint64_t spin_ns = bench_spin_ns(eng);
-    uint64_t t0 = afs_now_ns();
+    uint64_t t0 = afs_now_ns(), t_sub = t0, timed = 0;
     for (;;) {
         uint32_t done = atomic_load(&c->done);
+        if (lat_ns && timed < done && timed < submitted) /* window 1: the one in flight */
+            lat_ns[timed++] = afs_now_ns() - t_sub;
         while (rc == 0 && submitted < iters && submitted - done < window &&
                atomic_load(&c->status) == 0) {
             afs_xfer *x = afs_xfer_new(eng, proto->kind);
@@ -754,10 +759,13 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
                 x->rma.dst_addr += off;
             }
             atomic_fetch_add(&c->refs, 1);
+            t_sub = afs_now_ns();
             afs_submit(eng, x);
             submitted++;
         }
         done = atomic_load(&c->done);
+        if (lat_ns && timed < done && timed < submitted)
+            lat_ns[timed++] = afs_now_ns() - t_sub;
         if (done >= submitted && (submitted >= iters || rc || atomic_load(&c->status)))
             break;
         if (atomic_load(&eng->closed)) {
@@ -791,7 +799,8 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
 }
 
 static int bench_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
-                        uint32_t window, uint64_t iters, bool read, uint64_t *elapsed_ns)
+                        uint32_t window, uint64_t iters, bool read, uint64_t *lat_ns,
+                        uint64_t *elapsed_ns)
 {
     afs_xfer *proto;
     if (!elapsed_ns)
@@ -804,7 +813,7 @@ static int bench_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     uint64_t span = 1;
     if (length && load_mr(eng, mr_id, &m) == 0 && load_remote(eng, remote_id, &r) == 0)
         span = (m.len < r.length ? m.len : r.length) / length;
-    rc = bench_loop(eng, proto, false, span, window, iters, elapsed_ns);
+    rc = bench_loop(eng, proto, false, span, window, iters, lat_ns, elapsed_ns);
     afs_xfer_free(proto);
     return rc;
 }
@@ -812,13 +821,22 @@ static int bench_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
 int32_t afs_bench_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
                         uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
 {
-    return bench_contig(eng, mr_id, remote_id, length, window, iters, false, elapsed_ns);
+    return bench_contig(eng, mr_id, remote_id, length, window, iters, false, NULL, elapsed_ns);
+}
+
+int32_t afs_bench_write_lat(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
+                            uint64_t iters, uint64_t *lat_ns)
+{
+    uint64_t elapsed;
+    if (!lat_ns)
+        return afs_fail(AFS_EINVAL, "bench: NULL output");
+    return bench_contig(eng, mr_id, remote_id, length, 1, iters, false, lat_ns, &elapsed);
 }
 
 int32_t afs_bench_read(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
                        uint32_t window, uint64_t iters, uint64_t *elapsed_ns)
 {
-    return bench_contig(eng, mr_id, remote_id, length, window, iters, true, elapsed_ns);
+    return bench_contig(eng, mr_id, remote_id, length, window, iters, true, NULL, elapsed_ns);
 }
 
 int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t page_len,
@@ -832,7 +850,7 @@ int32_t afs_bench_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
                          page_len, 0, AFS_NO_IMM, false, &proto);
     if (rc)
         return rc;
-    rc = bench_loop(eng, proto, true, 1, window, iters, elapsed_ns);
+    rc = bench_loop(eng, proto, true, 1, window, iters, NULL, elapsed_ns);
     afs_xfer_free(proto);
     return rc;
 }

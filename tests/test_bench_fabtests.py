@@ -60,7 +60,11 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
     assert any(k == "paged" for k, _ in kinds)
     for r in doc["rows"]:
         assert r["py_gbps"] > 0 and r["raw_gbps"] > 0
-    assert doc["latency"][0]["p50_us"] > 0
+    lat = doc["latency"][0]
+    assert lat["p50_us"] > 0
+    # the raw C loop timed each of its writes: a distribution, like the Python column's
+    assert 0 < lat["raw_p50_us"] <= lat["raw_p99_us"] and lat["raw_mean_us"] > 0
+    assert f"raw C loop: p50 {lat['raw_p50_us']:.1f}, p99 {lat['raw_p99_us']:.1f}" in proc.stdout
     assert "py/raw" in proc.stdout
     if FABTESTS is None:
         assert "fi_rma_bw" not in proc.stdout

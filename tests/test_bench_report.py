@@ -73,8 +73,19 @@ def test_plots_and_report(tmp_path: Path) -> None:
     assert "| write | 4 KiB |" in page and "| write | 1 MiB |" in page  # p2p's table
     assert "| triggered | 100 |" in page and "| python | 100 |" in page  # trigger's table
     assert "notes.json" in page  # listed as not a result, not fatal
+    lat = docs["p2p"]["latency"][0]
+    assert f"(raw C loop: p50 {lat['raw_p50_us']:.1f}, p99 {lat['raw_p99_us']:.1f}, mean " in page
     _check_png(tmp_path / "p2p.png")  # redrawn by the report from the JSON
     _check_png(tmp_path / "trigger.png")
+
+    # A result written before the raw loop timed each write holds its mean as raw_p50_us.
+    lat_v1 = {"size": 8, "p50_us": 9.0, "p99_us": 20.0, "raw_p50_us": 4.25, "samples": 10}
+    old = dict(docs["p2p"], latency=[lat_v1])
+    (tmp_path / "old" / "p2p.json").parent.mkdir()
+    (tmp_path / "old" / "p2p.json").write_text(json.dumps(old))
+    rep = _afabric("bench", "report", str(tmp_path / "old"), "--no-plots", timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "(raw C loop: 4.2 µs mean; 10 samples)" in (tmp_path / "old" / "README.md").read_text()
 
     # Elsewhere with -o: the links are relative to the page.
     out = tmp_path / "site" / "bench.md"

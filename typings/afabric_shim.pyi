@@ -257,6 +257,18 @@ class ShimLib:
             uint32_t window, uint64_t iters, uint64_t *elapsed_ns);"""
 
     @staticmethod
+    def afs_bench_write_lat(
+        eng: EngineHandle,
+        mr_id: int,
+        remote_id: int,
+        length: int,
+        iters: int,
+        lat_ns: _Ref[c_uint64],
+    ) -> int:
+        """int32_t afs_bench_write_lat(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t
+            length, uint64_t iters, uint64_t *lat_ns);"""
+
+    @staticmethod
     def afs_bench_read(
         eng: EngineHandle,
         mr_id: int,

@@ -74,7 +74,9 @@ class Latency:
     size: int
     p50_us: float
     p99_us: float
-    raw_p50_us: float
+    raw_p50_us: float  # the raw C loop's writes one at a time (RawLoop.latency)
+    raw_p99_us: float
+    raw_mean_us: float
     samples: int
     fi_pingpong_us: float = 0.0  # fi_rdm_pingpong half round trip (--fabtests), else 0
 
@@ -308,9 +310,10 @@ async def _latency(eng: Engine, mr: MemoryRegion, desc: MrDesc, size: int, quick
         await eng.write(mr, desc, size)
         samples.append(clock() - t0)
     samples.sort()
-    raw = RawLoop(eng, mr, desc).write(size, 1, n) / n
+    raw = np.sort(RawLoop(eng, mr, desc).latency(size, n))
     p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
-    return Latency(size, p50 / 1e3, p99 / 1e3, raw / 1e3, n)
+    r50, r99 = int(raw[len(raw) // 2]), int(raw[int(len(raw) * 0.99)])
+    return Latency(size, p50 / 1e3, p99 / 1e3, r50 / 1e3, r99 / 1e3, float(raw.mean()) / 1e3, n)
 
 
 async def _off_loop(fn: Callable[..., float], *a: object) -> float:
@@ -372,7 +375,8 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     for x in lat:
         out.append(
             f"\nawaited {x.size} B write, one at a time: p50 {x.p50_us:.1f} µs, p99 {x.p99_us:.1f} µs "
-            f"(raw C loop: {x.raw_p50_us:.1f} µs mean; {x.samples} samples)"
+            f"(raw C loop: p50 {x.raw_p50_us:.1f}, p99 {x.raw_p99_us:.1f}, mean {x.raw_mean_us:.1f} µs; "
+            f"{x.samples} samples)"
             + (f"; fi_rdm_pingpong {x.fi_pingpong_us:.2f} µs (half round trip)" if x.fi_pingpong_us else "")
         )
     if fi:

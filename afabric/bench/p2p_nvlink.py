@@ -205,7 +205,8 @@ def render(rows: list[Row], lat: Latency, header: str) -> str:
     )
     out.append(
         f"awaited {lat.size} B write, one at a time: p50 {lat.p50_us:.1f} µs, p99 {lat.p99_us:.1f} µs "
-        f"(raw C loop: {lat.raw_p50_us:.1f} µs mean; {lat.samples} samples)"
+        f"(raw C loop: p50 {lat.raw_p50_us:.1f}, p99 {lat.raw_p99_us:.1f}, mean {lat.raw_mean_us:.1f} µs; "
+        f"{lat.samples} samples)"
     )
     return "\n".join(out)
 

@@ -41,6 +41,11 @@ class RawLoop:
         flight (rotating through the region in slots of ``length``, as the Python rows do)."""
         return self._n.bench_write(self._mr_id, self._rid, length, window, iters)
 
+    def latency(self, length: int, iters: int) -> npt.NDArray[np.uint64]:
+        """Each of ``iters`` writes of ``length`` bytes, one at a time: ns from its
+        submission to the loop seeing it complete (the awaited write's raw counterpart)."""
+        return self._n.bench_write_lat(self._mr_id, self._rid, length, iters)
+
     def read(self, length: int, window: int, iters: int) -> int:
         """Nanoseconds for ``iters`` contiguous reads of ``length`` bytes into ``mr``,
         ``window`` in flight (the same slots as :meth:`write`)."""

@@ -193,7 +193,7 @@ def _p2p(d: Doc) -> list[str]:
     for x in d.get("latency", []):
         out.append(
             f"Awaited {plots.fmt_size(float(x['size']))} write, one at a time: p50 {_f(x.get('p50_us'))} µs, "
-            f"p99 {_f(x.get('p99_us'))} µs (raw C loop: {_f(x.get('raw_p50_us'))} µs mean; "
+            f"p99 {_f(x.get('p99_us'))} µs (raw C loop: {plots.raw_latency(x)}; "
             f"{x.get('samples', '?')} samples)."
         )
     above = [r for r in d.get("rows", []) if isinstance(r.get("ratio"), int | float) and r["ratio"] > 1]
