@@ -296,8 +296,11 @@ class Engine(MessagingMixin):
         # While it awaits a few operations the loop looks at the ring itself until spin_us
         # passed without a completion (_poll_tick): no eventfd write, no epoll wake-up.
         self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
-        # _inline_ok's run, and how long _alone's look lasts
-        self._polling, self._inline_left = False, _INLINE_RUN
+        # _inline_ok's run; _resuming: a drain resolved several operations and their tasks
+        # have yet to run (_resume): one of them that submits is not alone, its look would
+        # hold the others up
+        self._polling, self._inline_left, self._resuming = False, _INLINE_RUN, False
+        # how long _alone's look lasts
         self._take_ns, self._poll_last = min(spin_us * 1000, _TAKE_MAX_NS), 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
         _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
@@ -767,7 +770,7 @@ class Engine(MessagingMixin):
         if self._poll_window and len(self._ops) <= _POLL_MAX_IN_FLIGHT:
             if not self._polling:
                 self._start_poll()
-            if when is None and len(self._ops) == 1 and self._inline_ok():
+            if when is None and len(self._ops) == 1 and not self._resuming and self._inline_ok():
                 self._look_inline(fut)
         # If the awaiting task is cancelled the op stays in _ops, keeping `refs` (the
         # buffers) alive until the native completion: the NIC may still be reading them.
@@ -821,7 +824,7 @@ class Engine(MessagingMixin):
             dst_offset = _u64(dst_offset, "dst_offset")
         imm_v = _NO_IMM if imm is None else _imm(imm)
         if when is None and length_from is None:
-            if not self._ops and self._poll_window and self._first_posts is None:
+            if not self._ops and self._poll_window and self._first_posts is None and not self._resuming:
                 alone = self._alone(
                     "write", _OP_WRITE, mr, peer, mr_id, rid, length, src_offset, dst_offset, imm_v
                 )
@@ -1029,7 +1032,8 @@ class Engine(MessagingMixin):
             _u64(src_offset, "src_offset"),
             _u64(dst_offset, "dst_offset"),
         )
-        if when is None and not self._ops and self._poll_window and self._first_posts is None:
+        alone_ok = not self._ops and self._poll_window and self._first_posts is None and not self._resuming
+        if when is None and alone_ok:
             alone = self._alone("read", _native.OP_READ, mr, peer, *args, _NO_IMM)
             if alone is not None:
                 await alone  # cancelled: the op stays in _ops, keeping mr alive (see _wait)
@@ -1301,7 +1305,18 @@ class Engine(MessagingMixin):
                     "max_imm_values=%d distinct values (expect them before they arrive, or "
                     "raise the limit)", ev.total, self._max_imm_values,
                 )  # fmt: skip
+        self._resume(len(plain or ()) + len(events))
         return bool(plain or events)
+
+    def _resume(self, resolved: int) -> None:
+        """After a drain: with several resolved, their tasks run next and _resumed after them
+        (the loop runs its callbacks in order); until then no submission is alone."""
+        if resolved > 1 and not self._resuming:
+            self._resuming = True
+            self._loop.call_soon(self._resumed)
+
+    def _resumed(self) -> None:
+        self._resuming = False
 
     def _peer_closed_here(self, blob: bytes) -> None:
         """An engine of this process that this one resolved closed (_tell_closed_in_process)."""

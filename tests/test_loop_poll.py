@@ -296,3 +296,45 @@ async def test_reads_awaited_alone_are_taken_where_submitted(provider: str) -> N
     # 4 of 36 waited on the loop; a look that found another record first drains it instead
     assert len(took) == 36 and 30 <= took.count(_native.TAKEN) <= 32, took
     assert drains < 36 // 2
+
+
+async def test_writes_of_tasks_resumed_together_are_not_alone() -> None:
+    """A drain that resolves several writes resumes their tasks one after another. The first
+    of them to write again finds nothing in flight, yet it is not alone: a look in its call
+    would hold the loop, and the tasks ready behind it, until its completion (in 64 lanes of
+    cma writes, 14% of the writes went so, one round trip at a time). Once they have run, a
+    write is alone again and looked for where it was submitted."""
+    async with Engine("cma") as target, Engine("cma", spin_us=1_000_000) as writer:
+        desc = target.register(np.zeros(64 << 20, np.uint8)).descriptor
+        src = writer.register(np.full(64 << 20, 5, np.uint8))
+        writer._poll_window = 1.0  # polls even on few CPUs (_POLL_MIN_CPUS)
+        await writer.write(src, desc, 8)
+        looks: list[int] = []
+        take = writer._n.take
+
+        def counted(*a: Any) -> tuple[int, int]:
+            looks.append(a[-1])  # the look's ns; -1: submitted only
+            return take(*a)
+
+        writer._n.take = counted  # type: ignore[method-assign]
+        writer._take_ns = 0  # the long write is not found in its own call: it stays in flight
+        big = asyncio.ensure_future(writer.write(src, desc, 32 << 20, dst_offset=32 << 20))
+        await asyncio.sleep(0)
+        assert looks == [0] and len(writer._ops) == 1
+        writer._take_ns = 2_000_000_000  # from here every look waits for its completion
+        second: list[int] = []
+
+        async def lane(i: int) -> None:
+            await writer.write(src, desc, 8, dst_offset=i * 8)  # not alone: the long one is in flight
+            n = len(looks)
+            await writer.write(src, desc, 8, dst_offset=i * 8)  # resumed with the others
+            second.append(len(looks) - n)
+
+        lanes = [asyncio.ensure_future(lane(i)) for i in range(4)]
+        await asyncio.sleep(0)
+        assert len(looks) == 1 and len(writer._ops) == 5  # the four went through futures
+        time.sleep(0.5)  # noqa: ASYNC251 (the loop held: all five complete before it drains them together)
+        await asyncio.gather(big, *lanes)
+        assert second == [0, 0, 0, 0], looks  # none of them submitted through a look
+        await writer.write(src, desc, 8)  # after them, alone: looked for in its call
+        assert looks[-1] == 2_000_000_000
