@@ -18,7 +18,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, NoReturn, cast
 
 import numpy as np
@@ -298,8 +298,8 @@ class Engine(MessagingMixin):
         self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
         # _inline_ok's run; _resuming: a drain resolved several operations and their tasks
         # have yet to run (_resume): one of them that submits is not alone, its look would
-        # hold the others up
-        self._polling, self._inline_left, self._resuming = False, _INLINE_RUN, False
+        # hold the others up; _yielding: _alone's yield to the loop is queued (_poll_tick)
+        self._polling, self._inline_left, self._resuming, self._yielding = False, _INLINE_RUN, False, False
         # how long _alone's look lasts
         self._take_ns, self._poll_last = min(spin_us * 1000, _TAKE_MAX_NS), 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
@@ -1217,24 +1217,26 @@ class Engine(MessagingMixin):
     def _alone(
         self, verb: str, code: int, mr: MemoryRegion, peer: int,
         mr_id: int, rid: int, length: int, src: int, dst: int, imm: int,
-    ) -> asyncio.Future[None] | None:  # fmt: skip
+    ) -> Awaitable[None] | None:  # fmt: skip
         """A plain write or read (``code``) with nothing else in flight, where the loop polls:
         the shim submits it and looks for its completion in one call (afs_submit_take, up to
         _TAKE_MAX_NS), and one found there is consumed there: no future, no drain (None).
         Otherwise its future, after the inline look's accounting (_inline_ok, inlined here:
-        this is the awaited write's path, README "One call per operation")."""
+        this is the awaited write's path, README "One call per operation"). The one in
+        _INLINE_RUN that must let the loop run is looked for all the same; found, it yields
+        once (a bare loop iteration) instead of waiting on a future, the poll tick and a
+        drain (that wait was the p90 and p99 of an awaited write)."""
         if not self._polling:
             self._start_poll()
-        if self._inline_left > 0:
-            look = self._take_ns
-        else:
-            look, self._inline_left = -1, _INLINE_RUN
-        op, took = self._n.take(verb, code, mr_id, rid, length, src, dst, imm, look)
+        op, took = self._n.take(verb, code, mr_id, rid, length, src, dst, imm, self._take_ns)
         if took == _TAKEN:
-            self._inline_left -= 1
             self._poll_last = _monotonic()
             self._polled += 1
-            return None
+            self._inline_left -= 1
+            if self._inline_left > 0:
+                return None
+            self._inline_left, self._yielding = _INLINE_RUN, True
+            return asyncio.sleep(0)  # done; other tasks run before the caller's next line
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op] = (fut, verb, peer, (mr,), verb)
         if took == _native.TAKE_OTHER:
@@ -1254,12 +1256,14 @@ class Engine(MessagingMixin):
         spin_us passed since the last completion (or submission that started it), or many
         operations are in flight (a busy loop drains in batches when the fd says so). The
         last look is a plain drain, which asks the worker to signal the fd again: also when
-        this one raised, so that the fd never stays unasked for."""
+        this one raised, so that the fd never stays unasked for. Ahead of _alone's yield it
+        only looks: the loop runs so that ready tasks do, not to wait a slice for them."""
         again = False
         try:
             if self._closed:
                 return
-            if self._n.pending_wait(self._poll_slice_ns) and self._process(poll=True):
+            look, self._yielding = 0 if self._yielding else self._poll_slice_ns, False
+            if self._n.pending_wait(look) and self._process(poll=True):
                 self._poll_last = time.monotonic()
                 self._polled += 1
             again = (

@@ -169,8 +169,9 @@ async def test_a_look_that_raises_leaves_the_fd_asked_for(where: str) -> None:
                 return drain(room, plain, poll)
 
             native.drain = drain_failing_once  # type: ignore[method-assign]
-            if where == "tick":
-                writer._inline_left = 0  # this write's await yields: the tick looks first
+            if where == "tick":  # submitted without a look: its await waits, the tick looks
+                take = native.take
+                native.take = lambda *a: take(*a[:-1], -1)  # type: ignore[method-assign]
             else:
                 _looks_find_completions(writer)  # the inline look finds it, then raises
             back = writer.register(np.zeros(4096, np.uint8), remote=False)
@@ -225,8 +226,9 @@ async def test_awaits_found_inline_yield_to_the_loop_regularly() -> None:
         # found inline, 8 of 9 writes never suspend: each of the others lets `other` run a
         # few times; a write that always suspended would let it run at least 9 * 20 times
         assert 20 <= ticks - before < 9 * 20
-        # ...and their completions were taken where they were submitted, not drained
-        assert drains < 9 * 20 // 2
+        # ...and their completions were taken where they were submitted, not drained: the
+        # ninth's too (it yields once after its look, instead of waiting on a future)
+        assert drains <= 2, drains
 
 
 @pytest.mark.parametrize(("spin_us", "look_ns"), [(50, 50_000), (20, 20_000), (3, 3_000), (10_000, 50_000)])
@@ -244,7 +246,7 @@ async def test_a_write_alone_is_looked_for_up_to_spin_us_at_most_50us(spin_us: i
 
         def counted(*a: Any) -> tuple[int, int]:
             op, took = take(*a)
-            if a[-1] >= 0:  # a look (-1: the await after 8 found ones, submitted only)
+            if a[-1] >= 0:  # a look (-1: submitted only)
                 looks.append((took == _native.TAKEN, a[-1]))
             return op, took
 
@@ -256,14 +258,15 @@ async def test_a_write_alone_is_looked_for_up_to_spin_us_at_most_50us(spin_us: i
         looks.clear()
         for _ in range(18):
             await writer.write(src, desc, 8)
-    assert len(looks) == 16 and all(hit for hit, _ in looks), looks  # 2 of 18 wait on the loop
+    # every one is looked for where it was submitted, the two that let the loop run too
+    assert len(looks) == 18 and all(hit for hit, _ in looks), looks
 
 
 @pytest.mark.parametrize("provider", ["cma", "tcp"])
 async def test_reads_awaited_alone_are_taken_where_submitted(provider: str) -> None:
     """A read awaited alone goes through afs_submit_take as a write does: its completion is
     consumed in the submitting call (not drained), and its bytes are in place when the await
-    returns; 8 in a row at most, then one waits on the loop."""
+    returns; every ninth then lets the loop run once (found all the same)."""
     async with Engine(provider) as target, Engine(provider, spin_us=1_000_000) as reader:
         data = np.random.default_rng(7).integers(0, 256, 64 * 36, dtype=np.uint8)
         desc = target.register(data, remote="r").descriptor
@@ -293,8 +296,8 @@ async def test_reads_awaited_alone_are_taken_where_submitted(provider: str) -> N
             await reader.read(mr, desc, 64, src_offset=i * 64, dst_offset=i * 64)
             assert (dst[at] == data[at]).all(), i
         reader._poll_slice_ns = 5_000
-    # 4 of 36 waited on the loop; a look that found another record first drains it instead
-    assert len(took) == 36 and 30 <= took.count(_native.TAKEN) <= 32, took
+    # a look that found another record first drains it instead
+    assert len(took) == 36 and took.count(_native.TAKEN) >= 34, took
     assert drains < 36 // 2
 
 
