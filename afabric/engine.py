@@ -1236,6 +1236,7 @@ class Engine(MessagingMixin):
             if self._inline_left > 0:
                 return None
             self._inline_left, self._yielding = _INLINE_RUN, True
+            self._hold_apart()  # the tasks ready now are not alone: they go on in flight together
             return asyncio.sleep(0)  # done; other tasks run before the caller's next line
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op] = (fut, verb, peer, (mr,), verb)
@@ -1322,7 +1323,13 @@ class Engine(MessagingMixin):
         64 lanes of 8 B writes on the GPU machine, loop CPU per write, medians of six runs
         (docs/bench/issue15/perop/sixteenth-final.sh): shm 5.7 -> 4.4 µs once its resumed
         writes no longer went alone (12-14% of them had); cma 4.0 -> 4.6, so cma keeps them."""
-        if resolved > 1 and self._resume_apart and not self._resuming:
+        if resolved > 1 and self._resume_apart:
+            self._hold_apart()
+
+    def _hold_apart(self) -> None:
+        """No submission is alone until the tasks ready now have run (_resumed is queued
+        behind them)."""
+        if not self._resuming:
             self._resuming = True
             self._loop.call_soon(self._resumed)
 
