@@ -8,10 +8,6 @@ ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 one_round() {
   local w=$1 p
   for p in shm cma tcp; do run "$w" 60 docs/bench/issue15/perop/perop.py $p; done
-  for p in shm tcp; do
-    echo "=== p2p $p $w $(date +%T)"
-    run "$w" 100 -m afabric.cli bench p2p --quick --sizes 4K,64K --repeat 3 \
-      --fabtests "$ROOT/.fabtests" --provider $p | sed -n '/^op /,/^awaited/p' | grep -v "^read\|^paged"
-  done
+  p2p_rows "$w" 4K,64K
 }
 ab_rounds cache-ab.log one_round

@@ -15,16 +15,23 @@ install_wheels() {
 
 run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "${PY:-python3}" -P "$@"; }
 
+# p2p_rows NAME SIZES: bench p2p against fi_rma_bw (shm, tcp; .fabtests) at SIZES with the
+# wheel NAME, its table (the caller sets ROOT).
+p2p_rows() {
+  local w=$1 sizes=$2 p
+  for p in shm tcp; do
+    echo "=== p2p $p $w $(date +%T)"
+    run "$w" 200 -m afabric.cli bench p2p --quick --sizes "$sizes" --repeat 3 \
+      --fabtests "$ROOT/.fabtests" --provider $p | sed -n '/^op /,/^awaited/p'
+  done
+}
+
 # The usual rows of the wheel NAME (the caller sets ROOT):
 # bench p2p against fi_rma_bw (shm, tcp; .fabtests), cma, bench trigger (shm, tcp), and
 # idle engines (shm, tcp, cma).
 standard_rows() {
   local w=$1 p
-  for p in shm tcp; do
-    echo "=== p2p $p $w $(date +%T)"
-    run "$w" 200 -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 \
-      --fabtests "$ROOT/.fabtests" --provider $p | sed -n '/^op /,/^awaited/p'
-  done
+  p2p_rows "$w" 4K,64K,1M,16M
   echo "=== p2p cma $w $(date +%T)"
   run "$w" 120 -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 --pattern fixed \
     --provider cma | sed -n '/^op /,/^awaited/p'
