@@ -298,8 +298,8 @@ class Engine(MessagingMixin):
         self._poll_window, self._poll_slice_ns = spin_us / 1e6, min(_POLL_SLICE_NS, spin_us * 1000)
         # _inline_ok's run; _resuming: a drain resolved several operations and their tasks
         # have yet to run (_resume): one of them that submits is not alone, its look would
-        # hold the others up; _yielding: _alone's yield to the loop is queued (_poll_tick)
-        self._polling, self._inline_left, self._resuming, self._yielding = False, _INLINE_RUN, False, False
+        # hold the others up (nor does _poll_tick wait a slice for them)
+        self._polling, self._inline_left, self._resuming = False, _INLINE_RUN, False
         # how long _alone's look lasts
         self._take_ns, self._poll_last = min(spin_us * 1000, _TAKE_MAX_NS), 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
@@ -1235,7 +1235,7 @@ class Engine(MessagingMixin):
             self._inline_left -= 1
             if self._inline_left > 0:
                 return None
-            self._inline_left, self._yielding = _INLINE_RUN, True
+            self._inline_left = _INLINE_RUN
             return self._yield_apart()  # done; other tasks run before the caller's next line
         fut: asyncio.Future[None] = self._loop.create_future()
         self._ops[op] = (fut, verb, peer, (mr,), verb)
@@ -1256,13 +1256,14 @@ class Engine(MessagingMixin):
         spin_us passed since the last completion (or submission that started it), or many
         operations are in flight (a busy loop drains in batches when the fd says so). The
         last look is a plain drain, which asks the worker to signal the fd again: also when
-        this one raised, so that the fd never stays unasked for. Ahead of _alone's yield it
-        only looks: the loop runs so that ready tasks do, not to wait a slice for them."""
+        this one raised, so that the fd never stays unasked for. With tasks ready to run
+        (_resuming: resumed by a drain, or in _alone's yield) it only looks: the loop runs so
+        that they do, not to wait a slice ahead of them."""
         again = False
         try:
             if self._closed:
                 return
-            look, self._yielding = 0 if self._yielding else self._poll_slice_ns, False
+            look = 0 if self._resuming else self._poll_slice_ns
             if self._n.pending_wait(look) and self._process(poll=True):
                 self._poll_last = time.monotonic()
                 self._polled += 1
