@@ -588,6 +588,7 @@ uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns)
     uint32_t n = afs_pending(eng); /* also asks the worker not to signal the fd */
     if (n || !eng || !max_ns)
         return n;
+    afs_xfer_spare(eng); /* the next submission's, while the worker has this one */
     afs_ring *r = &eng->ring;
     uint64_t until = afs_now_ns() + max_ns;
     for (;;) {

@@ -280,6 +280,7 @@ static void engine_free(afs_engine *eng)
     if (eng->lib)
         dlclose(eng->lib);
     afs_ring_destroy(&eng->ring);
+    free(atomic_exchange(&eng->spare, NULL));
     afs_immtab_destroy(&eng->imm);
     afs_slots_destroy(&eng->mrs);
     afs_slots_destroy(&eng->peers);

@@ -541,6 +541,10 @@ struct afs_engine {
     int wake_fd; /* eventfd: submitters wake a sleeping worker */
     afs_mpsc submitq;
     _Atomic uint64_t next_id;
+    /* A zeroed transfer for the next afs_xfer_new, made by the ring's consumer while it
+     * waits for a completion (afs_xfer_spare): an awaited write's submission then does not
+     * pay for calloc, which the worker's frees of what the loop allocates make slow */
+    _Atomic(afs_xfer *) spare;
 
     afs_ring ring;
     /* AFS_CFG_TIMING: operation timings, worker -> caller (a lock; off the data path when
@@ -630,6 +634,9 @@ void afs_submit(afs_engine *eng, afs_xfer *x);
 int afs_ctrl_call(afs_engine *eng, afs_xfer *x);
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind);
 void afs_xfer_free(afs_xfer *x);
+/* Makes the spare transfer the next afs_xfer_new takes, if there is none: for a thread
+ * with time to spare (waiting for a completion), not on a submission's path. */
+void afs_xfer_spare(afs_engine *eng);
 
 /* The submit functions behind afs_submit_req (request.c), one per AFS_OP_*: no longer
  * exported (ABI 4 passes one afs_request instead of their positional arguments).

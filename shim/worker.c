@@ -103,8 +103,10 @@ static void poison_other_parts(afs_xfer *x)
 
 afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
 {
-    afs_xfer *x = calloc(1, sizeof(*x));
-    if (!x)
+    afs_xfer *x = atomic_load_explicit(&eng->spare, memory_order_relaxed)
+                      ? atomic_exchange_explicit(&eng->spare, NULL, memory_order_acquire)
+                      : NULL;
+    if (!x && !(x = calloc(1, sizeof(*x))))
         return NULL;
     x->kind = kind;
 #ifdef AFS_XFER_CHECK_PARTS
@@ -112,6 +114,16 @@ afs_xfer *afs_xfer_new(afs_engine *eng, uint32_t kind)
 #endif
     x->id = atomic_fetch_add_explicit(&eng->next_id, 1, memory_order_relaxed);
     return x;
+}
+
+void afs_xfer_spare(afs_engine *eng)
+{
+    if (atomic_load_explicit(&eng->spare, memory_order_relaxed))
+        return;
+    afs_xfer *x = calloc(1, sizeof(*x)), *none = NULL;
+    if (x && !atomic_compare_exchange_strong_explicit(&eng->spare, &none, x, memory_order_release,
+                                                      memory_order_relaxed))
+        free(x); /* another thread's came first */
 }
 
 void afs_xfer_free(afs_xfer *x)
