@@ -42,6 +42,18 @@ standard_rows() {
   for p in shm tcp cma; do echo "--- $w"; run "$w" 30 docs/bench/issue15/idle.py $p; done
 }
 
+# awaited_rows NAME: one awaited write taken apart (takesplit.py: its second round), 64 lanes'
+# cost per write (perop.py) and the awaited write's distribution (latdist.py: two of three
+# runs), shm, cma and tcp, with the wheel NAME.
+awaited_rows() {
+  local w=$1 p
+  for p in shm cma tcp; do
+    run "$w" 60 docs/bench/issue15/perop/takesplit.py $p | grep -E "take|raw|await" | tail -4 | sed "s/^/$p /"
+    run "$w" 60 docs/bench/issue15/perop/perop.py $p
+    run "$w" 60 docs/bench/issue15/perop/latdist.py $p | tail -2
+  done
+}
+
 # ab_rounds LOG FN: FN old, FN new, twice, between start and end lines, into $OUT/LOG (the
 # A/B scripts here; FN gets the wheel name). Installs both wheels first.
 ab_rounds() {
