@@ -315,13 +315,6 @@ def read_u64(address: int) -> int:
     return int(ctypes.c_uint64.from_address(address).value)
 
 
-def word_view(address: int) -> npt.NDArray[np.uint64]:
-    """A one-element array over the 64-bit word at `address` (a watcher's word), for a CPU
-    writer that stores into it as a GPU kernel does, with no call between its clock and the
-    store (`afabric bench trigger`). The caller keeps the word alive while it uses the view."""
-    return np.ctypeslib.as_array((ctypes.c_uint64 * 1).from_address(address))
-
-
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ cost 1 µs per completion
 class Event:
     """One drained completion record, already converted to Python objects (read-only by
@@ -715,6 +708,14 @@ class NativeEngine:
         rc = self._s.f.afs_watcher_add(self._handle(), watcher_id, delta, ctypes.byref(value))
         self._s.check(rc, "bumping watcher", self.provider)
         return value.value
+
+    def watcher_store(self, watcher_id: int, value: int) -> int:
+        """Store `value` into the watcher's word; returns the clock (``time.monotonic_ns()``'s)
+        read in C just before the store (`afabric bench trigger`'s writer)."""
+        stamp = ctypes.c_uint64()
+        rc = self._s.f.afs_watcher_store(self._handle(), watcher_id, value, ctypes.byref(stamp))
+        self._s.check(rc, "storing into watcher", self.provider)
+        return stamp.value
 
     def send(self, what: str, peer_id: int, data: bytes) -> int:
         out = ctypes.c_uint64()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 HEARTBEAT_MISSES = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
@@ -468,6 +468,15 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
     ),
     "afs_watcher_destroy": (ctypes.c_int32, [EngineHandle, ctypes.c_uint64]),
     "afs_watcher_add": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ],
+    ),
+    "afs_watcher_store": (
         ctypes.c_int32,
         [
             EngineHandle,

@@ -21,7 +21,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 10u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 11u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
@@ -33,7 +33,8 @@
                               7: afs_pending_wait (afs_poll and afs_pending came in 6, unbumped);
                               8: afs_submit_take;
                               9: afs_engine_worker_stats;
-                              10: afs_bench_write_lat */
+                              10: afs_bench_write_lat;
+                              11: afs_watcher_store */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -359,6 +360,11 @@ AFS_API int32_t afs_watcher_create(afs_engine *eng, int32_t device, uint64_t *wa
 AFS_API int32_t afs_watcher_destroy(afs_engine *eng, uint64_t watcher_id);
 AFS_API int32_t afs_watcher_add(afs_engine *eng, uint64_t watcher_id, uint64_t delta,
                                 uint64_t *value);
+/* Stores `value` into the watcher's word (release) as a kernel's plain store does, for a
+ * writer that is the word's only one; *stamp_ns gets CLOCK_MONOTONIC read just before the
+ * store, so a benchmark times the change itself and not the caller's way to it. */
+AFS_API int32_t afs_watcher_store(afs_engine *eng, uint64_t watcher_id, uint64_t value,
+                                  uint64_t *stamp_ns);
 AFS_API int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len,
                          uint64_t *xfer_id);
 AFS_API int32_t afs_expect_imm(afs_engine *eng, uint32_t imm, uint64_t count, uint64_t *xfer_id);

@@ -235,6 +235,21 @@ int32_t afs_watcher_add(afs_engine *eng, uint64_t watcher_id, uint64_t delta, ui
     return 0;
 }
 
+int32_t afs_watcher_store(afs_engine *eng, uint64_t watcher_id, uint64_t value, uint64_t *stamp_ns)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    afs_watcher *w = afs_slots_lookup(&eng->watchers, watcher_id);
+    if (!w)
+        return afs_fail(AFS_ESTALE, "watcher is not live");
+    uint64_t t = afs_now_ns();
+    atomic_store_explicit(w->word, value, memory_order_release);
+    if (stamp_ns)
+        *stamp_ns = t;
+    return 0;
+}
+
 /* Frees every watcher's word (engine close, after both threads stopped). */
 void afs_watchers_destroy(afs_engine *eng)
 {

@@ -135,7 +135,7 @@ def test_native_reexports_the_declarations() -> None:
 
 def test_header_constants_reach_python() -> None:
     hdr = _gen_shim.parse(HEADER.read_text())
-    assert _native.ABI_VERSION == int(hdr.constants["ABI_VERSION"].rstrip("u")) == 10
+    assert _native.ABI_VERSION == int(hdr.constants["ABI_VERSION"].rstrip("u")) == 11
     assert (_native.C_DONE, _native.C_NOTICE, _native.NO_IMM, _native.TRIG_IMM) == (1, 5, -1, 2)
     assert _native.CFG_TIMING == 0x2 and _native.ALLOW_UNKNOWN == 0x2
     assert len(hdr.functions) > 30 and len(hdr.structs) == 9

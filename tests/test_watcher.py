@@ -169,3 +169,19 @@ async def test_watchers_die_with_their_engine(provider: str) -> None:
         await asyncio.wait_for(pending, 5)
     with pytest.raises(errors.EngineClosed):
         eng.uvm_watcher()
+
+
+async def test_stamped_store_is_clocked_before_it_lands(provider: str) -> None:
+    """`bench trigger`'s bump (afs_watcher_store): the word takes the value, the watcher
+    reports the change, and the stamp is the clock read between the call and the store."""
+    async with afabric.Engine(provider) as eng:
+        w = eng.uvm_watcher()
+        before = time.monotonic_ns()
+        stamp = eng._n.watcher_store(w.id, 7)
+        after = time.monotonic_ns()
+        assert before <= stamp <= after
+        assert w.value == 7
+        assert await asyncio.wait_for(w.wait_for(7), 5) == 7
+        w.close()
+        with pytest.raises(errors.StaleRegion):
+            eng._n.watcher_store(w.id, 8)

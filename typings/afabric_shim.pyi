@@ -196,6 +196,11 @@ class ShimLib:
         """int32_t afs_watcher_add(afs_engine *eng, uint64_t watcher_id, uint64_t delta, uint64_t *value);"""
 
     @staticmethod
+    def afs_watcher_store(eng: EngineHandle, watcher_id: int, value: int, stamp_ns: _Ref[c_uint64]) -> int:
+        """int32_t afs_watcher_store(afs_engine *eng, uint64_t watcher_id, uint64_t value, uint64_t
+            *stamp_ns);"""
+
+    @staticmethod
     def afs_send(eng: EngineHandle, peer_id: int, buf: bytes, len: int, xfer_id: _Ref[c_uint64]) -> int:
         """int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t len, uint64_t
             *xfer_id);"""

@@ -2,10 +2,12 @@
 
 A target process registers memory and publishes its descriptor (as in ``bench p2p``). Here
 a writer thread plays the model: it bumps a watcher word once per "layer", a few hundred
-microseconds apart, noting ``time.monotonic_ns()`` just before each bump. A bump is a plain
-store of the next value into the word, as a GPU kernel's is (the writer is the word's only
-one): ``UvmWatcher.add`` from Python would put a ctypes call between the clock and the store
-(1.6-3.3 µs on the 2-core machine), which is the caller's cost, not the trigger's. Each bump
+microseconds apart. A bump is a plain store of the next value into the word, as a GPU
+kernel's is (the writer is the word's only one), made in C by the shim, which reads the
+clock (``time.monotonic_ns()``'s) just before the store: timed from Python, the bump took
+the writer's own way to the store with it (``UvmWatcher.add``: a ctypes call after the
+clock, 1.6-3.3 µs on the 2-core machine; a numpy store into the word, just woken from its
+sleep, 1.0 µs at the median there), which is the caller's cost, not the trigger's. Each bump
 must release one small write with an immediate to the target, two ways, on the same engines:
 
 - ``triggered``: the writes are armed ahead with ``when=watcher.reaches(k)``; the shim's
@@ -112,20 +114,19 @@ def run_target(conn: Connection, provider: str, polling: str = "adaptive", loop:
 
 
 def _writer(
-    w: UvmWatcher, n: int, go: queue.SimpleQueue[bool], t_change: list[int], seed: int, errs: list[str]
+    eng: Engine, w: UvmWatcher, n: int, go: queue.SimpleQueue[bool], t_change: list[int], seed: int,
+    errs: list[str],
 ) -> None:
     """Bump n times; before bump k wait for the loop's go (write k-1 done), then a paced gap."""
     rng = random.Random(seed)
     lo, hi = PACE_US[0] / 1e6, PACE_US[1] / 1e6
-    clock = time.monotonic_ns
-    word = _native.word_view(w.host_ptr)  # the block closes the watcher after this returns
+    store = eng._n.watcher_store  # the block closes the watcher after this returns
     try:
         for k in range(n):
             if not go.get():
                 return
             time.sleep(rng.uniform(lo, hi))
-            t_change[k] = clock()
-            word[0] = k + 1  # an aligned 8-byte store: what the watcher sees is atomic
+            t_change[k] = store(w.id, k + 1)  # the clock, read in C just before the store
     except BaseException as e:  # noqa: BLE001 - reported by the block that started it
         errs.append(f"{type(e).__name__}: {e}")
 
@@ -143,7 +144,7 @@ class _Block:
         self.posts: collections.deque[tuple[int, int]] = collections.deque()
         record_first_posts(eng, self.posts)
         self.thread = threading.Thread(
-            target=_writer, args=(self.w, n, self.go, self.t_change, seed, self.errs),
+            target=_writer, args=(eng, self.w, n, self.go, self.t_change, seed, self.errs),
             name="afabric-bench-writer", daemon=True,
         )  # fmt: skip
 
@@ -415,8 +416,8 @@ def main(args: argparse.Namespace) -> int:
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{o.why}\n"
         f"watcher change -> first work request of the write it releases ({SIZE} B + immediate); "
         f"{args.iterations} iterations per mode in {o.rounds} alternating blocks, bumps "
-        f"{PACE_US[0]:g}-{PACE_US[1]:g} µs apart by a Python thread (plain stores into the word, as a "
-        f"kernel's), {ARM_AHEAD} armed ahead; {o.target}"
+        f"{PACE_US[0]:g}-{PACE_US[1]:g} µs apart by a Python thread (stores into the word, as a "
+        f"kernel's, clocked in C just before the store), {ARM_AHEAD} armed ahead; {o.target}"
     )
     print(render(o.results, header))
     if report.wants_doc(args):
@@ -439,7 +440,7 @@ def main(args: argparse.Namespace) -> int:
             "warmup_per_block": WARMUP,
             "pace_us": list(PACE_US),
             "arm_ahead": ARM_AHEAD,
-            "latency": "first work request posted (shim) - time.monotonic_ns() before the bump",
+            "latency": "first work request posted (shim) - CLOCK_MONOTONIC read just before the bump's store",
             "target": o.target,
             "modes": {m: asdict(o.results[m]) for m in MODES},
             "ratio_python_over_triggered": {

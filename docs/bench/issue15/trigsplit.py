@@ -8,6 +8,7 @@ second argument word it is ``UvmWatcher.add(1)``, a ctypes call after the clock.
 Usage: trigsplit.py PROV [thread|writer|loop] [add]"""
 
 import asyncio
+import ctypes
 import multiprocessing as mp
 import queue
 import random
@@ -19,7 +20,7 @@ import time
 import numpy as np
 from latsplit import target  # the same target process (this directory is on sys.path)
 
-from afabric import Engine, MrDesc, _native
+from afabric import Engine, MrDesc
 
 N = 1000
 
@@ -61,7 +62,8 @@ async def main(prov: str, mode: str) -> None:
     async with Engine(prov, timing=True) as eng:
         mr = eng.register(np.ones(4096, dtype=np.uint8))
         w = eng.uvm_watcher()
-        w.word = _native.word_view(w.host_ptr)  # the watcher outlives every bump
+        # the watcher outlives every bump
+        w.word = np.ctypeslib.as_array((ctypes.c_uint64 * 1).from_address(w.host_ptr))
         bumps: list[int] = []
         jobs: queue.SimpleQueue[float | None] = queue.SimpleQueue()
         stamps: list[int] = []
