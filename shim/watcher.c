@@ -207,14 +207,22 @@ int32_t afs_watcher_create(afs_engine *eng, int32_t device, uint64_t *watcher_id
     return 0;
 }
 
-int32_t afs_watcher_destroy(afs_engine *eng, uint64_t watcher_id)
+/* The live watcher `watcher_id` of an open engine in *out, else the error. */
+static int32_t live_watcher(afs_engine *eng, uint64_t watcher_id, afs_watcher **out)
 {
     int rc = afs_engine_check_open(eng);
     if (rc)
         return rc;
-    afs_watcher *w = afs_slots_lookup(&eng->watchers, watcher_id);
-    if (!w)
-        return afs_fail(AFS_ESTALE, "watcher is not live");
+    *out = afs_slots_lookup(&eng->watchers, watcher_id);
+    return *out ? 0 : afs_fail(AFS_ESTALE, "watcher is not live");
+}
+
+int32_t afs_watcher_destroy(afs_engine *eng, uint64_t watcher_id)
+{
+    afs_watcher *w;
+    int rc = live_watcher(eng, watcher_id, &w);
+    if (rc)
+        return rc;
     afs_slots_release(&eng->watchers, (uint32_t)watcher_id);
     /* The word itself is freed at engine close: the watcher thread and kernels may still
      * be reading it, and a released slot is never read again. */
@@ -223,12 +231,10 @@ int32_t afs_watcher_destroy(afs_engine *eng, uint64_t watcher_id)
 
 int32_t afs_watcher_add(afs_engine *eng, uint64_t watcher_id, uint64_t delta, uint64_t *value)
 {
-    int rc = afs_engine_check_open(eng);
+    afs_watcher *w;
+    int rc = live_watcher(eng, watcher_id, &w);
     if (rc)
         return rc;
-    afs_watcher *w = afs_slots_lookup(&eng->watchers, watcher_id);
-    if (!w)
-        return afs_fail(AFS_ESTALE, "watcher is not live");
     uint64_t v = atomic_fetch_add(w->word, delta) + delta;
     if (value)
         *value = v;
@@ -237,12 +243,10 @@ int32_t afs_watcher_add(afs_engine *eng, uint64_t watcher_id, uint64_t delta, ui
 
 int32_t afs_watcher_store(afs_engine *eng, uint64_t watcher_id, uint64_t value, uint64_t *stamp_ns)
 {
-    int rc = afs_engine_check_open(eng);
+    afs_watcher *w;
+    int rc = live_watcher(eng, watcher_id, &w);
     if (rc)
         return rc;
-    afs_watcher *w = afs_slots_lookup(&eng->watchers, watcher_id);
-    if (!w)
-        return afs_fail(AFS_ESTALE, "watcher is not live");
     uint64_t t = afs_now_ns();
     atomic_store_explicit(w->word, value, memory_order_release);
     if (stamp_ns)
