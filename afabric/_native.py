@@ -712,6 +712,8 @@ class NativeEngine:
     def watcher_store(self, watcher_id: int, value: int) -> int:
         """Store `value` into the watcher's word; returns the clock (``time.monotonic_ns()``'s)
         read in C just before the store (`afabric bench trigger`'s writer)."""
+        if type(value) is not int or not 0 <= value < 1 << 64:
+            raise errors.InvalidArgument(f"a watcher's word takes a u64, got {value!r}")
         stamp = ctypes.c_uint64()
         rc = self._s.f.afs_watcher_store(self._handle(), watcher_id, value, ctypes.byref(stamp))
         self._s.check(rc, "storing into watcher", self.provider)

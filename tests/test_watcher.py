@@ -182,6 +182,10 @@ async def test_stamped_store_is_clocked_before_it_lands(provider: str) -> None:
         assert before <= stamp <= after
         assert w.value == 7
         assert await asyncio.wait_for(w.wait_for(7), 5) == 7
+        for bad in (-1, 1 << 64, 2.0, True):
+            with pytest.raises(errors.InvalidArgument):
+                eng._n.watcher_store(w.id, bad)  # type: ignore[arg-type]
+        assert w.value == 7
         w.close()
         with pytest.raises(errors.StaleRegion):
             eng._n.watcher_store(w.id, 8)

@@ -5,8 +5,9 @@ set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
-{
-  echo "=== start $(date +%T) $(nproc) CPUs"
+
+rows() {
+  local r p
   standard_rows new
   for r in 1 2; do
     for p in shm tcp; do
@@ -14,5 +15,6 @@ install_wheels new
       run new 120 -m afabric.cli bench trigger --provider $p | grep -E "^triggered|^python "
     done
   done
-  echo "=== end $(date +%T)"
-} 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/eighteenth-final.log"
+}
+
+logged eighteenth-final.log rows

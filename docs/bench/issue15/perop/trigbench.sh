@@ -7,8 +7,9 @@ set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
-{
-  echo "=== start $(date +%T) $(nproc) CPUs"
+
+rows() {
+  local r p w
   for r in 1 2; do
     for p in shm tcp; do
       for w in c numpy; do
@@ -21,5 +22,6 @@ install_wheels new
     echo "--- bench trigger $p $(date +%T)"
     run new 120 -m afabric.cli bench trigger --provider $p | grep -E "^triggered|^python "
   done
-  echo "=== end $(date +%T)"
-} 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/trigbench.log"
+}
+
+logged trigbench.log rows

@@ -8,16 +8,23 @@ set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels turns
-{
-cat /sys/devices/system/clocksource/clocksource0/current_clocksource; grep -m1 "model name" /proc/cpuinfo; uname -r; grep CONFIG_HZ= /boot/config-$(uname -r) 2>/dev/null
-python3 -c "
+
+rows() {
+  local p
+  cat /sys/devices/system/clocksource/clocksource0/current_clocksource
+  grep -m1 "model name" /proc/cpuinfo
+  uname -r
+  "$PY" -c "
 import time
 c=time.monotonic_ns; s=[]
 for _ in range(100000):
     t=c(); s.append(c()-t)
 s.sort(); print('clock pair p50', s[50000], 'p99', s[99000])"
-for p in shm tcp; do
-  echo "--- $p $(date +%T)"
-  AFS_TURNS=1 run turns 120 docs/bench/issue15/perop/trigbench.py $p 3000 2>&1 | grep -E "TURNS|^whole|^bump|^seen|^triggered"
-done
-} 2>&1 | tee $OUT/turns.log
+  for p in shm tcp; do
+    echo "--- $p $(date +%T)"
+    AFS_TURNS=1 run turns 120 docs/bench/issue15/perop/trigbench.py $p 3000 2>&1 |
+      grep -E "TURNS|^whole|^bump|^seen|^triggered"
+  done
+}
+
+logged turns.log rows

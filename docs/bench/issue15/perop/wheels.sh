@@ -54,19 +54,32 @@ awaited_rows() {
   done
 }
 
+# logged LOG CMD...: CMD between start and end lines, into $OUT/LOG and on stdout, without
+# the progress lines (the device scripts' frame).
+logged() {
+  local log=$1
+  shift
+  {
+    echo "=== start $(date +%T) $(nproc) CPUs"
+    "$@"
+    echo "=== end $(date +%T)"
+  } 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/$log"
+}
+
 # ab_rounds LOG FN: FN old, FN new, twice, between start and end lines, into $OUT/LOG (the
 # A/B scripts here; FN gets the wheel name). Installs both wheels first.
 ab_rounds() {
-  local log=$1 fn=$2 r w
+  local log=$1 fn=$2
   install_wheels old new
-  {
-    echo "=== start $(date +%T) $(nproc) CPUs"
-    for r in 1 2; do
-      for w in old new; do
-        echo "--- $w $(date +%T)"
-        "$fn" "$w"
-      done
+  logged "$log" _ab_body "$fn"
+}
+
+_ab_body() {
+  local r w
+  for r in 1 2; do
+    for w in old new; do
+      echo "--- $w $(date +%T)"
+      "$1" "$w"
     done
-    echo "=== end $(date +%T)"
-  } 2>&1 | grep --line-buffered -v "^afabric: [0-9]*/" | tee "$OUT/$log"
+  done
 }
