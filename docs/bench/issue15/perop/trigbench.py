@@ -10,14 +10,11 @@ Usage: trigbench.py PROVIDER [ITERATIONS] [numpy]"""
 import argparse
 import ctypes
 import functools
-import os
 import random
 import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with python -P too
 
 from afabric import Engine
 from afabric.bench import trigger
