@@ -60,6 +60,8 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
     assert any(k == "paged" for k, _ in kinds)
     for r in doc["rows"]:
         assert r["py_gbps"] > 0 and r["raw_gbps"] > 0
+        # write rows also ran write_many in fi_rma_bw's pattern; nothing else did
+        assert (r["batch_gbps"] > 0) == (r["kind"] == "write"), r
     lat = doc["latency"][0]
     assert lat["p50_us"] > 0
     # the raw C loop timed each of its writes: a distribution, like the Python column's
@@ -84,7 +86,8 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
 async def test_pattern_puts_the_rows_where_it_says(pattern: str) -> None:
     """--pattern fixed rewrites one buffer of the row's size at offset 0 (fi_rma_bw's
     pattern, for a like-for-like py/fi); span rotates slot by slot through the region.
-    Checked on the target's bytes after the Python lanes and the raw loop both ran."""
+    Checked on the target's bytes after each of the Python lanes, the Python batches
+    (write_many) and the raw loop, each run alone."""
     size, n = 4096, 96
     async with Engine("shm") as writer, Engine("shm") as target:
         src = np.full(p2p.REGION, 7, dtype=np.uint8)
@@ -92,12 +95,18 @@ async def test_pattern_puts_the_rows_where_it_says(pattern: str) -> None:
         desc = target.register(dst).descriptor
         slots = p2p._Slots(writer, src, writer.register(src), pattern)
         mr, span = slots.region(size), slots.span(size)
-        await p2p._py_writes(writer, mr, desc, size, 8, n, span=span)
-        RawLoop(writer, mr, desc).write(size, 8, n)
+        for how in ("lanes", "batches", "raw"):
+            dst[:] = 0
+            if how == "lanes":
+                await p2p._py_writes(writer, mr, desc, size, 8, n, span=span)
+            elif how == "batches":
+                await p2p._py_batches(writer, mr, desc, size, 8, n, span)
+            else:
+                RawLoop(writer, mr, desc).write(size, 8, n)
+            touched = np.flatnonzero(dst.reshape(-1, size).any(axis=1))
+            if pattern == "fixed":
+                assert span == 1 and touched.tolist() == [0], how
+            else:
+                assert span == p2p.REGION // size and len(touched) >= n, how  # each write its own slot
+            assert set(np.unique(dst[touched[0] * size : (touched[0] + 1) * size]).tolist()) == {7}, how
         slots.close()
-    touched = np.flatnonzero(dst.reshape(-1, size).any(axis=1))
-    if pattern == "fixed":
-        assert span == 1 and touched.tolist() == [0]
-    else:
-        assert span == p2p.REGION // size and len(touched) >= n  # each write its own slot
-    assert set(np.unique(dst[touched[0] * size : (touched[0] + 1) * size]).tolist()) == {7}

@@ -296,6 +296,17 @@ def test_report_shows_the_fabtests_ratio_and_the_pattern() -> None:
     table = report._p2p(doc)
     assert "fi_rma_bw -U GB/s" in table[0] and "Python/fi -U" in table[0]
     assert "| 2.00 | 0.52 | 1.05 | 1.00 |" in table[2]
+    assert "batch" not in table[0]  # no batch row measured: no such column
+    row.batch_gbps = 1.8  # write_many in fi_rma_bw's pattern, beside the rest
+    doc["rows"] = [asdict(row) | {"ratio": row.ratio}]
+    table = report._p2p(doc)
+    assert "batch GB/s" in table[0] and "batch/fi" in table[0]
+    assert "| 2.00 | 0.52 | 1.05 | 1.00 | 1.80 | 0.90 |" in table[2]
+    text = p2p.render([row, p2p.Row("read", 4096, 1, 64, 1.0, 1.0)], [], "header")
+    head, write, read = text.splitlines()[2:5]
+    assert head.split()[-2:] == ["batch", "bat/fi"] and write.split()[-2:] == ["1.80", "0.90"]
+    assert len(write.split()) == 15 and len(read.split()) == 9  # the read row: no fi, no batch
+    assert "batch: the Python API in fi_rma_bw's own pattern" in text
     assert "--pattern fixed" in report._reconstructed_command(doc)
 
 

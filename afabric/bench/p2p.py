@@ -62,6 +62,9 @@ class Row:
     fi_gbps: float = 0.0  # fi_rma_bw at the same size and window (--fabtests), else 0
     # fi_rma_bw -U (delivery complete, as afabric's writes complete) beside write rows, else 0
     fi_dc_gbps: float = 0.0
+    # write rows: write_many of `window` writes per call, one call at a time (fi_rma_bw's own
+    # loop: post a window, wait for all of it), else 0
+    batch_gbps: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
@@ -156,6 +159,22 @@ async def _py_writes(
     return (time.perf_counter() - t0) / (per * window)
 
 
+async def _py_batches(
+    eng: Engine, mr: MemoryRegion, desc: MrDesc, nbytes: int, window: int, iters: int, span: int
+) -> float:
+    """Seconds per write, ``window`` writes per write_many call and one call at a time:
+    fi_rma_bw's loop (it posts a window, then waits for all of it) through the API, rotating
+    through ``span`` slots of ``nbytes`` as _py_writes does."""
+    calls = max(1, iters // window)
+    ids = np.arange(calls * window, dtype=np.uint64).reshape(calls, window)
+    offs = list((ids % np.uint64(span)) * np.uint64(nbytes))
+    await eng.write_many(mr, desc, nbytes, offs[0], offs[0])  # warm-up: one window
+    t0 = time.perf_counter()
+    for off in offs:
+        await eng.write_many(mr, desc, nbytes, off, off)
+    return (time.perf_counter() - t0) / (calls * window)
+
+
 def _read_sizes(args: argparse.Namespace) -> list[int]:
     """Read rows: the contiguous sizes asked for (--sizes), else their own list."""
     return list(args.sizes or (QUICK_READ if args.quick else READ_SIZES))
@@ -166,7 +185,8 @@ async def _contig_rows(
     *, read: bool = False,
 ) -> list[Row]:
     """Contiguous writes (reads of the target's region into ours with ``read``): Python,
-    the raw C loop and fi_rma_bw (-o writedata / -o read), alternately."""
+    the raw C loop and fi_rma_bw (-o writedata / -o read), alternately; write rows also
+    Python in fi_rma_bw's own pattern (_py_batches)."""
     kind = "read" if read else "write"
     rows: list[Row] = []
     for size in sizes:
@@ -180,11 +200,14 @@ async def _contig_rows(
         raw: list[float] = []
         fi: list[float] = []
         fi_dc: list[float] = []
+        batch: list[float] = []
         for _ in range(args.repeat):  # alternately: the C library, then afabric
             fi += await _rma_bw(args, size, window, "read" if read else "writedata")
             if not read:
                 fi_dc += await _rma_bw(args, size, window, "writedata", delivery_complete=True)
             py.append(await _py_writes(eng, mr, desc, size, window, iters, read=read, span=span))
+            if not read:
+                batch.append(await _py_batches(eng, mr, desc, size, window, iters, span))
             run = raw_loop.read if read else raw_loop.write
             run(size, window, fabtests.RMA_WARMUP)
             raw_ns = run(size, window, iters)
@@ -192,6 +215,9 @@ async def _contig_rows(
         _fill(row, py, raw, size)
         row.fi_gbps = statistics.median(fi) if fi else 0.0
         row.fi_dc_gbps = statistics.median(fi_dc) if fi_dc else 0.0
+        row.batch_gbps = size / statistics.median(batch) / 1e9 if batch else 0.0
+        if batch:
+            row.samples["batch_s_per_write"] = batch
         rows.append(row)
         bar.advance()
     return rows
@@ -359,10 +385,12 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     out = [header, ""]
     fi = any(r.fi_gbps for r in rows)
     dc = any(r.fi_dc_gbps for r in rows)
+    bat = any(r.batch_gbps for r in rows)
     out.append(
         f"{'op':<6} {'size':>8} {'win':>4} {'py GB/s':>9} {'raw GB/s':>9} {'py/raw':>7} "
         f"{'py op/s':>11} {'raw op/s':>11}" + (f" {'fi_rma_bw':>9} {'py/fi':>6}" if fi else "")
         + (f" {'fi -U':>7} {'py/-U':>6}" if dc else "")
+        + (f" {'batch':>7}" + (f" {'bat/fi':>6}" if fi else "") if bat else "")
     )
     for r in rows:
         size = _fmt_size(r.size) + ("/pg" if r.kind == "paged" else "")
@@ -371,6 +399,7 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
             f"{r.py_ops:>11,.0f} {r.raw_ops:>11,.0f}"
             + (f" {r.fi_gbps:>9.2f} {r.py_gbps / r.fi_gbps:>6.2f}" if r.fi_gbps else "")
             + (f" {r.fi_dc_gbps:>7.2f} {r.py_gbps / r.fi_dc_gbps:>6.2f}" if r.fi_dc_gbps else "")
+            + (_batch_cells(r, fi) if bat else "")
         )
     for x in lat:
         out.append(
@@ -387,6 +416,12 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
     if dc:
         out.append("fi -U: fi_rma_bw -U, each write done once the target has it (delivery complete): the "
                    "completion afabric's writes ask for; plain fi_rma_bw's are done once sent")
+    if bat:
+        out.append(
+            "batch: the Python API in fi_rma_bw's own pattern, write_many of win writes per call and "
+            "one call at a time (post a window, wait for all of it)"
+            + ("; bat/fi is its share of fi_rma_bw" if fi else "")
+        )
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
     if any(r.kind == "read" for r in rows):
         out.append("read rows: one-sided READs of the target's region into ours (remote -> local)")
@@ -397,6 +432,15 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
         )
     out += py_raw_note(rows)
     return "\n".join(out)
+
+
+def _batch_cells(r: Row, fi: bool) -> str:
+    """render()'s batch columns of one row (blank where the row has none)."""
+    if not r.batch_gbps:
+        return f" {'':>7}" + (f" {'':>6}" if fi else "")
+    return f" {r.batch_gbps:>7.2f}" + (
+        (f" {r.batch_gbps / r.fi_gbps:>6.2f}" if r.fi_gbps else f" {'':>6}") if fi else ""
+    )
 
 
 def py_raw_note(rows: list[Row]) -> list[str]:

@@ -172,6 +172,7 @@ def _p2p(d: Doc) -> list[str]:
     rows = []
     fi = any(r.get("fi_gbps") for r in d.get("rows", []))  # --fabtests: fi_rma_bw beside each row
     dc = any(r.get("fi_dc_gbps") for r in d.get("rows", []))  # ...and its -U beside write rows
+    bat = any(r.get("batch_gbps") for r in d.get("rows", []))  # write_many in fi_rma_bw's pattern
     for r in d.get("rows", []):
         size = plots.fmt_size(float(r["size"])) + ("/page" if r.get("kind") == "paged" else "")
         rows.append([
@@ -182,12 +183,17 @@ def _p2p(d: Doc) -> list[str]:
         for key in [k for k, shown in (("fi_gbps", fi), ("fi_dc_gbps", dc)) if shown]:
             ref = r.get(key) or 0.0
             rows[-1] += [_f(ref, 2) if ref else "", _f(py / ref, 2) if ref else ""]
+        if bat:
+            batch, fi_ref = float(r.get("batch_gbps") or 0), float(r.get("fi_gbps") or 0)
+            rows[-1] += [_f(batch, 2) if batch else ""]
+            rows[-1] += [_f(batch / fi_ref, 2) if batch and fi_ref else ""] if fi else []
     out = _table(
         ["op", "size", "window", "Python GB/s", "raw GB/s", "Python/raw", "Python op/s", "raw op/s"]
         + (["fi_rma_bw GB/s", "Python/fi"] if fi else [])
-        + (["fi_rma_bw -U GB/s", "Python/fi -U"] if dc else []),
+        + (["fi_rma_bw -U GB/s", "Python/fi -U"] if dc else [])
+        + (["batch GB/s"] + (["batch/fi"] if fi else []) if bat else []),
         rows,
-        "llrrrrrr" + ("rr" if fi else "") + ("rr" if dc else ""),
+        "llrrrrrr" + ("rr" if fi else "") + ("rr" if dc else "") + ("r" + ("r" if fi else "") if bat else ""),
     )
     out.append("")
     for x in d.get("latency", []):
@@ -209,6 +215,11 @@ def _p2p(d: Doc) -> list[str]:
         out.append(
             f"Paged rows: size is per page, op/s counts pages, {paged[0].get('ops_per_call', '?')} pages "
             "per call. `raw` is the shim's C loop on the same submit path, no Python per operation."
+        )
+    if bat:
+        out.append(
+            "Batch: the Python API in fi_rma_bw's own pattern, `write_many` of `window` writes per call, "
+            "one call at a time (post a window, wait for all of it)."
         )
     if any(r.get("kind") == "many" for r in d.get("rows", [])):
         out.append(
