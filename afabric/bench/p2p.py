@@ -2,7 +2,9 @@
 
 A target process registers memory and publishes its descriptor; this process writes to it
 through the Python API (W coroutines each awaiting its writes, the idiomatic way to keep W
-in flight) and through the shim's raw C loop (same submit path, no Python per operation).
+in flight) and through the shim's raw C loop (same submit path, no Python per operation);
+each write row also through write_many in fi_rma_bw's own loop (a window per call, one call
+at a time: the batch column).
 Every number is the median of repeated runs; the ratio column is Python over raw from
 the same run. Nothing here asserts speed: it reports.
 """
