@@ -401,7 +401,7 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
             f"{r.py_ops:>11,.0f} {r.raw_ops:>11,.0f}"
             + (f" {r.fi_gbps:>9.2f} {r.py_gbps / r.fi_gbps:>6.2f}" if r.fi_gbps else "")
             + (f" {r.fi_dc_gbps:>7.2f} {r.py_gbps / r.fi_dc_gbps:>6.2f}" if r.fi_dc_gbps else "")
-            + (_batch_cells(r, fi) if bat else "")
+            + _batch_cells(r, fi)
         )
     for x in lat:
         out.append(
@@ -437,12 +437,12 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
 
 
 def _batch_cells(r: Row, fi: bool) -> str:
-    """render()'s batch columns of one row (blank where the row has none)."""
+    """render()'s batch columns of one row: none for a row without a batch (read, paged and
+    many rows: only write rows have one, and the columns are the last)."""
     if not r.batch_gbps:
-        return f" {'':>7}" + (f" {'':>6}" if fi else "")
-    return f" {r.batch_gbps:>7.2f}" + (
-        (f" {r.batch_gbps / r.fi_gbps:>6.2f}" if r.fi_gbps else f" {'':>6}") if fi else ""
-    )
+        return ""
+    ratio = f" {r.batch_gbps / r.fi_gbps:>6.2f}" if fi and r.fi_gbps else ""
+    return f" {r.batch_gbps:>7.2f}{ratio}"
 
 
 def py_raw_note(rows: list[Row]) -> list[str]:
