@@ -306,7 +306,10 @@ def test_report_shows_the_fabtests_ratio_and_the_pattern() -> None:
     head, write, read = text.splitlines()[2:5]
     assert head.split()[-2:] == ["batch", "bat/fi"] and write.split()[-2:] == ["1.80", "0.90"]
     assert len(write.split()) == 15 and len(read.split()) == 9  # the read row: no fi, no batch
-    assert "batch: the Python API in fi_rma_bw's own pattern" in text
+    assert "batch: the Python API posting a window of writes" in text and "fi_rma_bw's own loop" in text
+    row.fi_gbps = row.fi_dc_gbps = 0.0  # no --fabtests: the batch is explained without fi_rma_bw
+    text = p2p.render([row], [], "header")
+    assert "batch: the Python API" in text and "fi_rma_bw" not in text
     assert "--pattern fixed" in report._reconstructed_command(doc)
 
 

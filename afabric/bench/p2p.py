@@ -420,9 +420,9 @@ def render(rows: list[Row], lat: list[Latency], header: str) -> str:
                    "completion afabric's writes ask for; plain fi_rma_bw's are done once sent")
     if bat:
         out.append(
-            "batch: the Python API in fi_rma_bw's own pattern, write_many of win writes per call and "
-            "one call at a time (post a window, wait for all of it)"
-            + ("; bat/fi is its share of fi_rma_bw" if fi else "")
+            "batch: the Python API posting a window of writes and waiting for all of it, write_many of "
+            "win writes per call and one call at a time"
+            + ("; that is fi_rma_bw's own loop, and bat/fi is the batch's share of it" if fi else "")
         )
     out.append(f"paged rows: size is per page, op/s counts pages, {PAGES_PER_OP} pages per call")
     if any(r.kind == "read" for r in rows):

@@ -218,8 +218,9 @@ def _p2p(d: Doc) -> list[str]:
         )
     if bat:
         out.append(
-            "Batch: the Python API in fi_rma_bw's own pattern, `write_many` of `window` writes per call, "
-            "one call at a time (post a window, wait for all of it)."
+            "Batch: the Python API posting a window of writes and waiting for all of it, `write_many` "
+            "of `window` writes per call and one call at a time"
+            + (" (`fi_rma_bw`'s own loop)." if fi else ".")
         )
     if any(r.get("kind") == "many" for r in d.get("rows", [])):
         out.append(
