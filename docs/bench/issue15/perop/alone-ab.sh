@@ -3,7 +3,6 @@
 # passed as they are (new) against the tuple and method call (old), alternated twice:
 # alone.py (one process; cma, shm, tcp) and perop.py (64 lanes; shm).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 one_round() {
   local w=$1 p

@@ -3,7 +3,6 @@
 # transfer (old, 6c25a25), alternated twice: perop.py (64 lanes, 8 B; shm, cma, tcp) and
 # bench p2p --fabtests at 4 KiB and 64 KiB (shm, tcp).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 one_round() {
   local w=$1 p

@@ -3,7 +3,6 @@
 # afabric's writes ask for) beside plain fi_rma_bw, shm and tcp, twice; then tcp with both
 # workers spinning (--polling spin: whether the target's naps cost the 64 KiB rate).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

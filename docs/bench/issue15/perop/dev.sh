@@ -4,7 +4,6 @@
 # with the span pattern, the triggered write, idle engines. Expects .whl-ab/{old,new} and
 # .fabtests (a copy of ../shared/tools/fabtests) in the repository root.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 p2p() { PYTHONPATH=/tmp/site-new timeout 170 "$PY" -P -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 "$@"; }

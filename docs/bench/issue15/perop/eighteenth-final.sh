@@ -2,7 +2,6 @@
 # Device, one call: the eighteenth session's final tree (.whl-ab/new): the standard rows
 # (wheels.sh), then `bench trigger` (2000 iterations) shm and tcp twice more.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 

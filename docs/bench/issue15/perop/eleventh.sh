@@ -4,7 +4,6 @@
 # then bench p2p against fi_rma_bw (shm, tcp) and cma, bench trigger, idle — all of the
 # new tree (.whl-ab/new).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

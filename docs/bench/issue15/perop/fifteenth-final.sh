@@ -2,7 +2,6 @@
 # Device: the fifteenth session's final tree alone (.whl-ab/new): bench p2p --fabtests for shm
 # and tcp (fi_rma_bw and fi_rma_bw -U columns), bench trigger --quick, perop.py (shm, cma).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

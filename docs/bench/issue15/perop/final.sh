@@ -2,7 +2,6 @@
 # Device: the session's final tree (7f53d31) against fi_rma_bw, fi_rma_bw's access pattern
 # (the default with --fabtests): cma, shm, tcp; shm with spin polling; perop.py; idle engines.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 p2p() { PYTHONPATH=/tmp/site-new timeout 170 "$PY" -P -m afabric.cli bench p2p --quick --sizes 4K,64K,1M,16M --repeat 3 --fabtests "$ROOT/.fabtests" "$@"; }

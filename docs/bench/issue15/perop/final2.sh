@@ -2,7 +2,6 @@
 # Device: the sixth session's tree (the loop polls the ring) against fi_rma_bw, fi_rma_bw's
 # access pattern: shm, tcp, cma; perop.py; bench trigger; latsplit.py; idle engines.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 run() { PYTHONPATH=/tmp/site-new timeout "$1" "$PY" -P "${@:2}"; }

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Device: the session's final tree against fi_rma_bw in the same run (shm, tcp), fixed pattern.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

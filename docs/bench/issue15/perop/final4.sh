@@ -2,7 +2,6 @@
 # Device: the per-operation calls with prebuilt addresses and the look's slice (new) against
 # main before (old), alternated; then the new tree against fi_rma_bw (shm, tcp) and cma.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 {

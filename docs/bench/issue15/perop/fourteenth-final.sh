@@ -2,7 +2,6 @@
 # Device: the fourteenth session's final tree (.whl-ab/new) alone: perop.py and latsplit.py
 # (shm, cma), floor.py, `bench trigger` at 2000 iterations (shm, tcp), then the usual rows.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

@@ -4,7 +4,6 @@
 # from (trigsplit.py, 1000 bumps from a long-lived writer thread); `bench trigger` at its
 # full 2000 iterations (its p99 over 300 samples is the third-worst one).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

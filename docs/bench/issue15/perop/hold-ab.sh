@@ -4,7 +4,6 @@
 # off / gap 2 us max 16 us / gap 5 us max 30 us, alternated twice: perop.py shm, tcp, cma
 # and bench p2p shm 4K,64K,1M --fabtests.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

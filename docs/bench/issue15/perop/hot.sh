@@ -3,7 +3,6 @@
 # alternated: latsplit.py (awaited 8 B), perop.py (64 lanes), then bench p2p against
 # fi_rma_bw for shm and tcp.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 {

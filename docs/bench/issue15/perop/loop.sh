@@ -2,7 +2,6 @@
 # Device: the event loop polling the completion ring (old: main before; new: after),
 # alternated: latsplit.py (awaited 8 B, where the time goes), perop.py, bench p2p (shm).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 {

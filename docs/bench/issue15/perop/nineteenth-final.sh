@@ -4,7 +4,6 @@
 # then bench p2p shm and tcp once more, for the spread. On the 2-core machine:
 # LOG=local-nineteenth-final.log PY=.venv/bin/python OUT=/tmp bash <this script>
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 

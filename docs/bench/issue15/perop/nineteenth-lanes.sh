@@ -3,7 +3,6 @@
 # (timeline.py) and what gathering the lanes' writes per loop iteration would change
 # (coalesce.py, an experiment), shm and tcp, with the wheel .whl-ab/new.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 

@@ -4,7 +4,6 @@
 # awaited 8 B); then bench p2p against fi_rma_bw (old once, new for shm and tcp), the
 # triggered write's split (trigsplit.py) and perop.py with the new tree.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 p2p() {  # WHEEL PROVIDER

@@ -3,7 +3,6 @@
 # (shm, tcp, twice), trigsplit.py (store and add bumps), bench p2p against fi_rma_bw (shm,
 # tcp, and cma with --pattern fixed), latsplit.py's awaited 8 B and perop.py, idle engines.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 run() { PYTHONPATH=/tmp/site-new timeout "$1" "$PY" -P "${@:2}"; }

@@ -3,7 +3,6 @@
 # twice: idle engines (shm, tcp, cma), awaited 8 B (latsplit.py shm), bench trigger shm;
 # then bench p2p against fi_rma_bw with the new tree (shm, tcp).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 {

@@ -4,6 +4,5 @@
 # awaited_rows): takesplit.py (the awaited write's C part), perop.py and latdist.py, shm /
 # cma / tcp.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 ab_rounds pad-ab.log awaited_rows

@@ -4,7 +4,6 @@
 # `bench p2p --quick --sizes 4K,64K,1M --repeat 3 --fabtests` (shm, tcp) with the wheel
 # .whl-ab/new. The local-pair-*.log files; on this machine: PY=.venv/bin/python OUT=/tmp.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 

@@ -3,7 +3,6 @@
 # unpinned runs (their spread), then the loop, its worker and the target pinned apart, the
 # worker on the loop's SMT sibling, and on another core.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

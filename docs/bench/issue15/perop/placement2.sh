@@ -2,7 +2,6 @@
 # Device: which CPU pairs make the awaited write faster (placement.py, cma, target unpinned):
 # the caches each CPU shares, then the loop on one CPU and the worker on each of several.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

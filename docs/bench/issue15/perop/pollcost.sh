@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Device: pollcost.py (64 lanes, the loop's polling on / off) for shm, cma and tcp.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

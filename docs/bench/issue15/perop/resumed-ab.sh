@@ -3,7 +3,6 @@
 # before (old, 1ac1f89), alternated twice: resumed.py (64 lanes: how many writes went alone,
 # time per write; shm, cma, tcp) and bench p2p --fabtests at 4 KiB and 64 KiB (shm, tcp).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 one_round() {
   local w=$1 p

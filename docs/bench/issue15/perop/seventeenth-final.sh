@@ -2,7 +2,6 @@
 # Device, one call: spare-ab.sh (the spare transfer, new, against 37e8b28, old), then the
 # standard rows (wheels.sh) of the new tree.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 bash docs/bench/issue15/perop/spare-ab.sh > /dev/null 2>&1
 . docs/bench/issue15/perop/wheels.sh
 {

@@ -3,7 +3,6 @@
 # been measured only on the 2-core machine: perop.py, latdist.py and resumed.py per provider,
 # then the standard rows (wheels.sh).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

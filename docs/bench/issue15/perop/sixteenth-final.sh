@@ -4,7 +4,6 @@
 # cma, tcp); then with the new wheel where an awaited 8 B write's time goes (latsplit.py,
 # uvloop; alone.py in one process), and the standard rows (wheels.sh).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 one_round() {
   local w=$1 p

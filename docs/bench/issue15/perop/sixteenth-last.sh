@@ -2,7 +2,6 @@
 # Device, one call: the session's final tree (wheel `new`): resumed.py (shm, cma), the
 # standard rows (wheels.sh: bench p2p --fabtests shm and tcp, cma, bench trigger, idle).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

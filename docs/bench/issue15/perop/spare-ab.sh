@@ -3,6 +3,5 @@
 # (old), alternated twice (wheels.sh ab_rounds, awaited_rows): takesplit.py (the awaited
 # write's C part), perop.py and latdist.py, shm / cma / tcp.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 ab_rounds spare-ab.log awaited_rows

@@ -3,7 +3,6 @@
 # object (new, f47c85e) against one spin_us (old, 75aef96), alternated twice: the target's
 # naps per 2,000 awaited 8 B writes (one process) and `bench p2p`'s tcp latency row.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 one_round() {
   local w=$1

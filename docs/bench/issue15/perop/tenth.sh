@@ -3,7 +3,6 @@
 # in-process A/B (shm, tcp, cma); latsplit.py and perop.py, old and new alternated twice;
 # then the new tree: bench p2p against fi_rma_bw (shm, tcp) and cma, bench trigger, idle.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 {

@@ -2,7 +2,6 @@
 # Device: the eleventh session's final tree (.whl-ab/new) alone: perop.py (shm, cma, twice),
 # readlat.py (shm, cma, tcp), window.py tcp, latsplit.py, then the usual rows.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 {

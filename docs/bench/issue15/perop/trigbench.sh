@@ -4,7 +4,6 @@
 # writer (its store clocked in C, afs_watcher_store) and the one before it (`numpy`: a numpy
 # store timed from Python), alternated twice; then `bench trigger` (2000 iterations) of each.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels new
 

@@ -5,7 +5,6 @@
 # prints the histogram when the worker stops); with it, trigbench.py shm and tcp, and the
 # machine's clock source and the cost of a clock reading.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels turns
 

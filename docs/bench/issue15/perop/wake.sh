@@ -2,7 +2,6 @@
 # Device: libfabric 1.17 shm wake-ups, main before (old: 3be86c9) and after (new: 52cdd42),
 # alternated: idle engines, `bench p2p --pattern fixed --fabtests` on shm, perop.py on shm.
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 install_wheels old new
 {

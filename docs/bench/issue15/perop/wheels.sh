@@ -3,6 +3,12 @@
 # python -P; and makes the carried fabtests (.fabtests) executable where they came along.
 # run NAME SECONDS ARGS...: python -P ARGS with the wheel NAME, under a time limit.
 # standard_rows NAME (below): the rows every call ends with.
+# Run from the repository root. OUT: where logs go ($OUT on the device; /tmp here); PY: the
+# Python (.venv/bin/python here); ROOT: the repository root.
+ROOT=${ROOT:-$PWD}
+OUT=${OUT:-/tmp}
+PY=${PY:-python3}
+
 install_wheels() {
   local w
   for w in "$@"; do
@@ -16,7 +22,7 @@ install_wheels() {
 run() { local w=$1 t=$2; shift 2; PYTHONPATH=/tmp/site-$w timeout "$t" "${PY:-python3}" -P "$@"; }
 
 # p2p_rows NAME SIZES: bench p2p against fi_rma_bw (shm, tcp; .fabtests) at SIZES with the
-# wheel NAME, its table (the caller sets ROOT).
+# wheel NAME, its table.
 p2p_rows() {
   local w=$1 sizes=$2 p
   for p in shm tcp; do
@@ -26,7 +32,7 @@ p2p_rows() {
   done
 }
 
-# The usual rows of the wheel NAME (the caller sets ROOT):
+# The usual rows of the wheel NAME:
 # bench p2p against fi_rma_bw (shm, tcp; .fabtests), cma, bench trigger (shm, tcp), and
 # idle engines (shm, tcp, cma).
 standard_rows() {

@@ -3,7 +3,6 @@
 # yields once (new) against submitted without a look and awaited on a future (old),
 # alternated twice: latdist.py (p50 / p90 / p99 / mean of awaited 8 B writes; shm, cma, tcp).
 set -uo pipefail
-ROOT=$PWD; OUT=${OUT:-/tmp}; PY=${PY:-python3}
 . docs/bench/issue15/perop/wheels.sh
 one_round() {
   local w=$1 p
