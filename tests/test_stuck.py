@@ -5,15 +5,17 @@ caller waiting forever.
 The stuck worker is made the way it happens: libfabric 1.17's shm keeps a spin lock in each
 endpoint's shared region, taken by every writer to it and by its owner's progress; a process
 SIGKILLed while it holds it (seen in CI: `afabric bench p2p`'s target) leaves writers
-spinning on it for ever. Here the test holds that lock itself (it writes the lock word of the
-target's region, found and checked below) instead of waiting for a kill to land inside the
-critical section, and lets go of it at the end so that the spinning threads can finish.
+spinning on it for ever. Here the test holds that lock itself (it takes the lock word of the
+target's region, found and checked below, with glibc's spin lock calls) instead of waiting for
+a kill to land inside the critical section, and lets go of it at the end so that the spinning
+threads can finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import mmap
 import os
 import platform
@@ -40,6 +42,8 @@ pytestmark = pytest.mark.asyncio
 PID_AT, BASE_AT, LOCK_AT = 4, 16, 24
 LOCK_FREE, LOCK_HELD = 1, 0  # glibc's x86-64 spin lock: 1 free, taken by decrementing it
 SLACK = 10.0  # what a loaded 2-core machine may add to the watchdog's bound
+_LIBC = ctypes.CDLL(None)  # pthread_spin_trylock / _unlock: glibc's, as libfabric's
+_LIBC.pthread_spin_trylock.argtypes = _LIBC.pthread_spin_unlock.argtypes = [ctypes.c_void_p]
 
 
 def region_file(address: bytes) -> Path:
@@ -66,12 +70,23 @@ def holding_region_lock(path: Path, owner: int) -> Iterator[None]:
         with open(f"/proc/{owner}/maps") as maps:
             mapped = {int(line.split("-", 1)[0], 16) for line in maps if line.rstrip().endswith(str(path))}
         assert pid == owner and base in mapped, f"not libfabric 1.17's shm region layout: {path}"
-        assert lock == LOCK_FREE, f"the region's lock word reads {lock}, not free"
-        struct.pack_into("<i", m, LOCK_AT, LOCK_HELD)
+        assert lock in (LOCK_FREE, LOCK_HELD), f"the region's lock word reads {lock}, not a spin lock"
+        # Taken as libfabric takes it (glibc's own spin lock calls on the shared word): the
+        # owner's progress holds it for a moment at a time, so a plain store could land inside
+        # such a moment (and be undone by the owner's unlock), and a free word is not a given.
+        word = ctypes.c_int.from_buffer(m, LOCK_AT)
+        lock_p = ctypes.c_void_p(ctypes.addressof(word))
         try:
-            yield
+            deadline = time.monotonic() + 5
+            while _LIBC.pthread_spin_trylock(lock_p) != 0:
+                assert time.monotonic() < deadline, "the region's lock stayed taken for 5 s"
+                time.sleep(0.0001)
+            try:
+                yield
+            finally:
+                _LIBC.pthread_spin_unlock(lock_p)
         finally:
-            struct.pack_into("<i", m, LOCK_AT, LOCK_FREE)
+            del word  # the mmap closes only once no ctypes object points into it
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the lock word's values are glibc's x86-64 ones")
