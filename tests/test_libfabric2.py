@@ -85,3 +85,79 @@ def test_suite_on_libfabric2() -> None:
         f"suite on libfabric 2 ({lib}) failed (exit {proc.returncode}, {took:.0f} s):\n{output[-8000:]}"
     )
     assert " passed" in proc.stdout, output[-4000:]
+
+
+_CROSS = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    import numpy as np
+    import afabric
+
+    async def target():
+        async with afabric.Engine("shm") as eng:
+            buf = np.zeros(4096, dtype=np.uint8)
+            mr = eng.register(buf, remote="w")
+            print(bytes(mr.descriptor).hex(), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            print("landed" if buf.any() else "untouched", flush=True)
+
+    async def writer(desc_hex):
+        async with afabric.Engine("shm") as eng:
+            mr = eng.register(np.full(4096, 7, dtype=np.uint8))
+            t0 = time.monotonic()
+            try:
+                desc = afabric.MrDesc.from_bytes(bytes.fromhex(desc_hex))
+                await asyncio.wait_for(eng.write(mr, desc, 8), 30)
+                print("ok", flush=True)
+            except Exception as e:
+                print(type(e).__name__, f"{time.monotonic() - t0:.3f}", e, flush=True)
+
+    asyncio.run(target() if sys.argv[1] == "target" else writer(sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.parametrize("target_lib", ["1.17", "2.5.1"])
+@pytest.mark.timeout(120)
+def test_shm_across_libfabric_versions_is_refused(target_lib: str) -> None:
+    """A shm write from an engine on one libfabric to an engine on another is refused with
+    WrongProvider before anything is posted (1.17's and 2.x's shm speak different protocols
+    over the same regions: such a write wedged the 1.17 side inside libfabric), naming both
+    versions where it can; nothing lands."""
+    lib2 = require_libfabric2()
+    plain = {k: v for k, v in os.environ.items() if k != "AFABRIC_LIBFABRIC"}
+    envs = {"1.17": plain, "2.5.1": child_env(lib2)}
+    writer_lib = "2.5.1" if target_lib == "1.17" else "1.17"
+    tgt = subprocess.Popen(
+        [sys.executable, "-c", _CROSS, "target"], cwd=ROOT, env=envs[target_lib],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert tgt.stdout is not None and tgt.stdin is not None
+        desc = tgt.stdout.readline().strip()
+        assert desc, tgt.stderr.read() if tgt.stderr else ""
+        w = subprocess.run(
+            [sys.executable, "-c", _CROSS, "writer", desc], cwd=ROOT, env=envs[writer_lib],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert w.returncode == 0, w.stdout + w.stderr
+        name, took, *why = w.stdout.split(maxsplit=2)
+        text = " ".join(why)
+        assert name == "WrongProvider", w.stdout + w.stderr
+        assert float(took) < 2.0, f"refused only after {took} s: {text}"
+        assert "shm does not work across libfabric versions; use one libfabric" in text, text
+        assert "libfabric 1.17" in text, text
+        tgt.stdin.write("done\n")
+        tgt.stdin.flush()
+        assert tgt.stdout.readline().strip() == "untouched"
+        assert tgt.wait(30) == 0, tgt.stderr.read() if tgt.stderr else ""
+    finally:
+        if tgt.poll() is None:  # a failed check: let the target close its engine, then go
+            try:
+                assert tgt.stdin is not None
+                tgt.stdin.write("done\n")
+                tgt.stdin.flush()
+                tgt.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                tgt.kill()
+                tgt.wait()

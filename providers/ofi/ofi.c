@@ -145,6 +145,7 @@ struct afp_domain {
     bool delivery_complete;
     bool zero_len_dc; /* zero-length writes are sent delivery-complete too (ofi_open) */
     bool shm117;      /* libfabric 1.17's shm: a dead peer's region is fenced (ofi_shmfence.c) */
+    unsigned prov_ver; /* FI_MAJOR(prov_version): libfabric major * 100 + minor (117, 205) */
     char *self_path;  /* shm117: our own region's /dev/shm file */
     /* shm117: dead peers' region files, from the watch thread (peer_exited) to the worker
      * (take_dead), which marks them in shm_peers and releases their response slots. */
@@ -536,6 +537,57 @@ static bool shm_file_gone(afp_domain *d, uint64_t peer, uint64_t now)
     afp_errf(d->errbuf, sizeof d->errbuf, "peer endpoint is closed (%s is gone) (%s)", sp->path,
              d->prov_name);
     return true;
+}
+
+/* libfabric's shm speaks a different protocol in each version over the same /dev/shm
+ * regions: a 1.17 engine writing to a 2.5.1 one wedged inside libfabric. So the names made
+ * here (unique_shm_name, 1.17 only) carry the version in the top 16 bits of their random
+ * part, and resolve refuses a peer whose name says another libfabric than ours. */
+#define SHM_TAG_SHIFT 48
+
+/* The version (FI_MAJOR of prov_version) in an address "fi_shm://<pid>:<16 hex>:...", the
+ * shape unique_shm_name gives; 0 for any other shape (libfabric's own naming). */
+static unsigned shm_name_version(const void *addr, size_t len)
+{
+    const char *a = addr, *end = memchr(a, '\0', len);
+    size_t plen = sizeof SHM_PREFIX - 1;
+    if (!end || (size_t)(end - a) <= plen || strncmp(a, SHM_PREFIX, plen) != 0)
+        return 0;
+    const char *q = a + plen;
+    while (q < end && *q >= '0' && *q <= '9')
+        q++;
+    if (q == a + plen || q >= end || *q != ':')
+        return 0;
+    uint64_t tag = 0;
+    for (int i = 1; i <= 16; i++) {
+        char c = q + i < end ? q[i] : '\0';
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (v < 0)
+            return 0;
+        tag = tag << 4 | (uint64_t)v;
+    }
+    return q + 17 < end && q[17] == ':' ? (unsigned)(tag >> SHM_TAG_SHIFT) : 0;
+}
+
+/* AFP_EWRONGPROV for a shm peer whose address was made under another libfabric. */
+static int shm_same_libfabric(afp_domain *d, const void *addr, size_t len)
+{
+    if (strcmp(d->prov_name, "shm") != 0)
+        return 0;
+    unsigned ours = d->shm117 ? d->prov_ver : 0, theirs = shm_name_version(addr, len);
+    if (theirs == ours)
+        return 0;
+    char peer[40] = "another libfabric";
+    if (theirs < 100 || theirs > 999) /* an untagged random part: an earlier afabric's name */
+        snprintf(peer, sizeof peer, "another libfabric%s", theirs ? " or afabric build" : "");
+    else
+        snprintf(peer, sizeof peer, "libfabric %u.%u", theirs / 100, theirs % 100);
+    afp_errf(d->errbuf, sizeof d->errbuf,
+             "peer's shm address %.*s is from %s, this engine's from libfabric %u.%u: shm does not "
+             "work across libfabric versions; use one libfabric in every process (AFABRIC_LIBFABRIC)",
+             (int)strnlen(addr, len), (const char *)addr, peer, d->prov_ver / 100,
+             d->prov_ver % 100);
+    return AFP_EWRONGPROV;
 }
 
 /* Remembers (or refuses) a peer whose address names a /dev/shm file; 0 or AFP_E*. */
@@ -1161,6 +1213,8 @@ static int unique_shm_name(afp_domain *d)
     uint64_t nonce = 0;
     if (getrandom(&nonce, sizeof nonce, GRND_NONBLOCK) != (ssize_t)sizeof nonce)
         nonce = mono_ns() ^ ((uint64_t)(uintptr_t)d << 16);
+    /* the version tag (shm_same_libfabric) above 48 random bits */
+    nonce = (uint64_t)d->prov_ver << SHM_TAG_SHIFT | (nonce & ((1ull << SHM_TAG_SHIFT) - 1));
     char name[64];
     int n = snprintf(name, sizeof name, "%s%ld:%016llx", prefix, (long)getpid(),
                      (unsigned long long)nonce);
@@ -1227,8 +1281,8 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
      * queue behind it, 2.5.1 reports success either way (README, known limitations). */
     d->zero_len_dc = d->delivery_complete && strcmp(d->prov_name, "shm") != 0;
     /* core providers' prov_version is FI_VERSION(major * 100 + minor, revision * 10) */
-    d->shm117 = strcmp(d->prov_name, "shm") == 0 &&
-                FI_MAJOR(info->fabric_attr->prov_version) == 117;
+    d->prov_ver = FI_MAJOR(info->fabric_attr->prov_version);
+    d->shm117 = strcmp(d->prov_name, "shm") == 0 && d->prov_ver == 117;
     d->next_key = 1;
     d->max_msg_size = info->ep_attr->max_msg_size;
     d->inject_size = info->tx_attr->inject_size;
@@ -1386,6 +1440,9 @@ static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
         return AFP_EBADDESC;
     }
     memcpy(padded, addr, len);
+    int rc = shm_same_libfabric(d, padded, len + 1);
+    if (rc)
+        return rc;
     if (d->n_inproc == d->cap_inproc) { /* room first: nothing to undo after the insert */
         size_t cap = d->cap_inproc ? 2 * d->cap_inproc : 4;
         struct inproc_ref *r = realloc(d->inproc, cap * sizeof *r);
@@ -1397,7 +1454,7 @@ static int ofi_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
         d->cap_inproc = cap;
     }
     struct inproc *e = NULL;
-    int rc = inproc_resolve(d, addr, len, &e);
+    rc = inproc_resolve(d, addr, len, &e);
     if (rc)
         return rc;
     char *path = NULL;
