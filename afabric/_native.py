@@ -111,6 +111,12 @@ class NicInfo:
     pci: str
     link_speed_bps: int
     numa_node: int
+    lib_version: str = ""  # the library under the provider ("1.17.0" for libfabric); "" unknown
+
+
+def _lib_version(v: int) -> str:
+    """afp_nic_info.lib_version (AFP_LIB_VERSION) as "major.minor.patch"; "" for 0."""
+    return f"{v >> 16}.{(v >> 8) & 0xFF}.{v & 0xFF}" if v else ""
 
 
 class Shim:
@@ -289,6 +295,7 @@ def probe(cfg: Config) -> tuple[str, list[NicInfo]]:
             pci=n.pci.decode(errors="replace"),
             link_speed_bps=int(n.link_speed_bps),
             numa_node=int(n.numa_node),
+            lib_version=_lib_version(int(n.lib_version)),
         )
         for n in arr[: min(count.value, max_nics)]
     ]

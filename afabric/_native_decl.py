@@ -332,7 +332,7 @@ class NicInfoStruct(ctypes.Structure):
     pci: bytes
     link_speed_bps: int
     numa_node: int
-    reserved: int
+    lib_version: int
     _fields_ = [
         ("name", ctypes.c_char * 64),
         ("fabric", ctypes.c_char * 64),
@@ -340,7 +340,7 @@ class NicInfoStruct(ctypes.Structure):
         ("pci", ctypes.c_char * 32),
         ("link_speed_bps", ctypes.c_uint64),
         ("numa_node", ctypes.c_int32),
-        ("reserved", ctypes.c_uint32),
+        ("lib_version", ctypes.c_uint32),
     ]
 
 

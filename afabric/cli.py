@@ -70,6 +70,7 @@ class NicJson(TypedDict):
     pci: str
     link_speed_bps: int
     numa_node: int
+    lib_version: str
 
 
 class ProviderJson(TypedDict):
@@ -210,6 +211,7 @@ def _nic_json(n: _native.NicInfo) -> NicJson:
         "pci": n.pci,
         "link_speed_bps": n.link_speed_bps,
         "numa_node": n.numa_node,
+        "lib_version": n.lib_version,
     }
 
 
@@ -265,7 +267,7 @@ def _print_info(info: InfoJson) -> None:
         prio = p["priority"] if p["priority"] is not None else "-"
         print(f"  {p['name']}: {state}  [distribution {p['distribution']}, priority {prio}]")
         if p["provider"]:
-            print(f"    libfabric provider: {p['provider']}")
+            print(f"    libfabric provider: {p['provider']}{_library(p)}")
         if p["bind_addr"]:
             print(f"    binds: {p['bind_addr']}")
         for n in p["nics"]:
@@ -287,6 +289,16 @@ def _print_info(info: InfoJson) -> None:
     print("NUMA nodes:" + ("" if info["numa"] else " none (no /sys/devices/system/node)"))
     for node in info["numa"]:
         print(f"  node {node['node']}: cpus {node['cpus']}, memory {node['mem_bytes'] / 2**30:.1f} GiB")
+
+
+def _library(p: ProviderJson) -> str:
+    """" (libfabric 1.17.0)" for a provider on libfabric: shm works only between processes
+    of one libfabric version (README), so which one each environment loads is worth seeing."""
+    versions = ", ".join(dict.fromkeys(n["lib_version"] for n in p["nics"] if n["lib_version"]))
+    if not p["fabric_provider"] or not versions:
+        return ""
+    path = os.environ.get("AFABRIC_LIBFABRIC")
+    return f" (libfabric {versions}" + (f", AFABRIC_LIBFABRIC={path})" if path else ")")
 
 
 def _cmd_info(ns: argparse.Namespace) -> int:

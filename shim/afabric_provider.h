@@ -25,8 +25,9 @@
 #include <stdio.h>
 
 #define AFP_ABI_MAJOR 1u
-#define AFP_ABI_MINOR 6u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from; 4: post_reads,
-                            AFP_MR_REMOTE_READ; 5: peer_exited; 6: AFP_ACTIVITY_ARRIVED */
+#define AFP_ABI_MINOR 7u /* 1: AFP_EV_ACTIVITY; 2: post_paged; 3: poll_from; 4: post_reads,
+                            AFP_MR_REMOTE_READ; 5: peer_exited; 6: AFP_ACTIVITY_ARRIVED;
+                            7: afp_nic_info.lib_version */
 #define AFP_ERRTEXT_LEN 256u
 #define AFP_NAME_LEN 64u
 #define AFP_MAX_ADDR_LEN 128u
@@ -110,8 +111,13 @@ typedef struct afp_nic_info {
     char pci[32];                /* PCI address "0000:3b:00.0" or "" */
     uint64_t link_speed_bps;     /* 0 if unknown */
     int32_t numa_node;           /* -1 if unknown */
-    uint32_t reserved;
+    uint32_t lib_version;        /* the library under the provider (libfabric for ofi), as
+                                    AFP_LIB_VERSION(major, minor, patch); 0 if none or unknown:
+                                    `afabric info` shows it (one libfabric per host for shm) */
 } afp_nic_info;
+
+#define AFP_LIB_VERSION(major, minor, patch) \
+    ((uint32_t)(major) << 16 | (uint32_t)(minor) << 8 | (uint32_t)(patch))
 
 #define AFP_CAP_IMM_NEEDS_RECV 0x1u  /* remote immediates consume posted receives */
 #define AFP_CAP_DEVICE_MEM 0x2u      /* CUDA memory can be registered */

@@ -68,6 +68,21 @@ def test_engines_load_libfabric2() -> None:
     assert proc.stdout.strip() == "tcp", f"expected libfabric 2.x's native tcp, got {proc.stdout!r}"
 
 
+def test_info_shows_which_libfabric() -> None:
+    """`afabric info` names the libfabric each libfabric provider runs on, and the variable
+    that chose it: shm works only between processes of one version (the refusal below), so
+    that is what a user compares."""
+    lib = require_libfabric2()
+    proc = subprocess.run(
+        [sys.executable, "-m", "afabric.cli", "info"], cwd=ROOT, env=child_env(lib),
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for prov in ("shm", "tcp"):
+        line = f"libfabric provider: {prov} (libfabric 2.5.1, AFABRIC_LIBFABRIC={lib})"
+        assert line in proc.stdout, proc.stdout
+
+
 @pytest.mark.timeout(300)
 def test_suite_on_libfabric2() -> None:
     lib = require_libfabric2()

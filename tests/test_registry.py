@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -343,6 +344,9 @@ def _check_info(
         assert bool(p["nics"]) == p["available"], p
     if tcp_ok:
         assert by_name["tcp"]["available"] is True
+        nics = by_name["tcp"]["nics"]
+        assert isinstance(nics, list)
+        assert all(re.fullmatch(r"\d+\.\d+\.\d+", n["lib_version"]) for n in nics), nics
         assert by_name["tcp"]["distribution"] == "afabric"
     if "sockets" in by_name:
         assert by_name["sockets"]["distribution"] == "afabric-sockets"
@@ -375,10 +379,16 @@ def test_info_json_with_broken_plugins(
     assert info["auto"]["provider"] == "shm"
 
 
-def test_info_text(capsys: pytest.CaptureFixture[str]) -> None:
+def test_info_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AFABRIC_LIBFABRIC", raising=False)
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "tcp: available  [distribution afabric, priority 10]" in out
+    # the libfabric under each libfabric provider (the system's: Debian's is 1.17.0)
+    assert re.search(r"libfabric provider: tcp;ofi_rxm \(libfabric 1\.\d+\.\d+\)\n", out), out
+    assert re.search(r"libfabric provider: shm \(libfabric 1\.\d+\.\d+\)\n", out), out
+    if "cma: available" in out:
+        assert "libfabric provider: cma;process_vm_writev\n" in out  # no libfabric under it
     assert "efa: " in out and "auto picked " in out
     if _sockets_installed():
         assert "sockets: available  [distribution afabric-sockets, priority 0]" in out

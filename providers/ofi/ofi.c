@@ -906,6 +906,10 @@ static void fill_nic(const struct fi_info *fi, afp_nic_info *out)
     snprintf(out->fabric, sizeof out->fabric, "%s", str_or_empty(fi->fabric_attr->name));
     snprintf(out->provider, sizeof out->provider, "%s",
              str_or_empty(fi->fabric_attr->prov_name));
+    /* core and utility providers' prov_version: FI_VERSION(major * 100 + minor, patch * 10) */
+    uint32_t v = fi->fabric_attr->prov_version, mm = FI_MAJOR(v);
+    if (mm >= 100 && mm < 10000)
+        out->lib_version = AFP_LIB_VERSION(mm / 100, mm % 100, FI_MINOR(v) / 10);
     const struct fid_nic *nic = fi->nic;
     if (!nic)
         return;
