@@ -75,12 +75,15 @@ typedef struct afs_ring {
     afs_completion *overflow;
     size_t overflow_len, overflow_cap;
     bool pushed_since_notify;
+    uint64_t held_since; /* producer: since when it holds a waiting consumer's signal (0: not) */
 } afs_ring;
 
 int afs_ring_init(afs_ring *r, uint32_t capacity);
 void afs_ring_destroy(afs_ring *r);
 void afs_ring_push(afs_ring *r, const afs_completion *c); /* worker */
-void afs_ring_flush(afs_ring *r);                         /* worker: overflow + eventfd */
+/* worker: overflow + eventfd; `inflight`: operations still with the provider. Returns
+ * whether it holds back a waiting consumer's signal (more completions are due soon). */
+bool afs_ring_flush(afs_ring *r, size_t inflight, uint64_t now);
 /* consumer; poll: leave the eventfd alone and ask for no signal (the consumer looks again) */
 uint32_t afs_ring_drain(afs_ring *r, afs_completion *out, uint32_t max, bool poll);
 uint64_t afs_ring_pending(afs_ring *r); /* consumer: records ready, and no signal wanted */

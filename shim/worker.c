@@ -1687,14 +1687,14 @@ void *afs_worker_main(void *arg)
             if (eng->cfg.op_timeout_ns)
                 check_deadlines(eng, now);
         }
-        afs_ring_flush(&eng->ring);
+        bool held = afs_ring_flush(&eng->ring, eng->active.len, now);
         if (did) {
             idle_since = now;
             sleep_ns = SLEEP_MIN_NS;
             fruitless = 0;
             if (arrival) /* ARRIVAL_SPINS: most arrivals go unseen, stay awake through them */
                 awake_until = now + ARRIVAL_SPINS * spin_ns;
-        } else if (!look_again && eng->cfg.poll_mode == AFS_POLL_ADAPTIVE &&
+        } else if (!look_again && !held && eng->cfg.poll_mode == AFS_POLL_ADAPTIVE &&
                    now - idle_since > spin_ns && now >= awake_until && !eng->postq_head &&
                    !atomic_load(&eng->armed_on_watchers)) {
             /* (stays awake while operations are armed on watchers: they fire from here).

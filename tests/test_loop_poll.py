@@ -374,3 +374,26 @@ async def test_tasks_that_run_in_a_yield_of_a_write_alone_are_not_alone() -> Non
         await other
         await writer.write(src, desc, 8)  # after them, alone again
         assert len(looks) == 2 and looks[-1] == 2_000_000_000
+
+
+async def test_many_in_flight_wake_the_loop_for_several_completions() -> None:
+    """Signal moderation (shim/ring.c HOLD_*): with 16 or more operations in flight the
+    worker signals a waiting loop once several completions wait (or 20 us after the first),
+    not for each. 64 lanes of 8 B shm writes: the loop was woken for 0.84-0.95 of the writes
+    before (2-core machine), 0.10-0.12 with it; every write still completes and lands."""
+    lanes, per = 64, 100
+    async with Engine("shm") as target:
+        dst = np.zeros(lanes * 8, np.uint8)
+        desc = target.register(dst).descriptor
+        async with Engine("shm", spin_us=0) as writer:
+            src = writer.register(np.arange(lanes * 8, dtype=np.uint64).astype(np.uint8))
+            before = writer.stats()["loop_woken"]
+
+            async def lane(k: int) -> None:
+                for _ in range(per):
+                    await writer.write(src, desc, 8, src_offset=8 * k, dst_offset=8 * k)
+
+            await asyncio.gather(*(lane(k) for k in range(lanes)))
+            woken = writer.stats()["loop_woken"] - before
+    assert (dst == src.buffer).all()
+    assert woken <= lanes * per // 2, f"the loop was woken {woken} times for {lanes * per} writes"
