@@ -396,6 +396,7 @@ typedef struct afs_xfer {
     uint64_t posted_wr;
     uint64_t done_wr;
     uint64_t t_first_post; /* ns, for timing triggered and regular operations */
+    uint64_t refused_since; /* ns: the provider has refused its next post (EAGAIN) since */
     uint64_t t_enqueue, t_pickup, t_last_post; /* AFS_CFG_TIMING only */
 
     AFS_XFER_PARTS {

@@ -586,12 +586,34 @@ static int post_send(afs_engine *eng, afs_xfer *x)
     return 0;
 }
 
-static bool progress_posts(afs_engine *eng)
+/* A refusal (EAGAIN) means the provider's queue is full, and the queue waits, unless the
+ * same operation has been refused this long: then its destination refuses (tcp;ofi_rxm
+ * connecting to a peer that does not answer, 1.17 shm to a stopped peer), and operations to
+ * other destinations are posted past it. Before, one write to a stopped peer held every
+ * later write of the engine, to any peer, until its op_timeout (4.8 s of 5, shm and tcp). */
+#define POST_REFUSED_NS 1000000ull
+#define POST_REFUSED_MAX 8 /* destinations passed in one pass; past that the queue waits */
+
+/* Where a queued operation goes, to tell a refusing destination from a full queue: the peer
+ * of a send, the first NIC's address of a write or read to one region; 0 (never passed)
+ * for one with several targets. */
+static uint64_t post_dest(const afs_xfer *x)
+{
+    if (x->kind == AFS_REQ_SEND)
+        return x->send.peer_fi_addr + 1;
+    if (afs_xfer_is_rma(x) && !x->rma.targets)
+        return x->rma.fi_addr[0] + 1;
+    return 0;
+}
+
+static bool progress_posts(afs_engine *eng, uint64_t now)
 {
     bool did = false;
     afs_xfer *x = eng->postq_head;
     afs_xfer *keep_head = NULL, *keep_tail = NULL;
     bool full = false;
+    uint64_t refused[POST_REFUSED_MAX];
+    uint32_t n_refused = 0;
     while (x) {
         if (full) {
             /* The provider's queue is full: the rest stays queued as it is, its links intact
@@ -607,12 +629,27 @@ static bool progress_posts(afs_engine *eng)
         }
         afs_xfer *next = x->pnext;
         x->pnext = NULL;
-        if (x->status == 0 && !x->reported && x->posted_wr < x->total_wr) {
+        bool passed = false; /* its destination refused earlier in this pass */
+        for (uint32_t i = 0; i < n_refused && !passed; i++)
+            passed = post_dest(x) == refused[i];
+        if (!passed && x->status == 0 && !x->reported && x->posted_wr < x->total_wr) {
             uint64_t before = x->posted_wr;
             int rc = x->kind == AFS_REQ_SEND ? post_send(eng, x) : post_round(eng, x);
             did |= x->posted_wr != before;
-            if (rc == AFS_EAGAIN)
-                full = true;
+            if (x->posted_wr != before)
+                x->refused_since = 0; /* it moves: refused since now at the earliest */
+            if (rc == AFS_EAGAIN) {
+                uint64_t dest = post_dest(x);
+                if (!x->refused_since)
+                    x->refused_since = now;
+                if (now - x->refused_since < POST_REFUSED_NS || !dest ||
+                    n_refused == POST_REFUSED_MAX)
+                    full = true;
+                else
+                    refused[n_refused++] = dest;
+            } else {
+                x->refused_since = 0;
+            }
         }
         bool more = x->status == 0 && !x->reported && x->posted_wr < x->total_wr;
         if (more) {
@@ -1659,7 +1696,7 @@ void *afs_worker_main(void *arg)
         if (eng->armed.head && atomic_load_explicit(&eng->armed_on_watchers, memory_order_relaxed))
             did |= fire_watched(eng, now);
         if (eng->postq_head)
-            did |= progress_posts(eng);
+            did |= progress_posts(eng, now);
         did |= retry_rx(eng);
         bool slow = false, arrival = false;
         for (uint32_t k = 0; k < eng->nnics; k++) {

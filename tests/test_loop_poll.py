@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from afabric import Engine, _native
+from afabric import Engine, MrDesc, _native
+
+from .procs import Ctl, Peer, stop_process
 
 WRITES = 100
 
@@ -397,3 +399,45 @@ async def test_many_in_flight_wake_the_loop_for_several_completions() -> None:
             woken = writer.stats()["loop_woken"] - before
     assert (dst == src.buffer).all()
     assert woken <= lanes * per // 2, f"the loop was woken {woken} times for {lanes * per} writes"
+
+
+async def _idle_target(ctl: Ctl, provider: str) -> bool:
+    async with Engine(provider) as eng:
+        mr = eng.register(np.zeros(1 << 12, np.uint8), remote="rw")
+        ctl.put(bytes(mr.descriptor))
+        await ctl.get()
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+async def test_writes_to_a_stopped_peer_hold_up_no_other(provider: str, peers: list[Peer]) -> None:
+    """20 writes in flight to a stopped peer (they never complete) and writes to a live
+    engine: each live write completes at once. Its signal waits 20 us at most for company
+    that does not come (signal moderation), and its post is not queued behind the stuck
+    ones, which the provider refuses (shim/worker.c POST_REFUSED_NS): before, one such write
+    held every later one until its op_timeout."""
+    stuck = Peer(_idle_target, provider)
+    peers.append(stuck)
+    desc_stuck = MrDesc.from_bytes(await stuck.get())
+    assert stuck.proc.pid is not None
+    await stop_process(stuck.proc.pid)
+    async with Engine(provider) as live:
+        dst = np.zeros(64, np.uint8)
+        desc_live = live.register(dst).descriptor
+        async with Engine(provider, op_timeout=30) as writer:
+            src = writer.register(np.full(64, 7, np.uint8))
+            await writer.write(src, desc_live, 64)  # the live peer resolved
+            pending = [asyncio.ensure_future(writer.write(src, desc_stuck, 64)) for _ in range(20)]
+            await asyncio.sleep(0.2)
+            took = []
+            for i in range(5):
+                dst[:] = 0
+                t0 = time.monotonic()
+                await asyncio.wait_for(writer.write(src, desc_live, 64), 10)
+                took.append(time.monotonic() - t0)
+                assert (dst == 7).all(), i
+            assert not any(t.done() for t in pending)
+            for t in pending:
+                t.cancel()
+    assert max(took) < 1.0, took
