@@ -581,6 +581,7 @@ struct afs_engine {
     uint64_t cancels_taken;
     void *cuda; /* libcuda handle once a CUDA watcher was made (watcher.c) */
     afs_xfer *postq_head, *postq_tail; /* transfers with work requests left to post */
+    bool posts_stalled; /* worker: all of the post queue waits on refusing destinations */
     uint64_t last_deadline_check;
     afs_live *live; /* peers.c: same-host peers' processes watched (NULL: none yet) */
     uint64_t *down_peers; /* worker-owned: ids of the peers it was told are down, so that */

@@ -223,6 +223,7 @@ static void postq_push(afs_engine *eng, afs_xfer *x)
         return;
     x->in_postq = true;
     x->pnext = NULL;
+    eng->posts_stalled = false; /* this one may go at once */
     if (eng->postq_tail)
         eng->postq_tail->pnext = x;
     else
@@ -614,8 +615,10 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
     bool full = false;
     uint64_t refused[POST_REFUSED_MAX];
     uint32_t n_refused = 0;
+    bool stalled = true; /* until an operation kept may go soon */
     while (x) {
         if (full) {
+            stalled = false;
             /* The provider's queue is full: the rest stays queued as it is, its links intact
              * (x and everything after it; eng->postq_tail is still its last). Relinking it
              * node by node cost a spinning worker ~80% of its own cycles at 4 KiB on shm
@@ -632,6 +635,7 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
         bool passed = false; /* its destination refused earlier in this pass */
         for (uint32_t i = 0; i < n_refused && !passed; i++)
             passed = post_dest(x) == refused[i];
+        bool refusing = passed;
         if (!passed && x->status == 0 && !x->reported && x->posted_wr < x->total_wr) {
             uint64_t before = x->posted_wr;
             int rc = x->kind == AFS_REQ_SEND ? post_send(eng, x) : post_round(eng, x);
@@ -643,10 +647,12 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
                 if (!x->refused_since)
                     x->refused_since = now;
                 if (now - x->refused_since < POST_REFUSED_NS || !dest ||
-                    n_refused == POST_REFUSED_MAX)
+                    n_refused == POST_REFUSED_MAX) {
                     full = true;
-                else
+                } else {
                     refused[n_refused++] = dest;
+                    refusing = true;
+                }
             } else {
                 x->refused_since = 0;
             }
@@ -658,6 +664,7 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
             else
                 keep_head = x;
             keep_tail = x;
+            stalled &= refusing;
         } else {
             x->in_postq = false;
             check_xfer(eng, x); /* an error while posting may complete it */
@@ -666,6 +673,7 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
     }
     eng->postq_head = keep_head;
     eng->postq_tail = keep_tail;
+    eng->posts_stalled = keep_head && stalled;
     return did;
 }
 
@@ -1732,7 +1740,8 @@ void *afs_worker_main(void *arg)
             if (arrival) /* ARRIVAL_SPINS: most arrivals go unseen, stay awake through them */
                 awake_until = now + ARRIVAL_SPINS * spin_ns;
         } else if (!look_again && !held && eng->cfg.poll_mode == AFS_POLL_ADAPTIVE &&
-                   now - idle_since > spin_ns && now >= awake_until && !eng->postq_head &&
+                   now - idle_since > spin_ns && now >= awake_until &&
+                   (!eng->postq_head || eng->posts_stalled) &&
                    !atomic_load(&eng->armed_on_watchers)) {
             /* (stays awake while operations are armed on watchers: they fire from here).
              * Not napping while our own operations are with the provider made 1 MiB shm
@@ -1741,7 +1750,9 @@ void *afs_worker_main(void *arg)
              * progress holds its shared-region locks most of the time: a peer SIGKILLed
              * there wedged the survivor's worker (tests/test_faults.py, shm-send, 1 of 2
              * clean-clone CI runs). Kept out until the same-host path needs no such lock. */
-            if (worker_sleep(eng, &sleep_ns, fruitless >= FRUITLESS_WAKES && fds_exhausted(eng)))
+            /* on timers while posts wait on refusing destinations: retried each nap (<= 1 ms) */
+            if (worker_sleep(eng, &sleep_ns,
+                             eng->posts_stalled || (fruitless >= FRUITLESS_WAKES && fds_exhausted(eng))))
                 fruitless++;
             napped = true;
             now = afs_now_ns(); /* requests taken next are stamped with the time they came */

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -412,11 +413,12 @@ async def _idle_target(ctl: Ctl, provider: str) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 async def test_writes_to_a_stopped_peer_hold_up_no_other(provider: str, peers: list[Peer]) -> None:
-    """20 writes in flight to a stopped peer (they never complete) and writes to a live
-    engine: each live write completes at once. Its signal waits 20 us at most for company
-    that does not come (signal moderation), and its post is not queued behind the stuck
-    ones, which the provider refuses (shim/worker.c POST_REFUSED_NS): before, one such write
-    held every later one until its op_timeout."""
+    """20 writes in flight to a stopped peer (the provider refuses to post them) and writes
+    to a live engine: each live write completes at once. Its signal waits 20 us at most for
+    company that does not come (signal moderation), and its post is not queued behind the
+    refused ones (shim/worker.c POST_REFUSED_NS): before, one such write held every later
+    one until its op_timeout. Meanwhile the worker naps between retries instead of spinning
+    (it took a whole core), and once the peer runs again the 20 complete."""
     stuck = Peer(_idle_target, provider)
     peers.append(stuck)
     desc_stuck = MrDesc.from_bytes(await stuck.get())
@@ -438,6 +440,11 @@ async def test_writes_to_a_stopped_peer_hold_up_no_other(provider: str, peers: l
                 took.append(time.monotonic() - t0)
                 assert (dst == 7).all(), i
             assert not any(t.done() for t in pending)
-            for t in pending:
-                t.cancel()
+            await asyncio.sleep(0.1)
+            c0, t0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(0.5)
+            cpu = (time.process_time() - c0) / (time.monotonic() - t0)
+            os.kill(stuck.proc.pid, signal.SIGCONT)
+            await asyncio.wait_for(asyncio.gather(*pending), 10)
     assert max(took) < 1.0, took
+    assert cpu < 0.5, f"{cpu:.0%} of a core while the writes waited on the stopped peer"
