@@ -115,6 +115,9 @@ int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32_t max, 
         goto out_close;
     }
     *count = n;
+    if (ops->minor < 7) /* its afp_nic_info ended in `reserved`: no version to report */
+        for (uint32_t i = 0; i < n && i < max; i++)
+            ((afp_nic_info *)nics_out)[i].lib_version = 0;
     if (name_out && name_len) {
         snprintf(name_out, name_len, "%s", ops->name ? ops->name : "");
     }

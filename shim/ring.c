@@ -16,11 +16,12 @@
 /* Signal moderation, as a NIC moderates interrupts. With this many operations in flight a
  * waiting consumer is signalled once HOLD_BATCH records wait, or HOLD_NS after the first
  * (the worker stays awake meanwhile): where completions come one at a time (libfabric 1.17
- * shm: its target copies each write in turn) the event loop was woken for 0.84-0.95 of them,
+ * shm: its target copies each write in turn) the event loop was woken for 0.80-0.97 of them,
  * an epoll wait, an eventfd read and a drain each, and on two CPUs that time was the
- * target's. 64 lanes of 8 B / 4 KiB shm writes, 2-core machine: loop CPU per write 5.0-5.6
- * -> 2.5-2.9 us, 5.6-9.3 -> 4.0-4.5 us of wall time per write (BENCHMARKS.md, twenty-first
- * session). Fewer in flight (an awaited write alone, a few at a time): signalled at once. */
+ * target's. 64 lanes of 8 B / 4 KiB shm writes, 2-core machine: loop CPU per write
+ * 5.41-7.19 -> 2.50-2.72 us, wall 7.80-11.45 -> 3.95-4.45 us per write
+ * (docs/bench/issue15/perop/moderation-ab.sh). Fewer in flight (an awaited write alone, a
+ * few at a time): signalled at once. */
 #define HOLD_MIN_INFLIGHT 16u
 #define HOLD_BATCH 8u
 #define HOLD_NS 20000ull

@@ -632,9 +632,10 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
         }
         afs_xfer *next = x->pnext;
         x->pnext = NULL;
+        const uint64_t dest = n_refused ? post_dest(x) : 0;
         bool passed = false; /* its destination refused earlier in this pass */
-        for (uint32_t i = 0; i < n_refused && !passed; i++)
-            passed = post_dest(x) == refused[i];
+        for (uint32_t i = 0; i < n_refused && dest && !passed; i++)
+            passed = dest == refused[i];
         bool refusing = passed;
         if (!passed && x->status == 0 && !x->reported && x->posted_wr < x->total_wr) {
             uint64_t before = x->posted_wr;
@@ -643,14 +644,14 @@ static bool progress_posts(afs_engine *eng, uint64_t now)
             if (x->posted_wr != before)
                 x->refused_since = 0; /* it moves: refused since now at the earliest */
             if (rc == AFS_EAGAIN) {
-                uint64_t dest = post_dest(x);
                 if (!x->refused_since)
                     x->refused_since = now;
-                if (now - x->refused_since < POST_REFUSED_NS || !dest ||
+                const uint64_t to = post_dest(x);
+                if (now - x->refused_since < POST_REFUSED_NS || !to ||
                     n_refused == POST_REFUSED_MAX) {
                     full = true;
                 } else {
-                    refused[n_refused++] = dest;
+                    refused[n_refused++] = to;
                     refusing = true;
                 }
             } else {

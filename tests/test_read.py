@@ -657,7 +657,9 @@ __attribute__((visibility("default"))) const struct afp_ops *afp_get_ops(void)
 
 _MINOR3_CHECK = """
 import asyncio, numpy as np, afabric
-from afabric import errors
+from afabric import errors, registry
+tcp = next(a for a in registry.probe_all() if a.name == "tcp")  # its table ends in `reserved`
+assert tcp.nics and all(n.lib_version == "" for n in tcp.nics), tcp.nics
 async def main():
     async with afabric.Engine("tcp") as a, afabric.Engine("tcp") as b:
         w = b.register(np.zeros(4096, np.uint8))                  # writes still work
@@ -711,6 +713,7 @@ def run_on_a_minor3_provider(tmp_path: Any, script: str) -> str:
 def test_a_provider_without_post_reads_keeps_working(tmp_path: Any) -> None:
     """The provider ABI grows by minor versions: a library whose table ends before
     post_reads still serves writes; reads and readable regions are refused before the shim
-    calls it (Unsupported / RegistrationError), never a NULL call."""
+    calls it (Unsupported / RegistrationError), never a NULL call; and its NICs report no
+    library version (afp_nic_info.lib_version is minor 7's, read as 0 before)."""
     out = run_on_a_minor3_provider(tmp_path, _MINOR3_CHECK)
     assert "no one-sided reads" in out and "has no reads" in out, out
