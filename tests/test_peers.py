@@ -355,10 +355,11 @@ async def test_one_of_four_writers_killed(provider: str, peers: list[Peer], shm_
         await asyncio.sleep(1.0)
         t_kill = time.monotonic()
         clients[0].kill()
+        reaped = time.monotonic() - t_kill  # SIGKILL and join: the kernel's part, not afabric's
         down = await next_event(events, 10)
         took = time.monotonic() - t_kill
         assert (down.kind, down.address) == ("down", addrs[0])
-        assert took < DOWN_WITHIN
+        assert took < DOWN_WITHIN, f"down {took:.3f} s after the kill, {reaped:.3f} s of it to reap it"
         await asyncio.sleep(2.0)
         t_end = time.monotonic()
         for c in clients[1:]:
