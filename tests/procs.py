@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import select
 import signal
 import time
 import traceback
@@ -127,10 +128,22 @@ class Peer:
         await loop.run_in_executor(None, self.proc.join, timeout)
         return msg[1]
 
-    def kill(self) -> None:
-        if self.proc.is_alive() and self.proc.pid is not None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+    def kill(self) -> float:
+        """SIGKILL the child and reap it. Returns when (time.monotonic()) its process was
+        gone: its pidfd turned readable, the kernel's moment that the shim's watch
+        (shim/peers.c) waits for too. The time from the signal to it is the kernel's."""
+        gone = time.monotonic()
+        pid = self.proc.pid
+        if self.proc.is_alive() and pid is not None:
+            fd = os.pidfd_open(pid)  # ours and not reaped yet: the pid cannot be reused
+            try:
+                os.kill(pid, signal.SIGKILL)
+                select.select([fd], [], [], 10)
+                gone = time.monotonic()
+            finally:
+                os.close(fd)
         self.proc.join(10)
+        return gone
 
     def close(self) -> None:
         if self.proc.is_alive():

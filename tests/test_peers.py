@@ -3,7 +3,9 @@
 the engine's other peers are not disturbed (issue 18 item 5, issue 16 item 7).
 
 Same-host peers are watched through their process (pidfd, shim/peers.c): the bound here is
-1 s from the SIGKILL, not ``op_timeout`` (set to 20 s so that a timeout cannot pass for it).
+1 s from the killed process's exit (its pidfd readable: ``Peer.kill``), not ``op_timeout``
+(set to 20 s so that a timeout cannot pass for it). The kernel's part, from the SIGKILL to
+the exit, is printed, not bounded: afabric cannot know of an exit before it has happened.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .faults import victim_target
 from .procs import Ctl, Peer
 
 OP_TIMEOUT = 20.0  # far above every bound asserted here: a timeout cannot pass for a fast failure
-DOWN_WITHIN = 1.0  # s from the SIGKILL to every operation failed and the event seen
+DOWN_WITHIN = 1.0  # s from the peer's exit to every operation failed and the event seen
 # s: the longest gap a live peer's stream may see when another dies. The goal is 100 ms and
 # the runs here measured 15-29 ms on tcp alone (up to 80 ms on a 2-core machine busy with
 # other test runs); the bound leaves room for such load, while the stall it exists to catch
@@ -65,12 +67,13 @@ async def test_peer_down_event_without_posting(provider: str, peers: list[Peer],
             )
         )
         await asyncio.sleep(0.05)
-        victim.kill()
-        t0 = time.monotonic()
+        t_kill = time.monotonic()
+        t_gone = victim.kill()
         down = await next_event(events, 10)
-        took = time.monotonic() - t0
-        print(f"\n{provider}: peer-down event {took * 1e3:.1f} ms after SIGKILL")
-        assert (down.kind, down.address) == ("down", addr)
+        took = time.monotonic() - t_gone
+        exited = t_gone - t_kill
+        print(f"\n{provider}: down {took * 1e3:.1f} ms after the exit ({exited * 1e3:.1f} ms after SIGKILL)")
+        assert (down.kind, down.reason, down.address, down.watched) == ("down", "exited", addr, True)
         assert took < DOWN_WITHIN
         with pytest.raises(errors.PeerUnreachable, match="exited"):
             await asyncio.wait_for(armed, DOWN_WITHIN)
@@ -182,18 +185,19 @@ async def test_one_of_four_killed_mid_stream(
         ]
         await asyncio.sleep(1.0)
         t_kill = time.monotonic()
-        clients[0].kill()
+        t_gone = clients[0].kill()
         await asyncio.sleep(2.0)
         t_end = time.monotonic()
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), STALLED_TIMEOUT + 15)
     dead = failures[0]
-    fail_after = max((t for t, _ in dead), default=float("inf")) - t_kill
+    fail_after = max((t for t, _ in dead), default=float("inf")) - t_gone
     gaps = [max_gap(stamps[i], t_kill - 0.5, t_end) for i in (1, 2, 3)]
     done = [len(s) for s in stamps]
     print(
         f"\n{provider} (libfabric {libfabric_version()}): writes completed per peer {done}; "
-        f"dead peer's {len(dead)} writes failed by {fail_after * 1e3:.0f} ms after the kill "
+        f"dead peer's {len(dead)} writes failed by {fail_after * 1e3:.0f} ms after its exit "
+        f"({(t_gone - t_kill) * 1e3:.1f} ms after SIGKILL) "
         f"({sorted({type(e).__name__ for _, e in dead})}); live peers' longest gaps "
         f"{[round(g * 1e3, 1) for g in gaps]} ms; live failures {[len(f) for f in failures[1:]]}"
     )
@@ -354,12 +358,12 @@ async def test_one_of_four_writers_killed(provider: str, peers: list[Peer], shm_
         assert {(await next_event(events, 10)).kind for _ in addrs} == {"up"}
         await asyncio.sleep(1.0)
         t_kill = time.monotonic()
-        clients[0].kill()
-        reaped = time.monotonic() - t_kill  # SIGKILL and join: the kernel's part, not afabric's
+        t_gone = clients[0].kill()
         down = await next_event(events, 10)
-        took = time.monotonic() - t_kill
-        assert (down.kind, down.address) == ("down", addrs[0])
-        assert took < DOWN_WITHIN, f"down {took:.3f} s after the kill, {reaped:.3f} s of it to reap it"
+        took = time.monotonic() - t_gone
+        exited = t_gone - t_kill  # the kernel's part, not afabric's
+        assert (down.kind, down.reason, down.address, down.watched) == ("down", "exited", addrs[0], True)
+        assert took < DOWN_WITHIN, f"down {took:.3f} s after the exit ({exited:.3f} s after SIGKILL)"
         await asyncio.sleep(2.0)
         t_end = time.monotonic()
         for c in clients[1:]:
@@ -368,8 +372,8 @@ async def test_one_of_four_writers_killed(provider: str, peers: list[Peer], shm_
     gaps = [max_gap(stamps, t_kill - 0.5, t_end) for stamps, _ in results]
     errs = [e for _, es in results for e in es]
     print(
-        f"\n{provider} (libfabric {libfabric_version()}): 4 writers, one killed (down event after "
-        f"{took * 1e3:.1f} ms); live writers' "
+        f"\n{provider} (libfabric {libfabric_version()}): 4 writers, one killed (down event "
+        f"{took * 1e3:.1f} ms after its exit, {exited * 1e3:.1f} ms after SIGKILL); live writers' "
         f"completions {[len(s) for s, _ in results]}, longest gaps {[round(g * 1e3, 1) for g in gaps]} ms, "
         f"errors {errs[:3]}"
     )
