@@ -102,6 +102,9 @@ def main() -> None:
     a, b = ctx.Pipe()
     p = ctx.Process(target=target, args=(b,), daemon=True)
     p.start()
+    while not a.poll(0.5):  # a target that failed (e.g. its UCX backend) must not hang us
+        if not p.is_alive():
+            sys.exit(f"NIXL's target process exited (code {p.exitcode}) before it was ready")
     meta, raddr = a.recv()
     agent = nixl_agent("init", nixl_agent_config(backends=["UCX"]))
     buf = np.full(REGION, 1, dtype=np.uint8)
