@@ -9,6 +9,7 @@ from .address import Address
 from .descriptor import MrDesc
 from .engine import WORKER_STUCK_S, Engine
 from .groups import GatherSource, PeerGroup, ScatterTarget
+from .hostmem import host_buffer
 from .lengths import LengthFrom
 from .memory import MemoryRegion
 from .messages import TAG_MAX, Message
@@ -45,5 +46,6 @@ __all__ = [
     "UvmWatcher",
     "__version__",
     "errors",
+    "host_buffer",
     "imm_count",
 ]

@@ -82,6 +82,19 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
     assert doc["latency"][0]["fi_pingpong_us"] > 0
 
 
+@pytest.mark.timeout(300)
+def test_bench_p2p_hugepages(tmp_path: Path) -> None:
+    """--hugepages: both regions from afabric.host_buffer, said in the header and the JSON."""
+    out = tmp_path / "p2p.json"
+    args = ["--provider", "cma", "--quick", "--sizes", "1M", "--repeat", "1", "--pattern", "fixed"]
+    proc = _p2p(*args, "--hugepages", "--json", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    assert "huge pages: both regions from afabric.host_buffer" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["hugepages"] is True and doc["pattern"] == "fixed"
+    assert all(r["py_gbps"] > 0 and r["raw_gbps"] > 0 for r in doc["rows"])
+
+
 @pytest.mark.parametrize("pattern", ["fixed", "span"])
 async def test_pattern_puts_the_rows_where_it_says(pattern: str) -> None:
     """--pattern fixed rewrites one buffer of the row's size at offset 0 (fi_rma_bw's

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .. import Engine, MemoryRegion, MrDesc, Pages, _native
+from .. import Engine, MemoryRegion, MrDesc, Pages, _native, host_buffer
 from . import fabtests, harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
@@ -86,10 +86,10 @@ class Latency:
     fi_pingpong_us: float = 0.0  # fi_rdm_pingpong half round trip (--fabtests), else 0
 
 
-def _target(conn: Connection, provider: str, polling: str, loop: str) -> None:
+def _target(conn: Connection, provider: str, polling: str, loop: str, hugepages: bool) -> None:
     async def run() -> None:
         async with Engine(provider, polling=polling) as eng:
-            buf = np.zeros(REGION, dtype=np.uint8)
+            buf = host_buffer(REGION) if hugepages else np.zeros(REGION, dtype=np.uint8)
             mr = eng.register(buf, remote="rw")  # written to, and read from by the read rows
             conn.send(bytes(mr.descriptor))
             aloop = asyncio.get_running_loop()
@@ -291,6 +291,8 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
     try:
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
+        if args.hugepages:
+            src = _copied(host_buffer(REGION), src)
         mr = eng.register(src)
         raw_loop = RawLoop(eng, mr, desc)  # paged rows: the raw loop drives the same imported descriptor
         slots = _Slots(eng, src, mr, args.pattern)
@@ -494,7 +496,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without --fabtests); fixed rewrites one buffer of the row's size at offset "
                         "0, as fi_rma_bw does (cache-resident; the default with --fabtests, so that "
                         "py/fi compares like with like)")  # fmt: skip
+    p.add_argument("--hugepages", action="store_true",
+                   help="both regions from afabric.host_buffer (2 MiB-aligned, advised for "
+                        "transparent huge pages): same-host copies into huge pages run faster; "
+                        "fi_rma_bw's buffers stay as they are")  # fmt: skip
     harness.add_loop_arguments(p, "worker")
+
+
+def _copied(dst: np.ndarray, src: np.ndarray) -> np.ndarray:
+    dst[:] = src
+    return dst
 
 
 def main(args: argparse.Namespace) -> int:
@@ -509,6 +520,7 @@ def main(args: argparse.Namespace) -> int:
     args.polling = getattr(args, "polling", None) or "adaptive"
     # like with like against fi_rma_bw (one cached buffer) unless asked otherwise
     args.pattern = getattr(args, "pattern", None) or ("fixed" if args.fabtests else "span")
+    args.hugepages = bool(getattr(args, "hugepages", False))
     loop = getattr(args, "loop", None) or harness.default_loop()
 
     async def run() -> tuple[list[Row], list[Latency], str, str]:
@@ -517,7 +529,8 @@ def main(args: argparse.Namespace) -> int:
         provider, fabric, why = probe.provider, probe.fabric_provider, probe.provider_choice
         await probe.aclose()
         target = harness.Child(
-            "the benchmark's target process", _target, (harness.PIPE, provider, args.polling, loop)
+            "the benchmark's target process", _target,
+            (harness.PIPE, provider, args.polling, loop, args.hugepages),
         )
         try:
             async with harness.watch(target):  # a target that dies fails the run at once
@@ -537,7 +550,9 @@ def main(args: argparse.Namespace) -> int:
         f"afabric bench p2p — provider {args.provider} ({fabric}), loop {loop}, polling {args.polling}, "
         f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}\n"
         f"pattern {args.pattern}: {PATTERNS[args.pattern]}"
-    )
+        + ("\nhuge pages: both regions from afabric.host_buffer (fi_rma_bw's buffers as they are)"
+           if args.hugepages else "")
+    )  # fmt: skip
     if args.fabtests and args.fabric != fabric:
         ref = args.fabric
         header += f"\nfabtests reference: libfabric {ref} (fi_rma_bw/fi_rdm_pingpong -p {ref})"
@@ -551,6 +566,7 @@ def main(args: argparse.Namespace) -> int:
             "loop": loop,
             "polling": args.polling,
             "pattern": args.pattern,
+            "hugepages": args.hugepages,
             "cpus": os.cpu_count(),
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -1,15 +1,21 @@
 /* One process_vm_writev of 1 MiB at a time into a child's buffer of REGION bytes (offset 0),
- * 20,000 times: the single-copy floor that cma's 1 MiB rows are read against.
- * cc -O2 -Wall -Wextra -Werror -o /tmp/pvm docs/bench/issue15/nixl/pvm.c && /tmp/pvm 1048576 */
+ * 20,000 times: the single-copy floor that cma's 1 MiB rows are read against. Both buffers
+ * start on a 2 MiB boundary; HUGE_SRC=1 / HUGE_DST=1 advise the source / the target for
+ * transparent huge pages (madvise(MADV_HUGEPAGE)) before they are first touched.
+ * cc -O2 -Wall -Wextra -Werror -o /tmp/pvm docs/bench/issue15/nixl/pvm.c
+ * /tmp/pvm 4194304; HUGE_DST=1 /tmp/pvm 4194304 */
 #define _GNU_SOURCE
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#define HUGE (2u << 20)
 
 static double now(void)
 {
@@ -29,9 +35,12 @@ int main(int argc, char **argv)
     if (child < 0)
         return 1;
     if (child == 0) {
-        unsigned char *b = malloc(region);
-        if (!b)
+        void *v = NULL;
+        if (posix_memalign(&v, HUGE, region) != 0)
             return 1;
+        unsigned char *b = v;
+        if (getenv("HUGE_DST") && madvise(b, region, MADV_HUGEPAGE) != 0)
+            perror("madvise");
         memset(b, 0, region);
         void *p = b;
         if (write(pfd[1], &p, sizeof p) != (ssize_t)sizeof p)
@@ -39,9 +48,13 @@ int main(int argc, char **argv)
         pause();
         return 0;
     }
-    void *rb;
-    unsigned char *src = malloc(len);
-    if (read(pfd[0], &rb, sizeof rb) != (ssize_t)sizeof rb || !src)
+    void *rb, *v = NULL;
+    if (posix_memalign(&v, HUGE, HUGE) != 0)
+        return 1;
+    unsigned char *src = v;
+    if (getenv("HUGE_SRC") && madvise(src, HUGE, MADV_HUGEPAGE) != 0)
+        perror("madvise");
+    if (read(pfd[0], &rb, sizeof rb) != (ssize_t)sizeof rb)
         return 1;
     memset(src, 1, len);
     struct iovec l = {src, len}, r = {rb, len};
