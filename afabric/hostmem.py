@@ -29,9 +29,12 @@ def host_buffer(nbytes: int) -> np.ndarray:
     same-host writes. The kernel decides: with ``/sys/kernel/mm/transparent_hugepage/enabled``
     at ``never``, or no huge page free when a page is first touched, it gets 4 KiB pages.
     Reserves up to 4 MiB of address space more than asked (touched pages only cost memory).
-    The mapping lives as long as the array or any view of it (a registration keeps it)."""
-    if type(nbytes) is not int or nbytes <= 0:
-        raise errors.InvalidArgument(f"host_buffer needs a positive int of bytes, got {nbytes!r}")
+    The mapping lives as long as the array or any view of it (a registration keeps it).
+    Zero bytes give an empty array (no mapping)."""
+    if type(nbytes) is not int or nbytes < 0:
+        raise errors.InvalidArgument(f"host_buffer needs an int number of bytes >= 0, got {nbytes!r}")
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     try:
         mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -138,7 +138,9 @@ class Peer:
             fd = os.pidfd_open(pid)  # ours and not reaped yet: the pid cannot be reused
             try:
                 os.kill(pid, signal.SIGKILL)
-                select.select([fd], [], [], 10)
+                waiter = select.poll()  # (not select(): the fd may be above FD_SETSIZE)
+                waiter.register(fd, select.POLLIN)
+                waiter.poll(10_000)
                 gone = time.monotonic()
             finally:
                 os.close(fd)

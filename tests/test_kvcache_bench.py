@@ -40,3 +40,21 @@ def test_bench_kvcache_quick(tmp_path: Path) -> None:
         assert set(r["samples"]) == {"local", "disagg", "transfer", "exposed", "compute"}
     assert "TTFT disagg" in proc.stdout and "disagg/local" in proc.stdout
     assert " push " in proc.stdout and " pull " in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_bench_kvcache_hugepages(tmp_path: Path) -> None:
+    """--hugepages: both CPU caches over afabric.host_buffer (cma: copies into huge pages)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "kvcache.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--provider", "cma",
+         "--mode", "push", "--hugepages", "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["hugepages"] is True and doc["provider"] == "cma"
+    assert [(r["tokens"], r["mode"]) for r in doc["rows"]] == [(1024, "push"), (4096, "push")]
+    assert all(r["transfer_per_layer_ms"] > 0 for r in doc["rows"])
+    assert "huge pages: both caches over afabric.host_buffer" in proc.stdout

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..engine import Engine
 from ..errors import AfabricError, InvalidArgument, RegistrationError, UsageError
+from ..hostmem import host_buffer
 from ..memory import MemoryRegion
 from ..pages import Pages
 from . import plan, wire
@@ -204,8 +205,9 @@ class Prefiller(Side):
         )
         self.layout = layout
         self.device = device
-        self.cache = cache if cache is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
-        self.tail_buffer = tail if tail is not None else np.zeros(layout.tail_region_bytes, dtype=np.uint8)
+        # host_buffer: peers' same-host copies (cma) into (and out of) huge pages, 2-3x faster
+        self.cache = cache if cache is not None else host_buffer(layout.total_bytes)
+        self.tail_buffer = tail if tail is not None else host_buffer(layout.tail_region_bytes)
         self.max_waiting = max_waiting
         self.pull = pull
         self.max_tokens = layout.num_pages * layout.tokens_per_page
