@@ -3,9 +3,11 @@ p2p --pattern fixed`: W writes of one size in flight, each from and to offset 0 
 of its size, reposted as soon as it completes; and one 8 B write at a time, awaited by
 polling its state. Run with a Python that has NIXL (`pip install nixl-cu12`); UCX_TLS picks
 UCX's transports (cma: the writer's own process_vm_writev; tcp).
-Usage: nixl_bw.py [--sizes 4K,64K,1M,16M] [--seconds 1.0]"""
+Usage: nixl_bw.py [--sizes 4K,64K,1M,16M] [--seconds 1.0]; NIXL_HUGEPAGES=1: both buffers
+2 MiB-aligned and advised for huge pages (afabric's `bench p2p --hugepages`)."""
 
 import argparse
+import mmap
 import multiprocessing as mp
 import os
 import sys
@@ -23,9 +25,25 @@ def _size(s: str) -> int:
     return int(s[:-1] if mult > 1 else s) * mult
 
 
+def region(fill: int) -> np.ndarray:
+    """The buffer: np.zeros / np.full as before, or with NIXL_HUGEPAGES=1 what
+    afabric.host_buffer gives (2 MiB-aligned, madvise(MADV_HUGEPAGE) before first touch;
+    written out here: this Python need not have afabric), as `bench p2p --hugepages` uses."""
+    if os.environ.get("NIXL_HUGEPAGES") != "1":
+        return np.zeros(REGION, dtype=np.uint8) if fill == 0 else np.full(REGION, fill, dtype=np.uint8)
+    huge = 2 << 20
+    mm = mmap.mmap(-1, REGION + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(mm, dtype=np.uint8)
+    skip = -whole.ctypes.data % huge
+    mm.madvise(mmap.MADV_HUGEPAGE, skip, REGION)
+    buf = whole[skip : skip + REGION]
+    buf[:] = fill
+    return buf
+
+
 def target(conn: Any) -> None:
     agent = nixl_agent("target", nixl_agent_config(backends=["UCX"]))
-    buf = np.zeros(REGION, dtype=np.uint8)
+    buf = region(0)
     agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, REGION, 0, "")], "DRAM"))
     conn.send((agent.get_agent_metadata(), buf.ctypes.data))
     conn.recv()  # "done": the initiator has finished; then check what landed
@@ -107,7 +125,7 @@ def main() -> None:
             sys.exit(f"NIXL's target process exited (code {p.exitcode}) before it was ready")
     meta, raddr = a.recv()
     agent = nixl_agent("init", nixl_agent_config(backends=["UCX"]))
-    buf = np.full(REGION, 1, dtype=np.uint8)
+    buf = region(1)
     agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, REGION, 0, "")], "DRAM"))
     remote = agent.add_remote_agent(meta)
     laddr = buf.ctypes.data

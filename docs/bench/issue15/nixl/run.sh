@@ -4,7 +4,8 @@
 # NIXL_PY: a Python with NIXL (python -m venv /tmp/nixlenv && /tmp/nixlenv/bin/pip install
 # nixl-cu12); AFABRIC_PY: one with afabric. TLS_EXTRA: appended to UCX_TLS (",cuda_copy"
 # where a GPU is present: NIXL's UCX backend refuses to start without a CUDA transport).
-# Usage: bash docs/bench/issue15/nixl/run.sh [ROUNDS]
+# NIXL_HUGEPAGES=1: both sides' buffers 2 MiB-aligned and advised for huge pages (nixl_bw.py;
+# afabric's --hugepages). Usage: bash docs/bench/issue15/nixl/run.sh [ROUNDS]
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 NIXL_PY=${NIXL_PY:-/tmp/nixlenv/bin/python}
@@ -19,6 +20,6 @@ for round in $(seq 1 "${1:-2}"); do
       | grep -v " NIXL INFO "
     echo "=== round $round: afabric $1 $(date +%T)"
     timeout 300 "$AFABRIC_PY" -m afabric.cli bench p2p --provider "$1" --quick --sizes $SIZES --repeat 3 \
-      --pattern fixed 2>&1 | grep -v "^afabric: [0-9]*/" | sed -n '1,/^awaited/p'
+      --pattern fixed ${NIXL_HUGEPAGES:+--hugepages} 2>&1 | grep -v "^afabric: [0-9]*/" | sed -n '1,/^awaited/p'
   done
 done
