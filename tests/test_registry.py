@@ -361,6 +361,7 @@ def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
     info = json.loads(capsys.readouterr().out)
     assert info["shim"]["loaded"] is True
     _check_info(info)
+    assert info["thp"] in ("always", "madvise", "never", "")
     auto = info["auto"]
     assert auto["provider"] == registry.resolve("auto")[0].name
     assert auto["why"].startswith(f"auto picked {auto['provider']}")
@@ -392,6 +393,10 @@ def test_info_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert "efa: " in out and "auto picked " in out
     if _sockets_installed():
         assert "sockets: available  [distribution afabric-sockets, priority 0]" in out
+    # the kernel's huge page setting, which cma's copy speed depends on (README, cma)
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    thp = re.search(r"\[(\w+)\]", setting.read_text() if setting.exists() else "")
+    assert f"transparent huge pages: {thp.group(1) if thp else 'none'}: " in out, out
 
 
 def test_info_command_line() -> None:
