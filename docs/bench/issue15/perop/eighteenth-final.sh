@@ -6,14 +6,8 @@ set -uo pipefail
 install_wheels new
 
 rows() {
-  local r p
   standard_rows new
-  for r in 1 2; do
-    for p in shm tcp; do
-      echo "--- bench trigger $p $(date +%T)"
-      run new 120 -m afabric.cli bench trigger --provider $p | grep -E "^triggered|^python "
-    done
-  done
+  trigger_rows new
 }
 
 logged eighteenth-final.log rows

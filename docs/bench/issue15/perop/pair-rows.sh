@@ -8,16 +8,7 @@ set -uo pipefail
 install_wheels new
 
 rows() {
-  local p s u
-  for p in shm "tcp;ofi_rxm"; do
-    for s in "65536 -W 64" "1048576 -W 16"; do
-      for u in "" "-U"; do
-        echo "--- pair.sh fi_rma_bw $p $s $u"
-        # shellcheck disable=SC2086 # size and window are two words on purpose
-        bash .fabtests/pair.sh fi_rma_bw "$p" $s $u
-      done
-    done
-  done
+  fi_pairs
   p2p_rows new 4K,64K,1M
 }
 

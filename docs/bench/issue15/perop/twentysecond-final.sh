@@ -8,24 +8,10 @@ set -uo pipefail
 install_wheels new
 
 rows() {
-  local r p s u
   standard_rows new
-  for p in shm "tcp;ofi_rxm"; do
-    for s in "65536 -W 64" "1048576 -W 16"; do
-      for u in "" "-U"; do
-        echo "--- pair.sh fi_rma_bw $p $s $u $(date +%T)"
-        # shellcheck disable=SC2086 # size and window are two words on purpose
-        bash .fabtests/pair.sh fi_rma_bw "$p" $s $u
-      done
-    done
-  done
+  fi_pairs
   awaited_rows new
-  for r in 1 2; do
-    for p in shm tcp; do
-      echo "--- bench trigger $p $(date +%T)"
-      run new 120 -m afabric.cli bench trigger --provider $p | grep -E "^triggered|^python "
-    done
-  done
+  trigger_rows new
 }
 
 logged "${LOG:-twentysecond-final.log}" rows

@@ -60,6 +60,32 @@ awaited_rows() {
   done
 }
 
+# fi_pairs: fabtests' pair.sh fi_rma_bw from .fabtests (shm, tcp;ofi_rxm; 64 KiB at window
+# 64, 1 MiB at window 16, each also with -U, delivery complete): the C reference's rows.
+fi_pairs() {
+  local p s u
+  for p in shm "tcp;ofi_rxm"; do
+    for s in "65536 -W 64" "1048576 -W 16"; do
+      for u in "" "-U"; do
+        echo "--- pair.sh fi_rma_bw $p $s $u $(date +%T)"
+        # shellcheck disable=SC2086 # size and window are two words on purpose
+        bash .fabtests/pair.sh fi_rma_bw "$p" $s $u
+      done
+    done
+  done
+}
+
+# trigger_rows NAME: `bench trigger` (2000 iterations) shm and tcp, twice, with the wheel NAME.
+trigger_rows() {
+  local w=$1 r p
+  for r in 1 2; do
+    for p in shm tcp; do
+      echo "--- bench trigger $p $(date +%T)"
+      run "$w" 120 -m afabric.cli bench trigger --provider $p | grep -E "^triggered|^python "
+    done
+  done
+}
+
 # logged LOG CMD...: CMD between start and end lines, into $OUT/LOG and on stdout, without
 # the progress lines (the device scripts' frame).
 logged() {
