@@ -50,11 +50,6 @@ _REMOTE_CACHE_MAX = 65536
 # flight: where it waits for one or a few, the fd's wake-up is the latency; with many, the
 # loop has work anyway and one fd signal per batch of completions is cheaper.
 _POLL_MAX_IN_FLIGHT = 4
-# Nor where a write needs the target's worker to copy it (CAP_TARGET_COPIES: libfabric tcp,
-# shm) and the process has fewer CPUs than this: there the polling loop is a third spinning
-# thread beside the worker and the target's, and takes the time the target needs (2 CPUs,
-# shm: awaited 8 B p50 median 75 -> 111 µs over four runs; BENCHMARKS.md).
-_POLL_MIN_CPUS = 4
 # Each look keeps looking, in C with the GIL released, for up to this long (afs_pending_wait):
 # a completion that lands meanwhile is found at once, not one loop iteration later (each costs
 # an epoll_wait system call, several µs where system calls are slow); other tasks wait at
@@ -72,13 +67,6 @@ _INLINE_RUN = 8
 # completion); one that misses held the loop this long, as the poll tick would have spun in
 # slices meanwhile (it polls spin_us after a submission).
 _TAKE_MAX_NS = 50_000
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _u64(value: Any, name: str) -> int:
@@ -364,8 +352,6 @@ class Engine(MessagingMixin):
         self.max_message_size: int = int(facts.max_msg_size)
         self.max_write_size: int = int(facts.max_write_size)
         self.caps: int = int(facts.caps)
-        if self.caps & _native.CAP_TARGET_COPIES and _usable_cpus() < _POLL_MIN_CPUS:
-            self._poll_window = 0.0  # the loop does not poll (_POLL_MIN_CPUS)
         # _resume: where the target's worker must copy a write, its round trip is longer than
         # what the loop spends on a future; where the writer copies (cma), shorter
         self._resume_apart = bool(self.caps & _native.CAP_TARGET_COPIES)

@@ -383,7 +383,9 @@ AFS_API int32_t afs_poll(afs_engine *eng, afs_completion *out, uint32_t max, uin
 AFS_API uint32_t afs_pending(afs_engine *eng);
 /* afs_pending that keeps looking for up to max_ns (spinning; a ctypes caller has released
  * the GIL) until there is a record: an event loop that polls finds a completion a few
- * hundred ns after the worker pushed it instead of one loop iteration later. */
+ * hundred ns after the worker pushed it instead of one loop iteration later. Where the
+ * process has fewer than 4 CPUs and the target's worker copies (libfabric tcp, shm), it
+ * yields the CPU between looks. */
 AFS_API uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns);
 /* Timing records of completed operations (oldest first); *dropped gets how many were
  * overwritten because nobody drained them in time. */

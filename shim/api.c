@@ -600,6 +600,8 @@ uint32_t afs_pending_wait(afs_engine *eng, uint32_t max_ns)
         }
         if (atomic_load_explicit(&eng->stuck, memory_order_acquire) || afs_now_ns() >= until)
             return afs_pending(eng);
+        if (eng->look_yields)
+            sched_yield();
     }
 }
 
@@ -669,19 +671,11 @@ static void bench_count(void *arg, int32_t status, uint32_t what)
  * Python loop polls the ring (afabric/engine.py: _POLL_MAX_IN_FLIGHT). */
 #define BENCH_POLL_MAX_IN_FLIGHT 4u
 
-/* How long the benchmark's caller looks before it sleeps: spin_us, unless a target's
- * worker copies the bytes and the process has too few CPUs for a third spinning thread
- * (the Python loop's rule, Engine._adopt). */
-static uint64_t bench_spin_ns(const afs_engine *eng)
-{
-    if (afs_target_copies(eng) && afs_few_cpus())
-        return 0;
-    return (uint64_t)eng->cfg.spin_us * 1000u;
-}
-
 /* Caller side: wait until `done` reaches `want`: looking for up to `spin_ns`, then asleep
- * (for at most 1 ms at a time). */
-static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want, uint64_t spin_ns)
+ * (for at most 1 ms at a time). `yields`: between looks (eng->look_yields, as
+ * afs_pending_wait does for the Python loop). */
+static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want, uint64_t spin_ns,
+                       bool yields)
 {
     if (spin_ns) {
         const uint64_t until = afs_now_ns() + spin_ns;
@@ -691,6 +685,8 @@ static void bench_wait(afs_bench_counter *c, uint32_t seen, uint32_t want, uint6
                     return;
                 afp_cpu_relax();
             }
+            if (yields)
+                sched_yield();
         } while (afs_now_ns() < until);
     }
     struct timespec ts = {0, 1000000};
@@ -724,7 +720,7 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         span = 1;
     if (lat_ns)
         window = 1;
-    const uint64_t spin_ns = bench_spin_ns(eng);
+    const uint64_t spin_ns = (uint64_t)eng->cfg.spin_us * 1000u;
     uint64_t t0 = afs_now_ns(), t_sub = t0, timed = 0;
     for (;;) {
         uint32_t done = atomic_load(&c->done);
@@ -786,7 +782,7 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
         if (want > submitted)
             want = submitted;
         bench_wait(c, done, (uint32_t)want,
-                   submitted - done <= BENCH_POLL_MAX_IN_FLIGHT ? spin_ns : 0);
+                   submitted - done <= BENCH_POLL_MAX_IN_FLIGHT ? spin_ns : 0, eng->look_yields);
     }
     *elapsed_ns = afs_now_ns() - t0;
     int32_t st = atomic_load(&c->status);

@@ -371,6 +371,7 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
 
     if ((rc = open_nics(eng)))
         goto out_free;
+    eng->look_yields = afs_target_copies(eng) && afs_few_cpus();
     snprintf(eng->provider_full, sizeof(eng->provider_full), "%s", eng->nics[0].caps.provider);
     const uint8_t *addrs[AFS_MAX_NICS];
     uint32_t lens[AFS_MAX_NICS];

@@ -514,6 +514,10 @@ typedef struct afs_xfer_list {
 
 struct afs_engine {
     afs_config cfg;
+    /* The process has few CPUs and the target's worker copies what we write: a caller that
+     * looks for completions (afs_pending_wait, the benchmark's wait) yields between looks,
+     * or it takes the CPU that worker, or ours, needs (set once the NICs are open). */
+    bool look_yields;
     char *provider_lib, *provider_name, *fabric_provider, *nic_name, *bind_addr;
     void *lib;
     const struct afp_ops *ops;

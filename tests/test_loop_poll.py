@@ -1,7 +1,7 @@
 """The event loop polls the completion ring itself while it waits for a few operations
 (Engine._poll_tick), so an awaited write does not wait for the event fd's wake-up; with
-``spin_us=0``, once the window passed, or where the target's worker must copy each write
-and the process has few CPUs (the poller would take its time), the fd wakes it as before."""
+``spin_us=0`` or once the window passed, the fd wakes it as before. Where the process has
+few CPUs and the target's worker copies each write, the looks yield the CPU between looks."""
 
 from __future__ import annotations
 
@@ -61,12 +61,15 @@ async def test_awaited_writes_are_found_by_polling() -> None:
 
 
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
-async def test_no_polling_where_the_target_copies_on_few_cpus(provider: str) -> None:
-    """tcp and shm writes complete when the target's worker copied them: on one CPU the
-    loop does not poll (the fd wakes it for every completion)."""
+async def test_looks_yield_where_the_target_copies_on_one_cpu(provider: str) -> None:
+    """tcp and shm writes complete when the target's worker copied them, and on one CPU
+    that worker and the writer's own run only when the loop's look gives the CPU up: the
+    looks yield between looks (afs_pending_wait), so they find the completions within the
+    default window. Measured with the looks not yielding: none found (each write went by
+    the fd, ~50 µs of look held the CPU for nothing)."""
     with _cpus(1):
-        polled, woken = await _polled_and_woken(provider, 1_000_000)
-    assert (polled, woken >= WRITES // 2) == (0, True)
+        polled, _ = await _polled_and_woken(provider, 50)
+    assert polled >= WRITES // 2
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 4, reason="needs 4 CPUs")
@@ -242,7 +245,6 @@ async def test_a_write_alone_is_looked_for_up_to_spin_us_at_most_50us(spin_us: i
     async with Engine("tcp") as target, Engine("tcp", spin_us=spin_us) as writer:
         desc = target.register(np.zeros(4096, np.uint8)).descriptor
         src = writer.register(np.full(4096, 9, np.uint8))
-        writer._poll_window = 1.0  # polls even on few CPUs (_POLL_MIN_CPUS)
         await writer.write(src, desc, 8)
         looks: list[tuple[bool, int]] = []
         take = writer._n.take
@@ -275,7 +277,6 @@ async def test_reads_awaited_alone_are_taken_where_submitted(provider: str) -> N
         desc = target.register(data, remote="r").descriptor
         dst = np.zeros_like(data)
         mr = reader.register(dst)
-        reader._poll_window = 1.0  # polls even on few CPUs (_POLL_MIN_CPUS)
         await reader.read(mr, desc, 8)
         _looks_find_completions(reader)
         took: list[int] = []
@@ -315,7 +316,6 @@ async def test_writes_of_tasks_resumed_together_are_not_alone(provider: str, loo
     async with Engine(provider) as target, Engine(provider, spin_us=1_000_000) as writer:
         desc = target.register(np.zeros(64 << 20, np.uint8)).descriptor
         src = writer.register(np.full(64 << 20, 5, np.uint8))
-        writer._poll_window = 1.0  # polls even on few CPUs (_POLL_MIN_CPUS)
         await writer.write(src, desc, 8)
         looks: list[int] = []
         take = writer._n.take
@@ -359,7 +359,6 @@ async def test_tasks_that_run_in_a_yield_of_a_write_alone_are_not_alone() -> Non
     async with Engine("cma") as target, Engine("cma", spin_us=1_000_000) as writer:
         desc = target.register(np.zeros(4096, np.uint8)).descriptor
         src = writer.register(np.full(4096, 3, np.uint8))
-        writer._poll_window = 1.0  # polls even on few CPUs (_POLL_MIN_CPUS)
         await writer.write(src, desc, 8)
         _looks_find_completions(writer)
         looks: list[int] = []
