@@ -636,8 +636,9 @@ int32_t afs_recv_release(afs_engine *eng, const uint32_t *slots, uint32_t count)
 typedef struct afs_bench_counter {
     _Atomic uint32_t done; /* reported; a futex word: the loop sleeps on it like Python on its fd */
     _Atomic uint32_t waiting;
-    _Atomic int32_t status;
+    _Atomic int32_t status; /* the first failure's */
     _Atomic uint64_t refs; /* the loop's own, plus one per request not yet released */
+    char text[192];        /* the first failure's detail, written before `status` */
 } afs_bench_counter;
 
 static void bench_unref(afs_bench_counter *c)
@@ -646,16 +647,19 @@ static void bench_unref(afs_bench_counter *c)
         free(c);
 }
 
-/* Worker side (the requests' afs_done_hook): note a failure; count a reported benchmark
- * operation and wake the loop once enough are done for it to refill (a batch, as Python
- * drains completions in batches). The counter lives on the heap and goes with its last
- * reference: a failed request may be released long after the loop returned (or never). */
-static void bench_count(void *arg, int32_t status, uint32_t what)
+/* Worker side (the requests' afs_done_hook): note the first failure and its detail; count
+ * a reported benchmark operation and wake the loop once enough are done for it to refill (a
+ * batch, as Python drains completions in batches). The counter lives on the heap and goes
+ * with its last reference: a failed request may be released long after the loop returned
+ * (or never). */
+static void bench_count(void *arg, int32_t status, const char *text, uint32_t what)
 {
     afs_bench_counter *c = arg;
     if (what & AFS_HOOK_REPORTED) {
-        if (status)
+        if (status && atomic_load(&c->status) == 0) { /* the worker's thread only */
+            snprintf(c->text, sizeof(c->text), "%s", text ? text : "");
             atomic_store(&c->status, status);
+        }
         uint32_t done = atomic_fetch_add(&c->done, 1) + 1;
         uint32_t want = atomic_load(&c->waiting);
         if (want && (int32_t)(done - want) >= 0) {
@@ -786,12 +790,17 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
     }
     *elapsed_ns = afs_now_ns() - t0;
     int32_t st = atomic_load(&c->status);
-    bench_unref(c);
-    if (rc)
+    if (rc) {
+        bench_unref(c);
         return rc;
-    if (st)
-        return afs_fail(st, "benchmark %s failed: %s", proto->rma.read ? "read" : "write",
-                        afs_error_name(st));
+    }
+    if (st) {
+        rc = afs_fail(st, "benchmark %s failed: %s%s%s", proto->rma.read ? "read" : "write",
+                      afs_error_name(st), c->text[0] ? ": " : "", c->text);
+        bench_unref(c);
+        return rc;
+    }
+    bench_unref(c);
     return 0;
 }
 

@@ -350,8 +350,9 @@ typedef struct afs_allow afs_allow; /* allow.c: an allow-list snapshot */
 
 /* The one hook into the worker's completion path. A request whose `done_hook` is set is
  * not reported on the completion ring: the worker (its thread) calls
- * `done_hook(done_arg, status, what)` instead. Each request is reported exactly once
- * (AFS_HOOK_REPORTED: its outcome, `status` its failure, 0 if none; AFS_ECLOSED when the
+ * `done_hook(done_arg, status, text, what)` instead. Each request is reported exactly once
+ * (AFS_HOOK_REPORTED: its outcome, `status` its failure, 0 if none, `text` the failure's
+ * detail or NULL, valid during the call only; AFS_ECLOSED when the
  * engine closes under it) and released exactly once (AFS_HOOK_RELEASED: the provider holds
  * none of its work requests any more; it is freed right after), in one call or two: a
  * failed request whose work requests are still posted (a timeout, a dead peer) is reported
@@ -359,7 +360,7 @@ typedef struct afs_allow afs_allow; /* allow.c: an allow-list snapshot */
  * and a dead peer). The only user is the raw benchmark loop (afs_bench_*, api.c), which
  * drives the submit path from C; the rest of the worker knows nothing of benchmarks. */
 enum { AFS_HOOK_REPORTED = 1u, AFS_HOOK_RELEASED = 2u };
-typedef void (*afs_done_hook)(void *arg, int32_t status, uint32_t what);
+typedef void (*afs_done_hook)(void *arg, int32_t status, const char *text, uint32_t what);
 
 /*
  * One request travelling through the submit queue: a common head every kind uses (queue

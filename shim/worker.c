@@ -316,7 +316,7 @@ static void finish(afs_engine *eng, afs_xfer *x)
         postq_remove(eng, x);
     bool outstanding = x->done_wr < x->posted_wr;
     if (x->done_hook) {
-        x->done_hook(x->done_arg, x->status,
+        x->done_hook(x->done_arg, x->status, x->errtext,
                      AFS_HOOK_REPORTED | (outstanding ? 0u : AFS_HOOK_RELEASED));
     } else if (!x->reported) {
         push_done(eng, x, outstanding);
@@ -336,7 +336,7 @@ static void zombie_done(afs_engine *eng, afs_xfer *x)
         return;
     list_remove(&eng->zombies, x);
     if (x->done_hook) {
-        x->done_hook(x->done_arg, 0, AFS_HOOK_RELEASED);
+        x->done_hook(x->done_arg, 0, NULL, AFS_HOOK_RELEASED);
     } else {
         afs_completion c = {0};
         c.id = x->id;
@@ -1666,13 +1666,13 @@ static void fail_queued(afs_engine *eng)
     while ((x = eng->active.head) != NULL) {
         list_remove(&eng->active, x);
         if (x->done_hook)
-            x->done_hook(x->done_arg, AFS_ECLOSED, AFS_HOOK_REPORTED | AFS_HOOK_RELEASED);
+            x->done_hook(x->done_arg, AFS_ECLOSED, "engine closed", AFS_HOOK_REPORTED | AFS_HOOK_RELEASED);
         afs_xfer_free(x);
     }
     while ((x = eng->zombies.head) != NULL) {
         list_remove(&eng->zombies, x);
         if (x->done_hook)
-            x->done_hook(x->done_arg, AFS_ECLOSED, AFS_HOOK_RELEASED);
+            x->done_hook(x->done_arg, AFS_ECLOSED, NULL, AFS_HOOK_RELEASED);
         afs_xfer_free(x);
     }
     while ((x = eng->expects.head) != NULL) {

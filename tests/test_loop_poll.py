@@ -314,8 +314,8 @@ async def test_writes_of_tasks_resumed_together_are_not_alone(provider: str, loo
     12-14% of the writes went so, one at a time). cma's round trip is shorter: its resumed
     writes are still looked for. Once they have run, a write is alone again."""
     async with Engine(provider) as target, Engine(provider, spin_us=1_000_000) as writer:
-        desc = target.register(np.zeros(64 << 20, np.uint8)).descriptor
-        src = writer.register(np.full(64 << 20, 5, np.uint8))
+        desc = target.register(np.zeros(4096, np.uint8)).descriptor
+        src = writer.register(np.full(4096, 5, np.uint8))
         await writer.write(src, desc, 8)
         looks: list[int] = []
         take = writer._n.take
@@ -325,11 +325,14 @@ async def test_writes_of_tasks_resumed_together_are_not_alone(provider: str, loo
             return take(*a)
 
         writer._n.take = counted  # type: ignore[method-assign]
-        writer._take_ns = 0  # the long write is not found in its own call: it stays in flight
-        big = asyncio.ensure_future(writer.write(src, desc, 32 << 20, dst_offset=32 << 20))
+        writer._take_ns = 2_000_000_000  # every look waits for its completion
+        # in flight until the watcher fires it (a long write could complete, and be drained by
+        # a look, before the lanes below have run: on two CPUs a look that yields may last
+        # a scheduler slice)
+        w = writer.uvm_watcher()
+        held = asyncio.ensure_future(writer.write(src, desc, 8, dst_offset=64, when=w.reaches(1)))
         await asyncio.sleep(0)
-        assert looks == [0] and len(writer._ops) == 1
-        writer._take_ns = 2_000_000_000  # from here every look waits for its completion
+        assert looks == [] and len(writer._ops) == 1
         second: list[int] = []
 
         async def lane(i: int) -> None:
@@ -340,12 +343,13 @@ async def test_writes_of_tasks_resumed_together_are_not_alone(provider: str, loo
 
         lanes = [asyncio.ensure_future(lane(i)) for i in range(4)]
         await asyncio.sleep(0)
-        assert len(looks) == 1 and len(writer._ops) == 5  # the four went through futures
+        assert looks == [] and len(writer._ops) == 5  # the four went through futures
+        w.add(1)
         # the loop held until all five completions wait in the ring: one drain takes them all
         deadline = time.monotonic() + 30
         while writer._n.pending_wait(0) < 5 and time.monotonic() < deadline:
             time.sleep(0.005)  # noqa: ASYNC251
-        await asyncio.gather(big, *lanes)
+        await asyncio.gather(held, *lanes)
         assert second == [looked] * 4, looks  # shm, tcp: none of them submitted through a look
         await writer.write(src, desc, 8)  # after them, alone: looked for in its call
         assert looks[-1] == 2_000_000_000
