@@ -1666,7 +1666,8 @@ static void fail_queued(afs_engine *eng)
     while ((x = eng->active.head) != NULL) {
         list_remove(&eng->active, x);
         if (x->done_hook)
-            x->done_hook(x->done_arg, AFS_ECLOSED, "engine closed", AFS_HOOK_REPORTED | AFS_HOOK_RELEASED);
+            x->done_hook(x->done_arg, AFS_ECLOSED, "engine closed",
+                         AFS_HOOK_REPORTED | AFS_HOOK_RELEASED);
         afs_xfer_free(x);
     }
     while ((x = eng->zombies.head) != NULL) {

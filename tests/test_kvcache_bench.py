@@ -7,24 +7,26 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 
-@pytest.mark.timeout(200)
-def test_bench_kvcache_quick(tmp_path: Path) -> None:
+def _bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """`afabric bench kvcache --quick ARGS --json`: the JSON document and the printed report."""
     pytest.importorskip("torch")
     out = tmp_path / "kvcache.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--provider", "shm",
-         "--json", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=180,
+        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", *args, "--json", str(out)],
+        check=False, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_bench_kvcache_quick(tmp_path: Path) -> None:
+    doc, stdout = _bench(tmp_path, "--provider", "shm")
     assert doc["bench"] == "kvcache" and doc["provider"] == "shm" and doc["page_bytes"] == 32768
     assert doc["modes"] == ["push", "pull"]  # --mode both, the default: a row per mode
     assert [(r["tokens"], r["mode"]) for r in doc["rows"]] == [
@@ -38,23 +40,15 @@ def test_bench_kvcache_quick(tmp_path: Path) -> None:
         # the disaggregated request cannot finish before the prefiller's compute did
         assert r["ttft_disagg_ms"] >= r["compute_per_layer_ms"] * doc["model"]["layers"] * 0.99
         assert set(r["samples"]) == {"local", "disagg", "transfer", "exposed", "compute"}
-    assert "TTFT disagg" in proc.stdout and "disagg/local" in proc.stdout
-    assert " push " in proc.stdout and " pull " in proc.stdout
+    assert "TTFT disagg" in stdout and "disagg/local" in stdout
+    assert " push " in stdout and " pull " in stdout
 
 
 @pytest.mark.timeout(200)
 def test_bench_kvcache_hugepages(tmp_path: Path) -> None:
     """--hugepages: both CPU caches over afabric.host_buffer (cma: copies into huge pages)."""
-    pytest.importorskip("torch")
-    out = tmp_path / "kvcache.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "afabric.cli", "bench", "kvcache", "--quick", "--provider", "cma",
-         "--mode", "push", "--hugepages", "--json", str(out)],
-        check=False, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    doc, stdout = _bench(tmp_path, "--provider", "cma", "--mode", "push", "--hugepages")
     assert doc["hugepages"] is True and doc["provider"] == "cma"
     assert [(r["tokens"], r["mode"]) for r in doc["rows"]] == [(1024, "push"), (4096, "push")]
     assert all(r["transfer_per_layer_ms"] > 0 for r in doc["rows"])
-    assert "huge pages: both caches over afabric.host_buffer" in proc.stdout
+    assert "huge pages: both caches over afabric.host_buffer" in stdout
