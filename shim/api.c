@@ -638,7 +638,7 @@ typedef struct afs_bench_counter {
     _Atomic uint32_t waiting;
     _Atomic int32_t status; /* the first failure's */
     _Atomic uint64_t refs; /* the loop's own, plus one per request not yet released */
-    char text[192];        /* the first failure's detail, written before `status` */
+    char text[384];        /* the first failure's detail, written before `status` */
 } afs_bench_counter;
 
 static void bench_unref(afs_bench_counter *c)

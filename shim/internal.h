@@ -147,10 +147,11 @@ typedef struct afs_proc_id {
 int afs_proc_self(afs_proc_id *out);
 int afs_proc_stat(uint32_t pid, char *state, uint64_t *start); /* AFS_EIO if unreadable */
 uint64_t afs_proc_start(uint32_t pid);                          /* 0 if unreadable */
-/* The process `pid` that started at `start` has exited or is exiting (PF_EXITING: a
- * SIGKILLed process's sockets close before its pidfd turns readable). A process whose main
- * thread alone has exited (pthread_exit) reads as exiting too. */
-bool afs_proc_gone(uint32_t pid, uint64_t start);
+/* Whether the process `pid` that started at `start` has exited or is exiting (PF_EXITING: a
+ * SIGKILLed process's sockets close before its pidfd turns readable): what /proc showed, or
+ * NULL for a process alive (or /proc unreadable for a reason of this process's, EMFILE). A
+ * process whose main thread alone has exited (pthread_exit) reads as exiting too. */
+const char *afs_proc_gone(uint32_t pid, uint64_t start);
 
 /* ---- peers.c: watching same-host peers' processes ---- */
 typedef struct afs_live afs_live;
@@ -592,6 +593,7 @@ struct afs_engine {
     uint64_t *down_peers; /* worker-owned: ids of the peers it was told are down, so that */
     uint32_t n_down, cap_down; /* a request taken after that fails instead of posting */
     uint64_t gone_peer;        /* worker-owned: the last peer /proc showed gone (worker.c) */
+    const char *gone_why;      /* worker-owned: what /proc showed of it (a literal) */
     struct afs_ka *ka; /* keepalive.c: worker-owned (NULL: nothing sent yet) */
 };
 

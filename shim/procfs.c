@@ -12,6 +12,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
@@ -41,17 +42,22 @@ static int proc_fields(uint32_t pid, char *state, uint64_t *flags, uint64_t *sta
     if (fd < 0)
         return AFS_EIO;
     ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    int err = n < 0 ? errno : ESRCH; /* nothing to read: reaped between open and read */
     close(fd);
-    if (n <= 0)
+    if (n <= 0) {
+        errno = err; /* afs_proc_gone tells a reaped process from a failure of ours */
         return AFS_EIO;
+    }
     buf[n] = '\0';
     char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
     unsigned long long fl = 0, st = 0;
     /* after ")": state(3) ppid pgrp session tty tpgid flags(9) minflt cminflt majflt cmajflt
      * utime stime cutime cstime priority nice threads itrealvalue starttime(22) */
     if (!p || sscanf(p + 1, " %c %*d %*d %*d %*d %*d %llu %*u %*u %*u %*u %*u %*u %*d %*d %*d "
-                            "%*d %*d %*d %llu", state, &fl, &st) != 3)
+                            "%*d %*d %*d %llu", state, &fl, &st) != 3) {
+        errno = EINVAL;
         return AFS_EIO;
+    }
     *flags = fl;
     *start = st;
     return 0;
@@ -70,14 +76,19 @@ uint64_t afs_proc_start(uint32_t pid)
     return afs_proc_stat(pid, &state, &start) == 0 ? start : 0;
 }
 
-bool afs_proc_gone(uint32_t pid, uint64_t start)
+const char *afs_proc_gone(uint32_t pid, uint64_t start)
 {
     char state = 0;
     uint64_t flags = 0, now_start = 0;
+    errno = 0;
     if (proc_fields(pid, &state, &flags, &now_start) != 0)
-        return true; /* reaped (or /proc unreadable: the caller only asks after a failure) */
-    return now_start != start || state == 'Z' || state == 'X' || state == 'x' ||
-           (flags & PROC_PF_EXITING);
+        /* reaped; any other failure (EMFILE, ENOMEM) says nothing about the peer */
+        return errno == ENOENT || errno == ESRCH ? "no longer in /proc" : NULL;
+    if (now_start != start)
+        return "its pid names another process now";
+    if (state == 'Z' || state == 'X' || state == 'x')
+        return "a zombie";
+    return flags & PROC_PF_EXITING ? "exiting" : NULL;
 }
 
 int afs_proc_self(afs_proc_id *out)

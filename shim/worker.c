@@ -242,7 +242,7 @@ static void set_error(afs_xfer *x, int status, const char *fmt, const char *text
     x->errtext = afs_strdup_printf(fmt, text);
 }
 
-static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid);
+static const char *to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid);
 
 /* The provider failed x (posting it or its completion). To a same-host peer whose process
  * is gone or exiting, that is the peer's exit, reported as on_peer reports it: the provider
@@ -250,10 +250,14 @@ static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid);
 static void fail_op(afs_engine *eng, afs_xfer *x, int status, const char *fmt, const char *text)
 {
     uint32_t pid = 0;
-    if (!x->status && to_gone_peer(eng, x, &pid)) {
-        char msg[96];
-        snprintf(msg, sizeof(msg), "peer (process %u): %s", pid,
-                 afs_peer_down_text(AFS_PEER_EXITED));
+    const char *why = NULL;
+    if (!x->status && (why = to_gone_peer(eng, x, &pid)) != NULL) {
+        /* what /proc showed, and the provider's own failure: the evidence, both */
+        char *failed = afs_strdup_printf(fmt, text);
+        char msg[320];
+        snprintf(msg, sizeof(msg), "peer (process %u): %s (/proc: %s; the provider: %s)", pid,
+                 afs_peer_down_text(AFS_PEER_EXITED), why, failed ? failed : "?");
+        free(failed);
         set_error(x, AFS_EPEER, "%s", msg);
         return;
     }
@@ -1414,10 +1418,11 @@ static bool goes_to(const afs_engine *eng, const afs_xfer *x, const afs_peer_ent
     }
 }
 
-/* x goes to a same-host peer whose process has exited or is exiting (its pid in *pid). Only
- * on a failure: it reads /proc once per watched peer x goes to, except for the last one found
- * gone (a process gone stays gone: a dead peer's thousands of failures read /proc once). */
-static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid)
+/* x goes to a same-host peer whose process has exited or is exiting (its pid in *pid): what
+ * /proc showed, else NULL. Only on a failure: it reads /proc once per watched peer x goes to,
+ * except for the last one found gone (a process gone stays gone: a dead peer's thousands of
+ * failures read /proc once). */
+static const char *to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid)
 {
     pthread_mutex_lock(&eng->peers.lock);
     uint32_t n = eng->peers.n_alloc;
@@ -1429,13 +1434,15 @@ static bool to_gone_peer(afs_engine *eng, const afs_xfer *x, uint32_t *pid)
             !(atomic_load(&p->ka) & AFS_KA_WATCHED) || !goes_to(eng, x, p))
             continue;
         uint64_t id = ((uint64_t)gen << 32) | i;
-        if (eng->gone_peer == id || afs_proc_gone(p->pid, p->start)) {
+        const char *why = eng->gone_peer == id ? eng->gone_why : afs_proc_gone(p->pid, p->start);
+        if (why) {
             eng->gone_peer = id;
+            eng->gone_why = why;
             *pid = p->pid;
-            return true;
+            return why;
         }
     }
-    return false;
+    return NULL;
 }
 
 /* The worker's own list of down peers. api.c refuses an operation to a down peer before

@@ -530,7 +530,7 @@ static bool shm_file_gone(afp_domain *d, uint64_t peer, uint64_t now)
     }
     if (now - sp->checked_ns < SHM_RECHECK_NS)
         return false;
-    if (access(sp->path, F_OK) == 0) {
+    if (access(sp->path, F_OK) == 0 || errno != ENOENT) { /* only ENOENT says it is gone */
         sp->checked_ns = now;
         return false;
     }
