@@ -790,18 +790,11 @@ static int bench_loop(afs_engine *eng, afs_xfer *proto, bool paged, uint64_t spa
     }
     *elapsed_ns = afs_now_ns() - t0;
     int32_t st = atomic_load(&c->status);
-    if (rc) {
-        bench_unref(c);
-        return rc;
-    }
-    if (st) {
+    if (!rc && st)
         rc = afs_fail(st, "benchmark %s failed: %s%s%s", proto->rma.read ? "read" : "write",
                       afs_error_name(st), c->text[0] ? ": " : "", c->text);
-        bench_unref(c);
-        return rc;
-    }
-    bench_unref(c);
-    return 0;
+    bench_unref(c); /* after its text is copied */
+    return rc;
 }
 
 static int bench_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint64_t length,
