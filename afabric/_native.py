@@ -530,7 +530,7 @@ class NativeEngine:
         imm: int,
         trig: tuple[int, int, int] = NO_TRIGGER,
     ) -> int:
-        # the hot path (README "One call per operation"): _request and _submit_req inlined;
+        # the hot path (docs/internals/architecture.md): _request and _submit_req inlined;
         # the owner's request keeps trigger.kind 0 unless the call before was triggered
         h = self._h
         if h is None:
@@ -769,7 +769,7 @@ class NativeEngine:
         ``room()`` (asked at the first message; None: no limit): their events carry the
         slot, for release_recv. With ``plain``, successful DONE records with nothing
         attached (the common case) go into it as operation ids, no Event made (per-operation
-        cost, README "One call per operation"); everything else comes back as Events.
+        cost, docs/internals/architecture.md); everything else comes back as Events.
         ``poll``: the caller looks again soon, so the worker is asked not to signal the event
         fd (afs_poll); the caller's last look must be a plain drain. The loop's thread only
         (Engine: the ring and its count are that thread's)."""

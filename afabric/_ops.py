@@ -1,7 +1,7 @@
 """An operation in flight, as the facade tracks it (shared by engine.py and _messaging.py).
 
 A plain tuple, ``(future, verb, peer, refs, kind)``: one is made per operation, and a tuple
-costs a third of a slotted object's ``__init__`` (README "One call per operation"). The
+costs a third of a slotted object's ``__init__`` (docs/internals/architecture.md). The
 future resolves the caller's await; verb and peer name the operation in errors; refs keep
 what the operation uses alive until it completes; kind is "write", "read", "send" or
 "expect"."""

@@ -195,7 +195,7 @@ def thp_mode() -> str:
     return m.group(1) if m else ""
 
 
-_THP_NOTE = {  # why it matters: cma's copies into huge pages ran 2-3x faster (README, cma)
+_THP_NOTE = {  # why it matters: cma's copies into huge pages ran 2-3x faster (docs/providers/cma.md)
     "always": "any 2 MiB-aligned anonymous memory may get them, afabric.host_buffer's included",
     "madvise": "afabric.host_buffer's memory gets them; torch's, and the ends of numpy's, do not",
     "never": "off: cma copies into 4 KiB pages only (2-3x slower than into huge pages)",
@@ -314,7 +314,7 @@ def _print_info(info: InfoJson) -> None:
 
 def _library(p: ProviderJson) -> str:
     """" (libfabric 1.17.0)" for a provider on libfabric: shm works only between processes
-    of one libfabric version (README), so which one each environment loads is worth seeing."""
+    of one libfabric version (docs/providers/shm.md), so which one each environment loads is worth seeing."""
     versions = ", ".join(dict.fromkeys(n["lib_version"] for n in p["nics"] if n["lib_version"]))
     if not p["fabric_provider"] or not versions:
         return ""

@@ -61,7 +61,7 @@ _INLINE_RUN = 8
 # A write or read awaited alone is looked for in the call that submits it (afs_submit_take)
 # for up to spin_us, at most this long: found there, its completion costs no future, no drain
 # and no loop iteration (complete -> resume 1.8-2.3 µs against 5.7-8.9 through the poll tick,
-# 16-core GPU machine, docs/bench/issue15/latsplit.py). tcp's 8 B writes complete 16-18 µs
+# 16-core GPU machine; docs/guide/progress.md). tcp's 8 B writes complete 16-18 µs
 # after posting (the target acknowledges each) and p99 ~50 µs after the call there: one look
 # of a poll slice misses them. A longer look costs a found one nothing (it ends at the
 # completion); one that misses held the loop this long, as the poll tick would have spun in
@@ -295,7 +295,7 @@ class Engine(MessagingMixin):
         _bounded(rx_depth, "rx_depth", 1, 65535)
         _bounded(tx_depth, "tx_depth", 1, 65535)
         # received messages nobody took with recv() yet (beyond: back-pressure), and distinct
-        # immediate values counted (beyond: new values dropped); README, API
+        # immediate values counted (beyond: new values dropped); docs/configuration.md
         _bounded(max_queued_messages, "max_queued_messages", 0, 1 << 24)
         _bounded(max_imm_values, "max_imm_values", 1, 1 << 24)
         _bounded(max_queued_bytes, "max_queued_bytes", 0, 1 << 40)  # large messages held (_messaging)
@@ -372,7 +372,7 @@ class Engine(MessagingMixin):
         eager = _int_env("FI_OFI_RXM_BUFFER_SIZE", 16384)
         rndv = "ofi_rxm" in self.fabric_provider and self.max_message_size > eager
         self.queue_overflow: str = "drop" if rndv else "backpressure"
-        """What a message that finds max_queued_messages queued meets (README, API)."""
+        """What a message that finds max_queued_messages queued meets (docs/guide/messages.md)."""
         self._remotes: dict[bytes, int] = {}
         # A descriptor keeps the remote id it was imported as (MrDesc._rid) with this token;
         # a new token (allow_peers, an eviction) makes every such shortcut stale at once.
@@ -636,7 +636,7 @@ class Engine(MessagingMixin):
         """Revoke remote access at once and stop holding the buffer. Writes already in
         flight from this region keep its buffer referenced until they complete. On libfabric
         providers it returns only once remote writes accepted before the revocation stopped
-        landing (50 ms without one, 2 s at most; README, Security)."""
+        landing (50 ms without one, 2 s at most; docs/security.md)."""
         self._check_open()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"deregister takes a MemoryRegion, got {type(mr).__name__}")
@@ -652,7 +652,7 @@ class Engine(MessagingMixin):
         only to them; None (the default) allows every peer. Takes effect at once, also for
         peers resolved before. Enforced by the shim's worker: a dropped message or immediate
         never reaches Python (``stats()``: ``rejected``). One whose sender the provider
-        cannot name (tcp: every immediate; README, Security) is dropped too while a list is
+        cannot name (tcp: every immediate; docs/security.md) is dropped too while a list is
         set (``rejected_unknown``), unless ``accept_unknown=True`` lets those through.
         Reaching a peer not on the list raises :class:`~afabric.errors.PeerNotAllowed`. It
         cannot stop a one-sided write from a peer holding one of this engine's remote keys."""
@@ -791,7 +791,7 @@ class Engine(MessagingMixin):
         ``when`` the shim posts it itself once the trigger holds (see afabric.triggers).
         With ``length_from`` (afabric.lengths) ``length`` is the maximum and the shim reads
         the actual length from memory when the write starts."""
-        # The per-call path is inlined (submit cost, README "One call per operation"):
+        # The per-call path is inlined (submit cost, docs/internals/architecture.md):
         # the same checks as _check_loop, _remote, _u64, _imm and _trigger, in that order.
         if self._closed or _get_ident() != self._thread or not self._loop.is_running():
             self._refuse()
@@ -1208,7 +1208,7 @@ class Engine(MessagingMixin):
         the shim submits it and looks for its completion in one call (afs_submit_take, up to
         _TAKE_MAX_NS), and one found there is consumed there: no future, no drain (None).
         Otherwise its future, after the inline look's accounting (_inline_ok, inlined here:
-        this is the awaited write's path, README "One call per operation"). The one in
+        this is the awaited write's path, docs/internals/architecture.md). The one in
         _INLINE_RUN that must let the loop run is looked for all the same; found, it yields
         once (a bare loop iteration) instead of waiting on a future, the poll tick and a
         drain (that wait was the p90 and p99 of an awaited write)."""
@@ -1307,7 +1307,7 @@ class Engine(MessagingMixin):
         (the loop runs its callbacks in order); until then no submission is alone, where a
         look holding the loop for a round trip would cost more than a future (_resume_apart).
         64 lanes of 8 B writes on the GPU machine, loop CPU per write, medians of six runs
-        (docs/bench/issue15/perop/sixteenth-final.sh): shm 5.7 -> 4.4 µs once its resumed
+        (docs/guide/progress.md): shm 5.7 -> 4.4 µs once its resumed
         writes no longer went alone (12-14% of them had); cma 4.0 -> 4.6, so cma keeps them."""
         if resolved > 1 and self._resume_apart and not self._resuming:
             self._resuming = True

@@ -2,8 +2,8 @@
 
 The cma provider's writer copies with process_vm_writev, which looks the target's pages up
 one at a time: 1 MiB writes into 4 KiB pages moved 15-22 GB/s on the 2-core machine, into
-transparent huge pages 48-52 (`afabric bench p2p --provider cma --hugepages`, BENCHMARKS.md,
-twenty-second session; libfabric 1.17's shm moved the same either way). numpy advises huge
+transparent huge pages 48-52 (`afabric bench p2p --provider cma --quick --pattern fixed
+--hugepages`, docs/providers/cma.md; libfabric 1.17's shm moved the same either way). numpy advises huge
 pages for its large arrays, but an array's first and last bytes usually lie outside the
 2 MiB-aligned part that can be huge, and torch advises none; advice also only reaches pages
 not touched yet. host_buffer's memory is a private anonymous mapping, aligned to 2 MiB and

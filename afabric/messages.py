@@ -4,7 +4,7 @@ Every message the facade sends starts with a small header of its own (below): it
 its tag and the sender's address, so a receiver can reply (``msg.sender``) on every
 provider, including those that cannot name senders. Where the provider does name the
 sender (libfabric ``FI_SOURCE``: shm, tcp), the engine checks the header against it
-(``Message.verified``; README, Security).
+(``Message.verified``; docs/security.md).
 
 A message larger than what one receive buffer of the peer holds travels as fragments
 after a handshake: the sender asks (``RTS``: tag, size), the receiver reserves the
@@ -42,7 +42,7 @@ class Message:
     ``verified`` is True when the provider itself named the sender and it matched the
     address in the message's header; False when the provider cannot tell (the sender is a
     peer this engine never resolved, or the provider does not name senders): then
-    ``sender`` is what the sending peer claims (README, Security)."""
+    ``sender`` is what the sending peer claims (docs/security.md)."""
 
     data: bytes | memoryview
     sender: Address

@@ -28,7 +28,7 @@ class NicStats(TypedDict):
 
 
 class MessageStats(TypedDict):
-    """The received-message queue and the large-message machinery (README, API)."""
+    """The received-message queue and the large-message machinery (docs/guide/messages.md)."""
 
     messages_queued: int  # received, not yet taken with recv() (held back ones included)
     messages_held_back: int  # found the queue at max_queued_messages

@@ -12,7 +12,7 @@
  *    AFS_EDENIED, and every write or send is checked again when it starts (the list may
  *    have changed since its peer was resolved).
  * What it cannot stop: a one-sided write from a peer holding one of our remote keys. It
- * lands in memory before any software sees it; keys are capabilities (README, Security).
+ * lands in memory before any software sees it; keys are capabilities (docs/security.md).
  *
  * A list is an immutable snapshot. The worker reads its copy (eng->allow) without locks;
  * callers read theirs (eng->allow_book) under peer_lock; a change installs a new snapshot

@@ -253,7 +253,7 @@ typedef struct afs_peer_entry {
 #define AFS_KA_KNOWS_US 2u /* it resolved this engine (it said hello): a goodbye goes to it */
 #define AFS_KA_WATCHED 4u  /* its process is watched (peers.c) */
 /* It lives in this process (peers.c): no frames to it. An engine closed in this process is
- * refused by the provider already (README, Errors), and libfabric 2.5.1's shm crashed in
+ * refused by the provider already (docs/guide/peers.md), and libfabric 2.5.1's shm crashed in
  * fi_cq_readfrom when an in-process engine that had been sent to first (here: a hello)
  * then sent a large message (several frames) to the sender. */
 #define AFS_KA_SAME_PROCESS 8u

@@ -3,7 +3,7 @@
  *
  * 1. The soft limit on open files is raised to the hard limit when an engine is made, as
  *    servers do: every peer connection of a socket provider is a descriptor, and 1,024
- *    (the usual soft default) is used up by a thousand idle connections (issue 16).
+ *    (the usual soft default) is used up by a thousand idle connections.
  *
  * 2. Keeping the application's signal dispositions while a provider library loads.
  *
@@ -20,7 +20,7 @@
  * The one process-wide object is the mutex: dispositions are process-wide, and two
  * engines created at once on two threads must not save each other's half-loaded state.
  * An application thread changing a disposition *while* a provider loads loses that change
- * if the provider changed the same signal (documented in the README).
+ * if the provider changed the same signal (docs/limitations.md).
  */
 #include <signal.h>
 #include <string.h>

@@ -20,7 +20,7 @@
  * an epoll wait, an eventfd read and a drain each, and on two CPUs that time was the
  * target's. 64 lanes of 8 B / 4 KiB shm writes, 2-core machine: loop CPU per write
  * 5.41-7.19 -> 2.50-2.72 us, wall 7.80-11.45 -> 3.95-4.45 us per write
- * (docs/bench/issue15/perop/moderation-ab.sh). Fewer in flight (an awaited write alone, a
+ * (docs/guide/progress.md). Fewer in flight (an awaited write alone, a
  * few at a time): signalled at once. */
 #define HOLD_MIN_INFLIGHT 16u
 #define HOLD_BATCH 8u

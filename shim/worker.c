@@ -1007,7 +1007,7 @@ static uint64_t landed_total(afs_engine *eng)
  * (AFP_CAP_TARGET_COPIES: libfabric 1.17's tcp;ofi_rxm reads an accepted write's payload from
  * the socket straight into the region over many progress calls, shm's SAR protocol copies in
  * steps): closing the key stops new writes, not one already accepted, and its bytes kept
- * landing up to ~6 ms after deregister returned (issue 16). So the caller is answered only
+ * landing up to ~6 ms after deregister returned. So the caller is answered only
  * once the worker, polling as usual, has seen no remote write complete for DEREG_QUIET_NS
  * (an accepted write completes as its last byte lands), or after DEREG_MAX_NS at most.
  * The counter is per engine, not per region: writes streaming into other regions keep it
@@ -1725,7 +1725,7 @@ void *afs_worker_main(void *arg)
         /* A slow progress call means data is moving, except the first after a nap: caches
          * gone cold make an idle call slow too, and believing it cost an idle shm engine a
          * spin_us spin per wake-up (0.46-0.59% of a core against 0.28-0.34 on the GPU
-         * machine, BENCHMARKS.md). That one is believed if the next look is slow as well. */
+         * machine, docs/guide/progress.md). That one is believed if the next look is slow as well. */
         bool look_again = slow && napped && !did;
         did |= slow && !napped;
         napped = false;

@@ -86,7 +86,7 @@ def expect_refusal_reported(provider: str, seen: str) -> None:
 
 async def write_through_reset(eng: afabric.Engine, src: afabric.MemoryRegion, desc: afabric.MrDesc) -> None:
     """tcp;ofi_rxm (1.17) resets the connection after a refused access: the next write may
-    fail with PeerUnreachable before it reconnects (README, known limitations)."""
+    fail with PeerUnreachable before it reconnects (docs/limitations.md)."""
     for _ in range(3):
         with contextlib.suppress(errors.PeerUnreachable):
             await eng.write(src, desc, 8)
@@ -201,7 +201,7 @@ async def test_messages_bounded_by_the_receivers_maximum(provider: str, peers: l
         await eng.send(addr, bytes(65536))  # so is its maximum itself (the header adds to it)
         if provider == "shm":
             # shm (1.17 and 2.5.1) stops delivering after an oversize message: the
-            # sender-side check above is all that protects there (README, known limitations)
+            # sender-side check above is all that protects there (docs/limitations.md)
             await eng.send(addr, b"x")
             assert await sink.result() == [65537, 65536, 1, 0]
             return

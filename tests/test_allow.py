@@ -78,7 +78,7 @@ async def nothing_more(eng: afabric.Engine) -> None:
 
 def exact_imm_sources(eng: afabric.Engine) -> bool:
     """shm and libfabric 2's native tcp name the sender of every immediate, 1.17's
-    tcp;ofi_rxm of none (README, Security)."""
+    tcp;ofi_rxm of none (docs/security.md)."""
     return "ofi_rxm" not in eng.fabric_provider
 
 
@@ -237,7 +237,7 @@ async def writer(ctl: Ctl, provider: str) -> bool:
 
 
 async def test_a_key_holder_writes_despite_the_list(provider: str, peers: list[Peer]) -> None:
-    """What the README says plainly: remote keys are capabilities. An unlisted peer that
+    """What docs/security.md says plainly: remote keys are capabilities. An unlisted peer that
     holds a descriptor writes into it; the list stops its messages, not its writes."""
     p = Peer(writer, provider)
     peers.append(p)

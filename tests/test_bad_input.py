@@ -145,7 +145,7 @@ async def refused_without_damage(
 ) -> None:
     if a.provider == "shm" and libfabric_version() >= (2, 0):
         # libfabric 2.x shm drops a refused access and reports success: nothing is written
-        # (checked below), but the sender is not told (README: known limitations).
+        # (checked below), but the sender is not told (docs/limitations.md).
         await asyncio.wait_for(a.write(smr, forged, 8192), 30)
     elif a.provider == "shm":
         # libfabric 1.17's shm drops a refused access without an answer; the provider sees

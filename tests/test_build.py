@@ -1,6 +1,6 @@
 """The package builds without rdma-core's headers, its verbs provider is the same machine
 code as one built against them, and the manylinux wheel installs and moves data in a clean
-virtual environment with no compiler and no -dev headers (issue 17, items 1 and 6).
+virtual environment with no compiler and no -dev headers.
 
 The wheel tests hide directories in a private mount namespace (``unshare -m`` and a bind
 mount of an empty directory), so they need root; tests/run.sh runs as root.

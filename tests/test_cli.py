@@ -1,4 +1,4 @@
-"""The ``afabric`` command as a new user meets it (issue 17, items 3 and 4), run as a real
+"""The ``afabric`` command as a new user meets it, run as a real
 subprocess of the venv's ``afabric`` script:
 
 - ``--version``;

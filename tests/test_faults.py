@@ -38,7 +38,7 @@ OPS = ["write", "paged", "scatter", "barrier", "send", "expect_imm"]
 
 def shm_stalls_after_death(provider: str) -> bool:
     """libfabric 1.x shm never completes an operation to a dead peer and stalls the
-    endpoint's later completions behind it (README, known limitations): the way on there
+    endpoint's later completions behind it (docs/limitations.md): the way on there
     is a fresh engine. libfabric 2.x does not have this problem (the suite runs on both)."""
     return provider == "shm" and libfabric_version() < (2, 0)
 
@@ -235,7 +235,7 @@ async def test_stopped_peer_times_out_then_recovers(provider: str, peers: list[P
         await eng.write(src, desc, REGION)  # connected and working
         # stopped idle, not inside its provider's progress: a libfabric 1.17 shm target
         # stopped while it holds its region's lock holds every writer to it until it runs
-        # again (README, Known limitations), and then nothing can time out meanwhile
+        # again (docs/limitations.md), and then nothing can time out meanwhile
         await asyncio.sleep(0.2)
         try:
             await stop_process(pid)  # every thread stopped, not only signalled
@@ -300,7 +300,7 @@ async def write_through_reset(
     eng: afabric.Engine, src: afabric.MemoryRegion, desc: afabric.MrDesc, n: int
 ) -> None:
     """After a refused access tcp;ofi_rxm (1.17) resets the connection and the next write
-    may fail with PeerUnreachable before it reconnects (README, known limitations)."""
+    may fail with PeerUnreachable before it reconnects (docs/limitations.md)."""
     for _ in range(3):
         try:
             await eng.write(src, desc, n)

@@ -1,6 +1,6 @@
 """afabric.host_buffer: memory that same-host copies (cma's process_vm_writev) land in over
 transparent huge pages. The alignment and the kernel's view of the mapping (smaps'
-THPeligible: the advice took) are asserted, not the speed (BENCHMARKS.md measures that)."""
+THPeligible: the advice took) are asserted, not the speed (docs/performance.md measures that)."""
 
 from __future__ import annotations
 

@@ -290,7 +290,7 @@ async def test_decoder_killed_mid_request(provider: str, peers: list[Peer], shm_
         await asyncio.sleep(0.2)
     assert st.get("dead_decoders", 0) >= 1 or st.get("failed", 0) >= 1, st
     if provider == "shm" and libfabric_version() < (2, 0):
-        return  # 1.17's shm endpoint stalls after a peer died (README): nothing more to test
+        return  # 1.17's shm endpoint stalls after a peer died (docs/limitations.md): nothing more to test
     # the prefiller serves others as before
     async with afabric.Engine(provider) as eng:
         dec, cache = decoder(eng)

@@ -184,7 +184,7 @@ async def test_shared_torch_storage_refused(provider: str) -> None:
         eng.register(fixed[:1024])
 
 
-# ---- what register accepts (issue 17) ----
+# ---- what register accepts ----
 
 
 async def test_object_arrays_refused(provider: str) -> None:

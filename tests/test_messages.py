@@ -1,5 +1,5 @@
-"""Messages that say who sent them, tags, messages of any size, recv_into and the bounds
-(issue 18 items 2-4): real engines, real processes, tcp and shm."""
+"""Messages that say who sent them, tags, messages of any size, recv_into and the bounds:
+real engines, real processes, tcp and shm."""
 
 from __future__ import annotations
 

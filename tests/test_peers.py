@@ -1,6 +1,6 @@
 """Peer-down: a peer's process that is gone (SIGKILL) is noticed without anything posted
 (``eng.peer_events()``), every operation to it fails at once with ``PeerUnreachable``, and
-the engine's other peers are not disturbed (issue 18 item 5, issue 16 item 7).
+the engine's other peers are not disturbed.
 
 Same-host peers are watched through their process (pidfd, shim/peers.c): the bound here is
 1 s from the killed process's exit (its pidfd readable: ``Peer.kill``), not ``op_timeout``
@@ -245,7 +245,7 @@ HEARTBEAT = 0.1  # s: the engine's keepalive interval in the test below
 
 @pytest.mark.timeout(90)
 async def test_silent_peer_then_closed_engine(provider: str, peers: list[Peer], shm_cleanup: None) -> None:
-    """Peers that do not die (issue 18 item 5): with ``heartbeat``, a peer SIGSTOPped (its
+    """Peers that do not die: with ``heartbeat``, a peer SIGSTOPped (its
     pidfd says nothing, peer_stop_timeout is off) is reported down "silent" within
     HEARTBEAT_MISSES + 1 intervals and operations to it fail with PeerUnreachable; after SIGCONT
     it answers and is up again. Then the peer closes its engine while its process lives on:

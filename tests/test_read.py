@@ -341,7 +341,7 @@ async def test_access_is_checked_before_posting(provider: str, peers: list[Peer]
 def expect_refused(provider: str, seen: str) -> None:
     """How each provider reports a refused one-sided access (see test_access.py)."""
     if provider == "tcp":  # refused, or failed by the connection the refusal reset: 2.x's tcp
-        # may close it before the refusal's completion arrives (README, known limitations)
+        # may close it before the refusal's completion arrives (docs/limitations.md)
         assert seen.startswith(("TransportError", "RemoteKeyRejected", "PeerUnreachable")), seen
     elif provider == "cma":  # the writer checks the target's export table itself
         assert seen.startswith("RemoteKeyRejected"), seen
@@ -376,7 +376,7 @@ def _read_access_enforced(provider: str) -> bool:
     """Measured: only libfabric 2.x tcp refuses a remote read the region was not registered
     for. 1.17's tcp;ofi_rxm registers every region FI_REMOTE_READ (its rendezvous reads);
     1.17's shm reads through CMA from the initiator without checking the key at all; 2.5.1's
-    shm reports the refused read as a success (nothing read). README, Security. cma checks
+    shm reports the refused read as a success (nothing read). docs/security.md. cma checks
     the target's export entry (its access bits) before every read."""
     return provider == "cma" or (provider == "tcp" and libfabric_version() >= (2, 0))
 

@@ -393,7 +393,7 @@ def test_info_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert "efa: " in out and "auto picked " in out
     if _sockets_installed():
         assert "sockets: available  [distribution afabric-sockets, priority 0]" in out
-    # the kernel's huge page setting, which cma's copy speed depends on (README, cma)
+    # the kernel's huge page setting, which cma's copy speed depends on (docs/providers/cma.md)
     setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     thp = re.search(r"\[(\w+)\]", setting.read_text() if setting.exists() else "")
     assert f"transparent huge pages: {thp.group(1) if thp else 'none'}: " in out, out

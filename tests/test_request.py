@@ -1,4 +1,4 @@
-"""The submit path's request struct (afs_submit_req, issue 19 item 2): size-prefixed, checked
+"""The submit path's request struct (afs_submit_req): size-prefixed, checked
 before anything is posted, and reused by the loop's thread without one call's fields (its
 trigger above all) leaking into the next."""
 

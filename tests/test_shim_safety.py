@@ -1,5 +1,5 @@
 """Memory and bookkeeping safety of the shim and the libfabric provider, between real
-processes (issue 16): arrivals never lost to a cancelled expectation, deadlines that
+processes: arrivals never lost to a cancelled expectation, deadlines that
 measure progress, no byte landing after deregister() returned, no crash writing to a
 closed engine, and no lost notification reported as a success."""
 
@@ -171,7 +171,7 @@ async def big_streamer(ctl: Ctl, provider: str) -> list[int]:
             nxt = asyncio.ensure_future(ctl.get(timeout=100))
             ok = 0
             # cma: 16 writes of 64 KiB (the last ends the region) go first, run whole on the
-            # copy threads (issue 15); every other round they stream alone
+            # copy threads; every other round they stream alone
             small = [(k + 1) * (BIG // 16) - 64 * 1024 for k in range(16)]
             small = small if provider == "cma" else []
             big = 0 if small and len(ok_per_round) % 2 else 2

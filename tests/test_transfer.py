@@ -212,7 +212,7 @@ async def sink(ctl: Ctl, provider: str, nbytes: int) -> None:
 async def test_killed_target_fails_futures_and_engine_lives_on(
     provider: str, peers: list[Peer], shm_cleanup: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if provider == "cma":  # 64 KiB writes run whole on copy threads (issue 15), 8 queued
+    if provider == "cma":  # 64 KiB writes run whole on copy threads, 8 queued
         monkeypatch.setenv("AFABRIC_CMA_THREADS", "3")
     chunk = 64 * 1024 if provider == "cma" else 256 * 1024
     victim = Peer(sink, provider, 16 * chunk)
@@ -332,7 +332,7 @@ async def test_cma_copy_refused_by_the_kernel_fails_the_write(peers: list[Peer])
     await p.result()
 
 
-# ---- cma: large copies split over the domain's copy threads (issue 15) ----
+# ---- cma: large copies split over the domain's copy threads ----
 
 
 async def cma_split_target(ctl: Ctl, nbytes: int, seed: int) -> int:
@@ -396,7 +396,7 @@ async def test_cma_large_copies_split_over_copy_threads(
     immediate reaches the target only after every part landed, a read comes back byte-exact,
     so does a paged write whose parts cut pages, a part that meets an unmapped page fails
     the write once with EFAULT and delivers no immediate, and idle copy threads sleep.
-    Smaller operations (64 KiB) run whole on the copy threads, many at once (issue 15):
+    Smaller operations (64 KiB) run whole on the copy threads, many at once:
     a queued paged write lands; 12 writes with immediates in flight, each held back 50 ms
     inside its copy, land byte-exact before their immediates (checked at each arrival),
     while the worker, free, completes an 8 B write ahead of them; 12 reads come back exact;

@@ -13,7 +13,7 @@
 #define CMA_DEFAULT_SPLIT_AT (256ull << 10)
 #define CMA_ALIGN 4096ull /* parts start on page boundaries of the operation */
 /* whole operations of 16 KiB and more go to the copy threads, smaller ones are copied inline:
- * on the 16-core GPU machine (docs/bench/issue15/cma-pipe) 4 KiB writes, window 64, raw C loop
+ * on the 16-core GPU machine (afabric bench p2p --provider cma) 4 KiB writes, window 64, raw C loop
  * moved 1.18-1.46 GB/s handed over against 2.26 inline (the hand-over costs ~1 us an
  * operation), 64 KiB 24-29 GB/s handed over against 3.2 inline (earlier run); 16 KiB is
  * between those two measured points, not measured itself */
@@ -67,7 +67,7 @@ int cma_pool_init(cma_pool *p, cma_run_fn run, cma_notify_fn notify, void *notif
     /* half the CPUs we may use (the target, our loop and the worker need the rest: on 2
      * CPUs a second copier only slowed the copy), 8 at most: on the 16-core GPU machine 4
      * copiers of 256 KiB moved 1 MiB writes at 13.6-13.9 GB/s (0.83x fi_rma_bw shm), 8 of
-     * 128 KiB at 14.6-23.3 (BENCHMARKS.md, cma copy threads) */
+     * 128 KiB at 14.6-23.3 (afabric bench p2p --provider cma; docs/providers/cma.md) */
     uint64_t copiers = cpus / 2 < CMA_DEFAULT_COPIERS ? cpus / 2 : CMA_DEFAULT_COPIERS;
     copiers = env_bytes("AFABRIC_CMA_THREADS", copiers); /* an explicit count is taken as is */
     p->copiers = copiers < 1 ? 1u : copiers > CMA_MAX_COPIERS ? CMA_MAX_COPIERS : (uint32_t)copiers;

@@ -1,6 +1,6 @@
 /*
- * The cma domain's copy threads (issue 15): one process_vm_writev runs at 4-5 GB/s on the
- * 16-core GPU machine (docs/bench/issue15/cmabw.c), four in parallel 18-29, eight 38-61. A large
+ * The cma domain's copy threads: one process_vm_writev runs at 4-5 GB/s on the
+ * 16-core GPU machine (tools/repro/cma_parallel_copy.c), four in parallel 18-29, eight 38-61. A large
  * contiguous write or read (and a large paged write) is split into parts of at least
  * `min_part` bytes, at most `copiers` of them: the worker thread hands all but the first
  * to the pool, copies the first itself, then waits for every part. So the whole operation
@@ -18,7 +18,7 @@
  * them; no part can be in flight then (a split copy returns only when all parts did), so
  * the join waits for nothing but the threads' exit.
  *
- * Whole operations in parallel (pipelining, issue 15): an operation of at least `async_at`
+ * Whole operations in parallel (pipelining): an operation of at least `async_at`
  * bytes (AFABRIC_CMA_ASYNC_AT, default 16 KiB) that stays whole is a job: the worker queues it
  * (cma_pool_submit) and returns from post at once. A copy thread takes it, runs it through
  * the provider's `run` (which takes the target's writer slot, checks the entry's generation,

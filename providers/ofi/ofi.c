@@ -380,7 +380,7 @@ static void emu_rx_done(afp_domain *d, struct ofi_op *op)
  * Two engines of one process on libfabric 1.17's shm: a peer in the same process is not
  * mapped from /dev/shm, its AV entry points straight at that endpoint's own shared region.
  * Once that endpoint is closed (its region unmapped), a write to it dereferences unmapped
- * memory: SIGSEGV in pthread_spin_lock on the worker thread, 3 of 3 runs (issue 16). So
+ * memory: SIGSEGV in pthread_spin_lock on the worker thread, 3 of 3 runs. So
  * this process's domains are listed here by address, every domain that resolves one of
  * them holds a reference, and:
  *  - a closed domain is marked closed at once (writes and sends to it fail with AFP_EPEER
@@ -487,7 +487,7 @@ static bool inproc_gone(afp_domain *d, uint64_t peer)
 /*
  * A peer of another process whose endpoint was closed: libfabric 1.17's shm cannot map it
  * any more (its /dev/shm file is gone), and a write posted to it anyway never completes and
- * stalls every later completion of the endpoint (README, known limitations). Its FI_ADDR_STR
+ * stalls every later completion of the endpoint (docs/limitations.md). Its FI_ADDR_STR
  * address ("fi_shm://NAME") names that file, so resolve refuses a peer whose file is gone,
  * and posting checks again, at most every SHM_RECHECK_NS per peer (a stat is ~1 us; a peer
  * closed within that window of the last check is still posted to).
@@ -1009,7 +1009,7 @@ static bool cuda_present(void)
  * for (GPUDirect), so they ask wherever libcuda loads. The software ones (shm, tcp) do not
  * unless AFABRIC_OFI_HMEM=1: Debian's and PyPI's libfabric have no CUDA support, so FI_HMEM
  * gains nothing there, and it costs: 1.17's shm moved 64 KiB host-memory writes at 4.0-4.8
- * GB/s with it against 10.5-14.6 without (16-core GPU host, docs/bench/issue15/shmrepro.c).
+ * GB/s with it against 10.5-14.6 without (16-core GPU host, tools/repro/shm_rma_bw.c -m 1 against -m 0).
  * AFABRIC_OFI_HMEM=0 keeps it off everywhere. */
 static bool want_hmem(const afp_open_args *a)
 {
@@ -1280,9 +1280,9 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     d->write_flags = FI_COMPLETION | (d->delivery_complete ? FI_DELIVERY_COMPLETE : 0);
     /* A zero-length write with an immediate (what barrier sends) to a revoked key: sent with
      * FI_COMPLETION alone, tcp;ofi_rxm (1.17) and tcp (2.5.1) report success and the target
-     * drops it (issue 16); delivery-complete, they report the refusal. shm is the exception,
+     * drops it; delivery-complete, they report the refusal. shm is the exception,
      * measured: 1.17 never completes a zero-length FI_DELIVERY_COMPLETE write and stalls its
-     * queue behind it, 2.5.1 reports success either way (README, known limitations). */
+     * queue behind it, 2.5.1 reports success either way (docs/limitations.md). */
     d->zero_len_dc = d->delivery_complete && strcmp(d->prov_name, "shm") != 0;
     /* core providers' prov_version is FI_VERSION(major * 100 + minor, revision * 10) */
     d->prov_ver = FI_MAJOR(info->fabric_attr->prov_version);

@@ -88,7 +88,7 @@
 /* struct smr_resp {uint64 msg_id (our struct smr_tx_entry *); uint64 status}: FI_EBUSY while
  * pending, else the (negative) result. struct smr_tx_entry {struct smr_cmd cmd (256 bytes:
  * msg_id, id, uint32 op, uint16 op_src @20, ..., src_data @32); int64 peer_id; void *context
- * @264}. Measured on 1.17 with docs/shm117/shm117_probe.c. */
+ * @264}. Measured on 1.17 with tools/repro/shm117_layout_probe.c. */
 #define SMR117_STATUS_BUSY 16      /* FI_EBUSY: a cross-memory-attach operation in flight */
 #define SMR117_STATUS_SAR_FREE 1025 /* the target has taken the bounce buffer's data */
 #define SMR117_STATUS_SAR_FULL 1026 /* data waiting in the bounce buffer */
