@@ -1,7 +1,7 @@
 """The one place the benchmarks reach below afabric's public API.
 
-The benchmarks use the public API, with two exceptions: measurements the API deliberately
-does not offer. Both read the engine's private state here and nowhere else, so a change
+The benchmarks use the public API, with three exceptions: measurements the API deliberately
+does not offer. They read the engine's private state here and nowhere else, so a change
 inside :class:`afabric.Engine` has this one file to follow:
 
 - :class:`RawLoop`: the shim's raw C loops (``afs_bench_write``, ``afs_bench_read``,
@@ -12,11 +12,14 @@ inside :class:`afabric.Engine` has this one file to follow:
   (``afs_done_hook``, shim/internal.h), never the completion ring.
 - :func:`record_first_posts`: the time the worker first posted each triggered write
   (``afabric bench trigger``: bump-to-post latency).
+- :func:`watcher_store`: a store into a watcher's word made by the shim, which reads the
+  clock just before it, as a GPU kernel's store would be timed (``afabric bench trigger``).
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +27,7 @@ import numpy.typing as npt
 from ..descriptor import MrDesc
 from ..engine import Engine
 from ..memory import MemoryRegion
+from ..watcher import UvmWatcher
 
 
 class RawLoop:
@@ -67,3 +71,11 @@ def record_first_posts(eng: Engine, sink: collections.deque[tuple[int, int]] | N
     """From now on append ``(operation id, first post time in ns)`` to ``sink`` for every
     completed operation the worker stamped (triggered writes); ``None`` stops it."""
     eng._first_posts = sink
+
+
+def watcher_store(eng: Engine, watcher: UvmWatcher) -> Callable[[int], int]:
+    """A function storing its argument into ``watcher``'s word through the shim and returning
+    the clock (ns, CLOCK_MONOTONIC) read in C just before the store. Safe to call from
+    another thread while the watcher is open."""
+    store, watcher_id = eng._n.watcher_store, watcher.id
+    return lambda value: store(watcher_id, value)

@@ -45,7 +45,7 @@ from ..errors import AfabricError
 from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
-from .raw import record_first_posts
+from .raw import record_first_posts, watcher_store
 
 SIZE = 64  # bytes per write (a small "layer done" payload; the immediate is what counts)
 REGION = 1 << 16
@@ -120,13 +120,13 @@ def _writer(
     """Bump n times; before bump k wait for the loop's go (write k-1 done), then a paced gap."""
     rng = random.Random(seed)
     lo, hi = PACE_US[0] / 1e6, PACE_US[1] / 1e6
-    store = eng._n.watcher_store  # the block closes the watcher after this returns
+    store = watcher_store(eng, w)  # the block closes the watcher after this returns
     try:
         for k in range(n):
             if not go.get():
                 return
             time.sleep(rng.uniform(lo, hi))
-            t_change[k] = store(w.id, k + 1)  # the clock, read in C just before the store
+            t_change[k] = store(k + 1)  # the clock, read in C just before the store
     except BaseException as e:  # noqa: BLE001 - reported by the block that started it
         errs.append(f"{type(e).__name__}: {e}")
 
