@@ -114,10 +114,25 @@ class MessagingMixin:
 
     async def send(self, peer: Address, data: bytes | bytearray | memoryview, *, tag: int = 0) -> None:
         """Two-sided send of any size to ``peer``, received there by ``recv(tag=tag)``.
-        A message larger than one of the peer's receive buffers is sent in fragments once
-        the peer has reserved room for it (waiting at most ``op_timeout`` for that:
-        ``OperationTimeout``); one larger than the peer ever takes raises
-        ``MessageTooLarge``."""
+
+        A message larger than one of the peer's receive buffers is announced first and sent in
+        fragments once the peer has reserved room for it.
+
+        Args:
+            peer: the receiving engine's address (or its bytes).
+            data: the bytes to send.
+            tag: the application tag, 0..``afabric.TAG_MAX``.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop.
+            InvalidArgument: ``tag`` is out of range or ``data`` is not bytes-like.
+            MessageTooLarge: larger than the peer's ``max_queued_bytes`` (nothing is sent).
+            PeerNotAllowed: the peer is not on the allow-list.
+            PeerUnreachable: the peer's process or engine is gone.
+            OperationTimeout: the peer made no room, or did not answer, within ``op_timeout``.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise errors.InvalidType(
@@ -215,9 +230,22 @@ class MessagingMixin:
     # ---- receiving ----
 
     async def recv(self, *, tag: int = 0) -> m.Message:
-        """The next message with ``tag`` (any sender): a :class:`afabric.Message` with
-        ``.data``, ``.sender`` (reply to it) and ``.tag``. Messages of other tags stay
-        queued for their own ``recv``. Cancelling never loses a message."""
+        """The next message with ``tag``, from any sender.
+
+        Messages of other tags stay queued for their own ``recv``; several ``recv`` on one tag are
+        served oldest first. Cancelling never loses a message.
+
+        Args:
+            tag: the application tag, 0..``afabric.TAG_MAX``.
+
+        Returns:
+            The message: ``.data``, ``.sender`` (reply to it), ``.tag``, ``.verified``.
+
+        Raises:
+            EngineClosed: the engine is closed (before or while waiting).
+            UsageError: called from another thread or event loop.
+            InvalidArgument: ``tag`` is out of range.
+        """
         self._check_loop()
         return await self._recv(m.check_tag(tag), None)
 
@@ -254,16 +282,41 @@ class MessagingMixin:
                     del self._recv_waiters[tag]
 
     async def recv_bytes(self, *, tag: int = 0) -> bytes:
-        """Only the bytes of the next message with ``tag``."""
+        """Only the bytes of the next message with ``tag``.
+
+        Args:
+            tag: the application tag, 0..``afabric.TAG_MAX``.
+
+        Returns:
+            The message's bytes.
+
+        Raises:
+            EngineClosed: the engine is closed (before or while waiting).
+            UsageError: called from another thread or event loop.
+            InvalidArgument: ``tag`` is out of range.
+        """
         msg = await self.recv(tag=tag)
         return msg.data if isinstance(msg.data, bytes) else bytes(msg.data)
 
     async def recv_into(self, buf: Any, *, tag: int = 0) -> m.Message:
-        """The next message with ``tag``, in ``buf`` (a writable buffer, or a host
-        :class:`MemoryRegion`); the returned message's ``data`` is a memoryview of ``buf``
-        holding it. A large message announced while this waits is reassembled in ``buf``
-        itself; one that was already queued is copied there. A message larger than ``buf``
-        raises ``MessageTooLarge`` and stays queued for the next ``recv``."""
+        """The next message with ``tag``, copied into ``buf``.
+
+        A large message announced while this waits is reassembled in ``buf`` itself (no memory of
+        the engine's); one already queued is copied there.
+
+        Args:
+            buf: a writable buffer, or a host memory region of this engine.
+            tag: the application tag, 0..``afabric.TAG_MAX``.
+
+        Returns:
+            The message; its ``data`` is a memoryview of ``buf`` holding it.
+
+        Raises:
+            EngineClosed: the engine is closed (before or while waiting).
+            UsageError: called from another thread or event loop.
+            InvalidArgument: ``buf`` is not writable, or ``tag`` is out of range.
+            MessageTooLarge: the next message is larger than ``buf`` (it stays queued).
+        """
         if isinstance(buf, MemoryRegion):
             buf.check(self)  # type: ignore[arg-type]
             try:

@@ -20,6 +20,17 @@ class Address:
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Address:
+        """The address encoded in ``blob`` (what ``bytes(address)`` gave).
+
+        Args:
+            blob: the address's bytes.
+
+        Returns:
+            The address.
+
+        Raises:
+            BadDescriptor: the blob is truncated, corrupted or not an address.
+        """
         return cls(bytes(blob))
 
     def __bytes__(self) -> bytes:
@@ -32,8 +43,12 @@ class Address:
         return f"Address({self._blob.hex()[:16]}…, nics={self.nics})"
 
     def short(self) -> str:
-        """A short tag for messages: the low half of the incarnation in hex (the high half
-        is the creation time, shared by engines made in the same second)."""
+        """A short tag for log lines: the low half of the incarnation in hex.
+
+        Returns:
+            Eight hex digits (the high half is the creation time, shared by engines made in the
+            same second).
+        """
         return f"{self.incarnation & 0xFFFFFFFF:08x}"
 
     def __eq__(self, other: object) -> bool:

@@ -41,6 +41,17 @@ class MrDesc:
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> MrDesc:
+        """The descriptor encoded in ``blob`` (what ``bytes(desc)`` gave).
+
+        Args:
+            blob: the descriptor's bytes.
+
+        Returns:
+            The descriptor, decoded and checked.
+
+        Raises:
+            BadDescriptor: the blob is truncated, corrupted or not a descriptor.
+        """
         return cls(bytes(blob))
 
     def __bytes__(self) -> bytes:

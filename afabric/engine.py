@@ -236,6 +236,48 @@ class Engine(MessagingMixin):
         async with afabric.Engine(provider="auto") as eng:
             mr = eng.register(buf)
             ...
+
+    Args:
+        provider: ``"auto"`` (the best provider that sees a usable NIC, saying why in
+            :attr:`provider_choice`), or a provider's name: ``"tcp"``, ``"shm"``, ``"efa"``,
+            ``"verbs"``, ``"cma"``, ``"nvlink"`` or a plugin's. ``$AFABRIC_PROVIDER`` replaces
+            ``"auto"``.
+        nic: one NIC by name (``"efa0"``, ``"mlx5_0:1"``, ``"cuda0"``, ``"lo"``).
+        nics: the NICs of a domain group (names, or how many of the first usable ones);
+            large writes are split across them. Every peer must use as many.
+        bind: the interface address to bind (tcp binds 127.0.0.1 unless given this or a NIC).
+        cpu: the core the worker thread is pinned to (default: one near the NIC).
+        polling: ``"adaptive"`` (spin ``spin_us`` after activity, then sleep) or ``"spin"``
+            (never sleep; a core per engine).
+        spin_us: how long the worker, and the event loop while it awaits a few operations,
+            keep looking after activity before sleeping (0..10,000,000; 0: the loop never polls).
+        max_message_size: bytes of one receive buffer (256 B..64 MiB); larger messages are
+            sent in fragments.
+        op_timeout: seconds without progress before an operation fails with
+            :class:`~afabric.errors.OperationTimeout` (0: never).
+        rx_depth: receive buffers posted to the provider (1..65535).
+        tx_depth: sends and writes the provider may hold at once (1..65535).
+        name: the engine's name in logs (logger ``afabric.engine.<name>``).
+        timing: stamp every operation's stages in the shim (read with :meth:`timings`).
+        allow_peers: only these peers may reach this engine, and only these are reached
+            (:meth:`allow_peers`); None: every peer.
+        max_queued_messages: received messages not yet taken by ``recv`` (0..2**24); beyond
+            it senders are held back (or, see :attr:`queue_overflow`, messages dropped).
+        max_imm_values: distinct immediate values the counter table holds (1..2**24).
+        max_queued_bytes: memory for messages larger than one receive buffer, being received
+            or queued (0..2**40).
+        peer_stop_timeout: seconds after which a same-host peer whose process is stopped
+            (SIGSTOP) is reported down; None: off.
+        heartbeat: seconds between keepalives to each peer in use; a peer that answers none
+            for ``HEARTBEAT_MISSES`` intervals is reported down; None: off.
+
+    Raises:
+        UsageError: no event loop is running in this thread.
+        InvalidArgument: an argument outside the range given above.
+        ProviderUnavailable: the provider is not installed or sees no usable NIC.
+        PluginError: the provider's plugin is broken.
+        ShimLoadError: the C shim could not be loaded.
+        TransportError: the provider failed to open its domain.
     """
 
     def __init__(
@@ -423,11 +465,21 @@ class Engine(MessagingMixin):
 
     @property
     def closed(self) -> bool:
+        """True once the engine is closed (by :meth:`close`, :meth:`aclose`, or
+        itself after :class:`~afabric.errors.EngineStuck`).
+        """
         return self._closed
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """Close gracefully: wait (bounded) for writes and sends in flight, then release
-        everything. Idempotent; aborts on error or cancellation."""
+        """Close gracefully: wait (bounded) for writes, reads and sends in flight, then release
+        everything. Idempotent; aborts on error or cancellation.
+
+        Args:
+            timeout: seconds to wait for operations in flight (default: ``op_timeout``).
+
+        Raises:
+            UsageError: called from another thread or event loop.
+        """
         if self._closed:
             self.close()  # after fork: releases the child's copies
             return
@@ -446,8 +498,11 @@ class Engine(MessagingMixin):
 
     def close(self) -> None:
         """Abort: fail everything pending with EngineClosed and release native resources.
-        Safe to call from finalizers; never awaits. In a child process that inherited the
-        engine through fork it only drops the child's copies (Python state, the eventfd)."""
+
+        Safe to call from finalizers and more than once; never awaits. In a child process that
+        inherited the engine through fork it only drops the child's copies (Python state, the
+        eventfd).
+        """
         if self._forked:
             self._release_inherited()
             return
@@ -552,19 +607,23 @@ class Engine(MessagingMixin):
         raise errors.UsageError(f"engine {self.name} belongs to another event loop (its own is not running)")
 
     def stats(self) -> EngineStats:
-        """Counters, per NIC of the group (work requests and bytes posted, sends, receives,
-        immediates in, completions, errors, "try again" retries, remote writes seen landing,
-        and ``outstanding``: work requests still with the provider, the NIC's queue depth;
-        ``rejected`` / ``rejected_unknown``: messages and immediates the allow-list dropped,
-        from a peer not on it / from a sender the provider could not name; ``imms_dropped``:
-        immediates of a new value that found ``max_imm_values`` values in the table) plus the
-        operations this engine is waiting on and the received-message queue
-        (``messages_queued``, ``messages_held_back``, ``backpressure``, per tag, large
-        messages; how often the loop found completions by polling the ring itself and how
-        often the event fd had to wake it: ``loop_polled``, ``loop_woken``; how often the
-        worker slept, ``worker_naps``;
-        :class:`afabric.EngineStats` lists and explains every key). Cheap: read
-        it as often as you like."""
+        """Counters of this engine and of each NIC of its group.
+
+        Per NIC: work requests and bytes posted, sends, receives, immediates in, completions,
+        errors, "try again" retries, remote writes seen landing, ``outstanding`` (work requests
+        still with the provider), ``rejected`` / ``rejected_unknown`` (dropped by the allow-list),
+        ``imms_dropped`` (a new immediate value found ``max_imm_values`` values counted). Per
+        engine: operations in flight, the received-message queue, ``loop_polled`` /
+        ``loop_woken`` (completions found by the loop's own look / after an eventfd wake-up) and
+        ``worker_naps``. Cheap: read it as often as you like.
+
+        Returns:
+            The counters; :class:`afabric.EngineStats` lists every key.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+        """
         self._check_open()
         return {
             "provider": self.provider,
@@ -580,9 +639,19 @@ class Engine(MessagingMixin):
         }
 
     def timings(self) -> list[OpTiming]:
-        """Stage timestamps of the operations completed since the last call (engines
-        created with ``timing=True``; the shim keeps the newest 65,536). Each record is the
-        enqueue, worker pickup, first and last post and completion of one operation."""
+        """Stage timestamps of the operations completed since the last call.
+
+        Only engines created with ``timing=True`` record them; the shim keeps the newest 65,536
+        (a warning is logged when older ones were dropped).
+
+        Returns:
+            One :class:`afabric.OpTiming` per operation: its enqueue, worker pickup, first and
+            last post and completion times.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+        """
         self._check_open()
         records, dropped = self._n.timings()
         if dropped > self._timings_dropped:
@@ -595,13 +664,29 @@ class Engine(MessagingMixin):
     # ---- memory ----
 
     def register(self, buf: Any, *, remote: bool | str = True) -> MemoryRegion:
-        """Register a numpy array, bytearray/memoryview, torch tensor or CuPy array.
+        """Register memory so that it can be a source, a target or a read destination.
 
-        ``remote`` says what peers holding the descriptor may do: ``"w"`` write (``True``,
-        the default), ``"r"`` read, ``"rw"`` both; the provider enforces it and the
-        descriptor carries it, so an initiator refuses a forbidden access before posting.
-        ``remote=False`` registers for local use only (send buffers, write sources, read
-        destinations): peers can do nothing there and the region has no descriptor."""
+        The engine holds the buffer until :meth:`deregister` or close, and keeps it from moving
+        (growing a bytearray or resizing an array raises while it is registered).
+
+        Args:
+            buf: a numpy array, bytearray, memoryview, CPU or CUDA torch tensor, or CuPy array
+                (contiguous; read-only memory only with ``remote=False`` or ``"r"``).
+            remote: what peers holding the descriptor may do: ``"w"`` write (``True``, the
+                default), ``"r"`` read, ``"rw"`` both; ``False`` registers for local use only
+                (sources, send buffers, read destinations): no descriptor.
+
+        Returns:
+            The region; ``mr.descriptor`` is what a peer needs to reach it.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+            InvalidArgument: ``buf`` is not contiguous memory, holds Python objects, is read-only
+                but asked to be writable, or ``remote`` is not one of the values above.
+            RegistrationError: the provider cannot register this memory (e.g. CUDA memory on a
+                provider without device support).
+        """
         self._check_open()
         access = _access(remote)
         return self._register_span(span_of(buf, "w" in access), access)
@@ -609,8 +694,24 @@ class Engine(MessagingMixin):
     def register_ptr(
         self, ptr: int, length: int, device: int = -1, *, remote: bool | str = True, owner: Any = None
     ) -> MemoryRegion:
-        """Register raw memory. The caller keeps it valid until deregistered (``owner`` is
-        kept referenced for that)."""
+        """Register raw memory by address.
+
+        Args:
+            ptr: the first byte's address.
+            length: bytes.
+            device: the CUDA device the memory lives on; -1 for host memory.
+            remote: as in :meth:`register`.
+            owner: an object kept referenced while the region is registered (the memory's owner).
+
+        Returns:
+            The region.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+            InvalidArgument: ``ptr`` or ``length`` is not a u64, or ``remote`` is invalid.
+            RegistrationError: the provider cannot register this memory.
+        """
         self._check_open()
         access = _access(remote)
         span = BufferSpan(_u64(ptr, "ptr"), _u64(length, "length"), int(device), owner)
@@ -633,10 +734,21 @@ class Engine(MessagingMixin):
         return mr
 
     def deregister(self, mr: MemoryRegion) -> None:
-        """Revoke remote access at once and stop holding the buffer. Writes already in
-        flight from this region keep its buffer referenced until they complete. On libfabric
-        providers it returns only once remote writes accepted before the revocation stopped
-        landing (50 ms without one, 2 s at most; docs/security.md)."""
+        """Revoke remote access at once and stop holding the buffer.
+
+        Operations in flight from this region keep its buffer referenced until they complete. On
+        libfabric providers it returns only once remote writes accepted before the revocation
+        stopped landing (50 ms without one, 2 s at most): see the security page.
+
+        Args:
+            mr: a region of this engine.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+            InvalidArgument: ``mr`` is not a MemoryRegion.
+            StaleRegion: ``mr`` was deregistered already or belongs to another engine.
+        """
         self._check_open()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"deregister takes a MemoryRegion, got {type(mr).__name__}")
@@ -648,14 +760,24 @@ class Engine(MessagingMixin):
     # ---- descriptors and peers ----
 
     def allow_peers(self, peers: Sequence[Address | bytes] | None, *, accept_unknown: bool = False) -> None:
-        """Accept messages and immediates only from these peers, and resolve, write and send
-        only to them; None (the default) allows every peer. Takes effect at once, also for
-        peers resolved before. Enforced by the shim's worker: a dropped message or immediate
-        never reaches Python (``stats()``: ``rejected``). One whose sender the provider
-        cannot name (tcp: every immediate; docs/security.md) is dropped too while a list is
-        set (``rejected_unknown``), unless ``accept_unknown=True`` lets those through.
-        Reaching a peer not on the list raises :class:`~afabric.errors.PeerNotAllowed`. It
-        cannot stop a one-sided write from a peer holding one of this engine's remote keys."""
+        """Accept messages and immediates only from these peers, and reach only them.
+
+        Takes effect at once, also for peers resolved before. The shim's worker enforces it: a
+        dropped message or immediate never reaches Python (``stats()``: ``rejected``). One whose
+        sender the provider cannot name (tcp on libfabric 1.x: every immediate) is dropped too
+        while a list is set (``rejected_unknown``). It cannot stop a one-sided write from a peer
+        holding one of this engine's remote keys.
+
+        Args:
+            peers: the allowed addresses (``Address`` or its bytes); None allows every peer.
+            accept_unknown: let through what the provider cannot name a sender for.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+            InvalidArgument: ``peers`` is not a list of addresses.
+            BadDescriptor: an address blob is malformed.
+        """
         self._check_open()
         if not isinstance(accept_unknown, bool):
             raise errors.InvalidArgument("accept_unknown must be a bool")
@@ -786,11 +908,42 @@ class Engine(MessagingMixin):
         when: Trigger | None = None,
         length_from: LengthFrom | None = None,
     ) -> None:
-        """One-sided write of ``length`` bytes; with ``imm`` the target counts one arrival
-        after the data is in place. Zero length with an immediate is immediate-only. With
-        ``when`` the shim posts it itself once the trigger holds (see afabric.triggers).
-        With ``length_from`` (afabric.lengths) ``length`` is the maximum and the shim reads
-        the actual length from memory when the write starts."""
+        """One-sided write of ``length`` bytes from ``mr`` into the remote region.
+
+        With ``imm`` the target counts one arrival of it, after the data is in place; a zero
+        ``length`` with an immediate is an immediate-only write. Writes are unordered with
+        respect to each other.
+
+        Args:
+            mr: the local source region (any access, ``remote=False`` included).
+            remote_desc: the target region's descriptor (or its bytes).
+            length: bytes to write; at most ``max_write_size``.
+            src_offset: where in ``mr`` the bytes start.
+            dst_offset: where in the remote region they land.
+            imm: a 32-bit immediate value to count at the target, or None.
+            when: post it from the shim once this trigger holds (a watcher value or an
+                immediate count) instead of now; cancelling the await disarms it.
+            length_from: read the actual length from memory when the write starts;
+                ``length`` is then the maximum.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            ImmediateOutOfRange: ``imm`` is outside 0..2**32-1.
+            MessageTooLarge: ``length`` is above ``max_write_size``.
+            StaleRegion: ``mr`` was deregistered, or ``remote_desc`` is from a restarted peer.
+            BadDescriptor: ``remote_desc`` is truncated or corrupted.
+            WrongProvider: ``remote_desc`` comes from an engine of another provider.
+            PeerNotAllowed: the target is not on the allow-list.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         # The per-call path is inlined (submit cost, docs/internals/architecture.md):
         # the same checks as _check_loop, _remote, _u64, _imm and _trigger, in that order.
         if self._closed or _get_ident() != self._thread or not self._loop.is_running():
@@ -850,9 +1003,34 @@ class Engine(MessagingMixin):
         imm: int | None = None,
         when: Trigger | None = None,
     ) -> None:
-        """Write page ``src_pages[i]`` to ``dst_pages[i]`` for every i, in one call into the
-        shim, spread over the group's NICs. With ``imm`` the target counts one arrival per
-        page; with ``when`` the shim posts it once the trigger holds."""
+        """Write page ``src_pages[i]`` of ``mr`` to page ``dst_pages[i]`` of the remote region, for every i.
+
+        One call into the shim whatever the page count; pages are spread over the group's NICs.
+
+        Args:
+            mr: the local source region.
+            remote_desc: the target region's descriptor.
+            page_len: bytes per page.
+            src_pages: the source pages (indices, stride, offset) in ``mr``.
+            dst_pages: the destination pages in the remote region; as many as ``src_pages``.
+            imm: an immediate the target counts once per page, or None.
+            when: post it from the shim once this trigger holds.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            StaleRegion: ``mr`` was deregistered or belongs to another engine.
+            BadDescriptor: ``remote_desc`` is truncated, corrupted or from a restarted peer.
+            PeerNotAllowed: the target is not on the allow-list.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write source must be a MemoryRegion, got {type(mr).__name__}")
@@ -880,8 +1058,31 @@ class Engine(MessagingMixin):
         imm: int | None = None,
         when: Trigger | None = None,
     ) -> None:
-        """One write per target, all in one call into the shim (targets spread over the
-        group's NICs). With ``imm`` each target counts one arrival."""
+        """One write per target, all in one call into the shim (targets spread over the group's NICs).
+
+        Args:
+            mr: the local source region.
+            targets: where each piece goes (:class:`afabric.ScatterTarget`: descriptor, length,
+                source and destination offsets).
+            group: the targets' peers resolved once (:meth:`peer_group`), or None.
+            imm: an immediate each target counts once, or None.
+            when: post it from the shim once this trigger holds.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            StaleRegion: ``mr`` was deregistered or belongs to another engine.
+            BadDescriptor: ``remote_desc`` is truncated, corrupted or from a restarted peer.
+            PeerNotAllowed: the target is not on the allow-list.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"scatter source must be a MemoryRegion, got {type(mr).__name__}")
@@ -913,16 +1114,39 @@ class Engine(MessagingMixin):
         imm: int | None = None,
         when: Trigger | None = None,
     ) -> None:
-        """Many one-sided writes in one call into the shim and one future: write i moves
-        ``lengths[i]`` bytes from ``src_offsets[i]`` of ``mr`` to ``dst_offsets[i]`` of
-        ``remote_desc`` (one descriptor for every write) or of ``remote_desc[i]`` (a
-        sequence of descriptors, one per write). Each of ``lengths``, ``src_offsets`` and
-        ``dst_offsets`` is an int (the same for every write) or a 1-D sequence or integer
-        numpy array with one entry per write; at least one argument must give the count.
-        Every write's ranges are checked before anything is posted (a typed error, nothing
-        written). Each write is at most ``max_write_size`` bytes (it is not split). With
-        ``imm`` every write counts one arrival at its target: n writes to one region are n
-        arrivals of ``imm`` there. Completes when all have; if any fails, it raises once."""
+        """Many one-sided writes in one call into the shim and one future.
+
+        Write i moves ``lengths[i]`` bytes from ``src_offsets[i]`` of ``mr`` to ``dst_offsets[i]``
+        of ``remote_desc`` (or of ``remote_desc[i]``). Each write is at most ``max_write_size``
+        bytes (it is not split); at most 2**24 writes per call. Completes when all have; if any
+        fails, it raises once.
+
+        Args:
+            mr: the local source region.
+            remote_desc: one descriptor for every write, or a sequence with one per write.
+            lengths: an int for every write, or one entry per write (a sequence or a 1-D integer
+                numpy array).
+            src_offsets: the same forms as ``lengths``.
+            dst_offsets: the same forms as ``lengths``. At least one argument gives the count.
+            imm: an immediate every write counts once at its target (n writes: n arrivals).
+            when: post them from the shim once this trigger holds.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            StaleRegion: ``mr`` was deregistered or belongs to another engine.
+            BadDescriptor: ``remote_desc`` is truncated, corrupted or from a restarted peer.
+            PeerNotAllowed: the target is not on the allow-list.
+            MessageTooLarge: a write is above ``max_write_size``.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         if not isinstance(mr, MemoryRegion):
             raise errors.InvalidArgument(f"write_many source must be a MemoryRegion, got {type(mr).__name__}")
@@ -967,8 +1191,32 @@ class Engine(MessagingMixin):
         group: PeerGroup | None = None,
         when: Trigger | None = None,
     ) -> None:
-        """An immediate-only write to each region in ``descs``: every target counts one
-        arrival of ``imm`` (pair it with ``expect_imm(imm, n_peers)`` on each side)."""
+        """An immediate-only write to each region in ``descs``: every target counts one arrival of ``imm``.
+
+        Pair it with ``expect_imm(imm, n)`` on each side.
+
+        Args:
+            descs: one descriptor per target region (any of the peer's remote regions).
+            imm: the immediate value.
+            group: the targets' peers resolved once, or None.
+            when: post it from the shim once this trigger holds.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            StaleRegion: ``mr`` was deregistered or belongs to another engine.
+            BadDescriptor: ``remote_desc`` is truncated, corrupted or from a restarted peer.
+            PeerNotAllowed: the target is not on the allow-list.
+            ImmediateOutOfRange: ``imm`` is outside 0..2**32-1.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         value = _imm(imm)
         if value == _native.NO_IMM:
@@ -1006,11 +1254,34 @@ class Engine(MessagingMixin):
         *,
         when: Trigger | None = None,
     ) -> None:
-        """One-sided read of ``length`` bytes from ``src_offset`` of the remote region
-        ``remote_desc`` (registered ``remote="r"`` or ``"rw"`` by its owner) to
-        ``dst_offset`` of the local region ``mr``. Ranges and the descriptor's access are
-        checked before anything is posted; a target's refusal raises
-        :class:`~afabric.errors.RemoteKeyRejected`. Nothing is counted at the target."""
+        """One-sided read of ``length`` bytes from the remote region into ``mr``.
+
+        The remote region must have been registered ``remote="r"`` or ``"rw"``. Nothing is
+        counted at the target (tell it with a message or an immediate-only write).
+
+        Args:
+            mr: the local destination region (any registered region that is writable locally).
+            remote_desc: the source region's descriptor.
+            length: bytes to read.
+            src_offset: where in the remote region the bytes start.
+            dst_offset: where in ``mr`` they land.
+            when: post it from the shim once this trigger holds.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            StaleRegion: ``mr`` was deregistered or belongs to another engine.
+            BadDescriptor: ``remote_desc`` is truncated, corrupted or from a restarted peer.
+            PeerNotAllowed: the target is not on the allow-list.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         mr_id = self._read_dest(mr, "read")
         rid, peer = self._remote(remote_desc)
@@ -1040,8 +1311,33 @@ class Engine(MessagingMixin):
         dst_pages: Pages,
         when: Trigger | None = None,
     ) -> None:
-        """Read remote page ``src_pages[i]`` into local page ``dst_pages[i]`` of ``mr`` for
-        every i, in one call into the shim, spread over the group's NICs."""
+        """Read remote page ``src_pages[i]`` into local page ``dst_pages[i]`` of ``mr``, for every i.
+
+        One call into the shim, spread over the group's NICs.
+
+        Args:
+            mr: the local destination region.
+            remote_desc: the source region's descriptor (readable).
+            page_len: bytes per page.
+            src_pages: the pages to read in the remote region.
+            dst_pages: where they land in ``mr``; as many as ``src_pages``.
+            when: post it from the shim once this trigger holds.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            StaleRegion: ``mr`` was deregistered or belongs to another engine.
+            BadDescriptor: ``remote_desc`` is truncated, corrupted or from a restarted peer.
+            PeerNotAllowed: the target is not on the allow-list.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         mr_id = self._read_dest(mr, "paged read")
         if not isinstance(src_pages, Pages) or not isinstance(dst_pages, Pages):
@@ -1066,9 +1362,32 @@ class Engine(MessagingMixin):
         group: PeerGroup | None = None,
         when: Trigger | None = None,
     ) -> None:
-        """One read per source, all in one call into the shim (sources spread over the
-        group's NICs): ``length`` bytes from ``src_offset`` of ``source.desc`` to
-        ``dst_offset`` of ``mr``. Completes when all have; if any fails, it raises once."""
+        """One read per source, all in one call into the shim (sources spread over the group's NICs).
+
+        Completes when all have; if any fails, it raises once.
+
+        Args:
+            mr: the local destination region.
+            sources: what to read (:class:`afabric.GatherSource`: descriptor, length, source and
+                destination offsets).
+            group: the sources' peers resolved once, or None.
+            when: post it from the shim once this trigger holds.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread or event loop, or in a forked child.
+            InvalidArgument: an argument of the wrong type or value (nothing is posted).
+            OutOfRange: a range outside the local or the remote region (nothing is posted).
+            StaleRegion: ``mr`` was deregistered or belongs to another engine.
+            BadDescriptor: ``remote_desc`` is truncated, corrupted or from a restarted peer.
+            PeerNotAllowed: the target is not on the allow-list.
+            RemoteKeyRejected: the descriptor's access forbids it (before posting), or the
+                target refused the key or range.
+            PeerUnreachable: the target's process or engine is gone.
+            OperationTimeout: no progress for ``op_timeout`` seconds.
+            EngineStuck: the worker stayed inside one provider call too long; the engine closed.
+            TransportError: any other failure, with the provider's own text.
+        """
         self._check_loop()
         mr_id = self._read_dest(mr, "gather")
         sources = list(sources)
@@ -1087,15 +1406,42 @@ class Engine(MessagingMixin):
         await self._wait(op, f"gather from {len(sources)} sources", 0, (mr,), "read", when)
 
     def peer_group(self, addresses: Sequence[Address | bytes]) -> PeerGroup:
-        """Resolve a set of peers once; pass it as ``group=`` to scatter and barrier."""
+        """Resolve a set of peers once, for ``group=`` of scatter, barrier and gather.
+
+        Args:
+            addresses: the peers' addresses (``Address`` or bytes).
+
+        Returns:
+            The resolved group.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+            BadDescriptor: an address is malformed.
+            WrongProvider: an address is from another provider.
+            PeerNotAllowed: a peer is not on the allow-list.
+        """
         self._check_open()
         addrs = [a if isinstance(a, Address) else Address.from_bytes(a) for a in addresses]
         ids = [self._peer(a)[0] for a in addrs]
         return PeerGroup(self, addrs, ids)
 
     def uvm_watcher(self, device: int | None = None) -> UvmWatcher:
-        """A watched 64-bit word; ``device``: a CUDA device whose kernels will bump it
-        (the word is then pinned host memory mapped into that device)."""
+        """A watched 64-bit word that a GPU kernel (or any writer) bumps.
+
+        Args:
+            device: a CUDA device whose kernels will bump it (the word is then pinned host memory
+                mapped into that device); None: host memory.
+
+        Returns:
+            The watcher: ``async for old, new in w``, ``await w.wait_for(v)``, ``w.reaches(v)``
+            as a trigger.
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+            Unsupported: CUDA memory is not available for ``device``.
+        """
         self._check_open()
         dev = -1 if device is None else int(device)
         try:
@@ -1120,22 +1466,51 @@ class Engine(MessagingMixin):
         return when.native()
 
     def peer_events(self) -> AsyncIterator[PeerEvent]:
-        """``async for ev in eng.peer_events()``: first the state of every peer resolved so
-        far, then each change (:class:`afabric.PeerEvent`: "up" when first resolved, "down"
-        once its process is gone), until the engine closes. Nothing needs to be posted."""
+        """Peers going up and down, as an async iterator.
+
+        ``async for ev in eng.peer_events()`` yields first the state of every peer known so far,
+        then each change, until the engine closes. Nothing needs to be posted: same-host peers'
+        processes are watched, closing engines say goodbye, and ``heartbeat`` finds silent ones.
+
+        Returns:
+            An async iterator of :class:`afabric.PeerEvent`.
+        """
         return self._peer_hub.iterate(self._closed)
 
     def alloc_imm(self) -> int:
-        """A fresh immediate value for one logical operation (never 0; wraps after 2**32-1)."""
+        """A fresh immediate value for one logical operation.
+
+        Returns:
+            A value never 0 and not handed out before (wraps after 2**32-1).
+
+        Raises:
+            EngineClosed: the engine is closed.
+            UsageError: called from another thread.
+        """
         self._check_open()
         self._next_imm = self._next_imm % IMM_MAX + 1
         return self._next_imm
 
     async def expect_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Wait until ``count`` arrivals of ``imm`` have been counted, and consume them.
-        Arrivals before this call are kept and count. Cancelling (or the timeout) withdraws
-        the expectation: arrivals it consumed in a completion that raced the cancel are
-        given back to the counter, so none is lost."""
+
+        Arrivals before this call are kept and count. Cancelling (or the timeout) withdraws the
+        expectation: arrivals it consumed in a completion that raced the cancel are given back to
+        the counter, so none is lost.
+
+        Args:
+            imm: the immediate value.
+            count: arrivals to wait for.
+            timeout: seconds; None waits for ever.
+
+        Raises:
+            EngineClosed: the engine is closed (before or while waiting).
+            UsageError: called from another thread or event loop.
+            ImmediateOutOfRange: ``imm`` is outside 0..2**32-1.
+            OutOfRange: ``count`` is negative or too large.
+            Busy: another expectation on ``imm`` is pending.
+            OperationTimeout: ``timeout`` passed first.
+        """
         self._check_loop()
         value = _imm(imm)
         if value == _native.NO_IMM:

@@ -24,13 +24,24 @@ HUGE_PAGE = 2 << 20
 
 
 def host_buffer(nbytes: int) -> np.ndarray:
-    """``nbytes`` zeroed bytes (a uint8 array) starting on a 2 MiB boundary, advised for
-    transparent huge pages (``madvise(MADV_HUGEPAGE)``), for registering as the target of
-    same-host writes. The kernel decides: with ``/sys/kernel/mm/transparent_hugepage/enabled``
-    at ``never``, or no huge page free when a page is first touched, it gets 4 KiB pages.
-    Reserves up to 4 MiB of address space more than asked (touched pages only cost memory).
-    The mapping lives as long as the array or any view of it (a registration keeps it).
-    Zero bytes give an empty array (no mapping)."""
+    """Zeroed host memory on a 2 MiB boundary, advised for transparent huge pages.
+
+    Register it as the target of same-host (cma) writes: the kernel's copy runs 2-3x faster
+    into huge pages. The kernel decides: with ``/sys/kernel/mm/transparent_hugepage/enabled``
+    at ``never``, or no huge page free when a page is first touched, it gets 4 KiB pages. Up
+    to 4 MiB of address space more than asked is reserved (touched pages only cost memory).
+    The mapping lives as long as the array or any view or registration of it.
+
+    Args:
+        nbytes: bytes; 0 gives an empty array (no mapping).
+
+    Returns:
+        A uint8 numpy array of ``nbytes`` zeroed bytes.
+
+    Raises:
+        InvalidArgument: ``nbytes`` is negative or not an int, or that much cannot be
+            mapped.
+    """
     if type(nbytes) is not int or nbytes < 0:
         raise errors.InvalidArgument(f"host_buffer needs an int number of bytes >= 0, got {nbytes!r}")
     if nbytes == 0:

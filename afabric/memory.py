@@ -203,8 +203,13 @@ class MemoryRegion:
 
     @property
     def descriptor(self) -> MrDesc:
-        """What a peer needs to write here. Raises for local-only or deregistered regions
-        and once the engine is closed."""
+        """What a peer needs to reach this region: send ``bytes(mr.descriptor)`` to it.
+
+        Raises:
+            UsageError: the region is local-only (``remote=False``).
+            StaleRegion: the region was deregistered.
+            EngineClosed: its engine is closed.
+        """
         if self.id is None:
             raise StaleRegion("memory region was deregistered")
         engine = self._engine()
@@ -221,10 +226,22 @@ class MemoryRegion:
 
     @property
     def registered(self) -> bool:
+        """True while the region is registered with an open engine."""
         return self.id is not None
 
     def check(self, engine: EngineView) -> int:
-        """The native id, after checking the region is live and belongs to `engine`."""
+        """The native id, after checking the region is live and belongs to ``engine``.
+
+        Args:
+            engine: the engine about to use the region.
+
+        Returns:
+            The shim's id of the region.
+
+        Raises:
+            EngineClosed: its engine is closed.
+            StaleRegion: the region was deregistered or belongs to another engine.
+        """
         if self.id is None:
             raise StaleRegion("memory region was deregistered")
         owner = self._engine()

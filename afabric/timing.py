@@ -29,12 +29,25 @@ class OpTiming:
 
     @classmethod
     def from_record(cls, rec: tuple[int, ...]) -> OpTiming:
+        """A record as the shim's timing ring holds it.
+
+        Args:
+            rec: the record's fields in ``afs_timing`` order.
+
+        Returns:
+            The timing.
+        """
         op_id, kind, status, wrs, *stamps = rec
         return cls(op_id, KINDS.get(kind, str(kind)), status, wrs, *stamps)
 
     def stages_ns(self) -> dict[str, int]:
-        """Durations: waiting in the submit queue, pickup to first post, first to last post,
-        last post to completion, and enqueue to completion."""
+        """How long each stage took.
+
+        Returns:
+            ns by stage: ``queued`` (in the submit queue), ``to_first_post`` (pickup to first
+            work request), ``posting`` (first to last), ``in_flight`` (last post to completion)
+            and ``total`` (enqueue to completion).
+        """
         return {
             "queued": self.t_pickup - self.t_enqueue,
             "to_first_post": self.t_first_post - self.t_pickup if self.t_first_post else 0,

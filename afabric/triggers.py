@@ -41,8 +41,21 @@ def watcher_reaches(watcher_id: int, value: int, label: str) -> Trigger:
 
 
 def imm_count(imm: int, count: int) -> Trigger:
-    """Fire once ``count`` arrivals of immediate ``imm`` were counted here (they are
-    consumed, as by ``expect_imm``; earlier arrivals count)."""
+    """A trigger for ``when=``: fire once ``count`` arrivals of ``imm`` were counted here.
+
+    The arrivals are consumed, as by ``expect_imm``; arrivals before the call count.
+
+    Args:
+        imm: the immediate value.
+        count: arrivals to wait for.
+
+    Returns:
+        The trigger.
+
+    Raises:
+        ImmediateOutOfRange: ``imm`` is outside 0..2**32-1.
+        InvalidArgument: ``count`` is not a non-negative int.
+    """
     if isinstance(imm, bool) or not isinstance(imm, int) or not 0 <= imm <= IMM_MAX:
         raise ImmediateOutOfRange(f"immediate {imm!r} outside 0..{IMM_MAX}")
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= U64_MAX:

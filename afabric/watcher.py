@@ -58,7 +58,18 @@ class UvmWatcher:
     # ---- writers ----
 
     def add(self, delta: int = 1) -> int:
-        """Atomically add to the word (a CPU-side writer); returns the new value."""
+        """Atomically add to the word, as a CPU-side writer; any thread may call it.
+
+        Args:
+            delta: the amount to add.
+
+        Returns:
+            The word's new value.
+
+        Raises:
+            EngineClosed: the watcher or its engine is closed.
+            InvalidArgument: ``delta`` is negative or not an int.
+        """
         eng = self._live()
         if isinstance(delta, bool) or not isinstance(delta, int) or delta < 0:
             raise InvalidArgument(f"delta must be a non-negative int, got {delta!r}")
@@ -66,19 +77,46 @@ class UvmWatcher:
 
     @property
     def value(self) -> int:
-        """The word as it is now (read directly, not through the watcher thread)."""
+        """The word as it is now (read directly, not through the watcher thread).
+
+        Returns:
+            The 64-bit value.
+
+        Raises:
+            EngineClosed: the watcher or its engine is closed.
+        """
         self._live()
         return _native.read_u64(self.host_ptr)
 
     # ---- readers ----
 
     def reaches(self, value: int) -> Trigger:
-        """A trigger for ``when=``: fire once the word is >= ``value``."""
+        """A trigger for ``when=``: fire once the word is >= ``value``.
+
+        Args:
+            value: the threshold.
+
+        Returns:
+            The trigger.
+
+        Raises:
+            InvalidArgument: ``value`` is not a u64.
+        """
         self._live()
         return watcher_reaches(self.id, value, f"watcher {self.id & 0xFFFFFFFF}")
 
     async def wait_for(self, value: int) -> int:
-        """Wait until the shim observed the word at ``value`` or more; returns that value."""
+        """Wait until the shim observed the word at ``value`` or more.
+
+        Args:
+            value: the threshold.
+
+        Returns:
+            The value observed.
+
+        Raises:
+            EngineClosed: the watcher or its engine closed first.
+        """
         while self._seen < value:
             self._live()
             self._wakeup.clear()
@@ -115,8 +153,10 @@ class UvmWatcher:
         return eng
 
     def close(self) -> None:
-        """Stop watching. The word stays valid until the engine closes (a kernel may still
-        be storing to it)."""
+        """Stop watching; idempotent.
+
+        The word stays valid until the engine closes (a kernel may still be storing to it).
+        """
         if self._closed:
             return
         self._closed = True

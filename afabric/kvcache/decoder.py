@@ -140,18 +140,30 @@ class DecodeRequest:
         return self._dec.tail_buffer[self.tail_slot * n : (self.tail_slot + 1) * n]
 
     async def wait(self, timeout: float | None = None) -> None:
-        """Until every page and the tail landed. Raises :class:`RequestRejected`,
-        :class:`RequestFailed` (a write failed, or a prefiller died), :class:`RequestCancelled`;
-        ``timeout``: :class:`OperationTimeout` (the request goes on: cancel it if you give up)."""
+        """Wait until every page and the tail landed.
+
+        Args:
+            timeout: seconds; None waits for ever. The request goes on after a timeout: cancel
+                it if you give up.
+
+        Raises:
+            RequestRejected: the prefiller refused the request.
+            RequestFailed: a write or read failed, or a prefiller died or fell silent.
+            RequestCancelled: the request was cancelled.
+            OperationTimeout: ``timeout`` passed first.
+        """
         try:
             await asyncio.wait_for(asyncio.shield(self._landed), timeout)
         except asyncio.TimeoutError:
             raise OperationTimeout(f"request {self.request_id}: not complete after {timeout} s") from None
 
     async def cancel(self) -> None:
-        """Stop the transfer and give the pages back once no write can still land (each
-        prefiller confirmed, or died). Returns after the pages are free. After completion it
-        just releases the pages."""
+        """Stop the transfer and give the pages back once no write can still land.
+
+        Each prefiller confirms how many immediates its writes delivered (or is found dead) and
+        this waits for exactly those; after completion it just releases the pages. Returns after
+        the pages are free.
+        """
         if self.state in (State.DONE, State.RELEASED):
             self.release()
             return
@@ -171,10 +183,24 @@ class DecodeRequest:
 class Decoder(Side):
     """The decode side of disaggregated prefill. Use as ``async with Decoder(eng, layout) as d``.
 
-    ``cache``: the KV cache buffer (``layout.total_bytes``; numpy, torch — CPU or CUDA, if
-    the provider registers it — ...), allocated on the host when omitted; ``tail``: the
-    tail region (``layout.tail_region_bytes``). The decoder consumes every message the
-    engine receives: give it an engine of its own."""
+    The decoder consumes every message the engine receives: give it an engine of its own.
+
+    Args:
+        eng: the decoder's engine.
+        layout: the KV cache's geometry.
+        cache: the KV cache buffer (``layout.total_bytes``: numpy, torch on CPU or CUDA where
+            the provider registers it), allocated with ``afabric.host_buffer`` when omitted.
+        tail: the tail region (``layout.tail_region_bytes``), allocated when omitted.
+        max_write: the largest write a run of consecutive pages becomes.
+        heartbeat_interval: seconds between heartbeats to prefillers with requests.
+        peer_timeout: seconds of silence after which a prefiller's requests fail.
+        drain_timeout: seconds ``aclose`` waits for requests in flight.
+        seed: seeds the random deal of pages to replicas.
+
+    Raises:
+        InvalidArgument: a buffer of the wrong size or kind.
+        RegistrationError: the engine's provider cannot register the cache.
+    """
 
     def __init__(
         self,
@@ -256,12 +282,24 @@ class Decoder(Side):
         *,
         mode: str = "push",
     ) -> DecodeRequest:
-        """Allocate pages for ``num_tokens`` and ask ``prefillers`` to fill them (several:
-        replicas of one cache, each writing a random, balanced share of the pages; one of
-        them, at random, writes the tail). ``payload`` goes along (e.g. the token ids).
-        ``mode``: ``"push"`` (the prefillers write each layer as it is computed) or
-        ``"pull"`` (they hold the computed pages; this side reads them, then releases them).
-        Raises :class:`CacheFull` when pages or tail slots run out (nothing is sent)."""
+        """Allocate pages for ``num_tokens`` and ask ``prefillers`` to fill them.
+
+        Args:
+            prefillers: one prefiller's address, or several: replicas of one cache, each writing
+                a random, balanced share of the pages; one of them, at random, writes the tail.
+            num_tokens: the prompt's length.
+            payload: bytes sent along (e.g. the token ids).
+            mode: ``"push"`` (the prefillers write each layer as it is computed) or ``"pull"``
+                (they hold the computed pages; this side reads them, then releases them).
+
+        Returns:
+            The request: ``await req.wait()``, then ``req.release()``.
+
+        Raises:
+            CacheFull: pages or tail slots ran out (nothing is sent).
+            InvalidArgument: a bad address, token count, payload or mode.
+            UsageError: the decoder was not started (``async with``).
+        """
         if self._mr is None:
             raise UsageError("start the decoder first (async with Decoder(...))")
         pull = _pull_mode(mode)

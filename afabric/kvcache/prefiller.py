@@ -128,9 +128,13 @@ class PrefillJob:
     # ---- the model's side (any thread) ----
 
     def layer_done(self) -> None:
-        """The current layer's KV is in the staging cache (or queued to be, on the current
-        stream): release its writes. Raises :class:`RequestCancelled` once the job was
-        stopped (nothing more is released)."""
+        """The current layer's KV is in the staging cache: release its writes.
+
+        "In" includes queued to be, on the current stream.
+
+        Raises:
+            RequestCancelled: the job was stopped (nothing more is released).
+        """
         with self._lock:
             if self._stopped:
                 raise RequestCancelled(
@@ -145,7 +149,11 @@ class PrefillJob:
             self._pf._clock += 1
 
     def tail_done(self) -> None:
-        """The tail is in :attr:`tail`: release its write (the last step)."""
+        """The tail is in ``tail``: release its write (the last step).
+
+        Raises:
+            RequestCancelled: the job was stopped.
+        """
         if self.bumped != self.steps - 1 or self.tail_slot is None:
             raise UsageError(f"tail_done() after {self.bumped} of {self.steps - 1} layers (or no tail)")
         self.layer_done()
@@ -174,16 +182,26 @@ class PrefillJob:
 
 
 class Prefiller(Side):
-    """The prefill side. ``layout`` is the model's geometry with this prefiller's staging
-    page count; ``cache`` (``layout.total_bytes``) and ``tail`` (``layout.tail_region_bytes``)
-    are its staging buffers (host memory when omitted; a CUDA tensor on ``device``, which
-    then also bumps the layer clock from its stream). Use as ``async with``; the prefiller
-    consumes every message its engine receives.
+    """The prefill side. Use as ``async with``; it consumes every message its engine receives.
 
-    ``pull``: serve pull-mode requests, which registers the staging buffers ``remote="r"``
-    (any peer given their descriptor — the decoders of pull requests — may read all of
-    them); with ``pull=False`` they are not remotely accessible and pull requests are
-    refused."""
+    Args:
+        eng: the prefiller's engine.
+        layout: the model's geometry with this prefiller's staging page count.
+        cache: the staging cache (``layout.total_bytes``); host memory when omitted, or a
+            CUDA tensor on ``device``.
+        tail: the staging tail region (``layout.tail_region_bytes``).
+        device: the CUDA device whose stream bumps the layer clock (None: the host bumps it).
+        heartbeat_interval: seconds between heartbeats to decoders with jobs.
+        peer_timeout: seconds of silence after which a decoder's jobs are stopped.
+        max_waiting: requests kept waiting for staging pages.
+        pull: serve pull-mode requests, which registers the staging buffers ``remote="r"``
+            (any peer given their descriptor may read all of them); with False they are not
+            remotely accessible and pull requests are refused.
+
+    Raises:
+        InvalidArgument: a buffer of the wrong size or kind.
+        RegistrationError: the engine's provider cannot register the staging cache.
+    """
 
     def __init__(
         self,
@@ -276,7 +294,11 @@ class Prefiller(Side):
     # ---- jobs ----
 
     async def next_job(self) -> PrefillJob:
-        """The next request with staging pages, in arrival order."""
+        """The next request with staging pages, in arrival order.
+
+        Returns:
+            The job: compute it inside ``async with job:``.
+        """
         while not self._ready:
             self._ready_event.clear()
             await self._ready_event.wait()
@@ -287,8 +309,13 @@ class Prefiller(Side):
             yield await self.next_job()
 
     async def serve(self, compute: Callable[[PrefillJob], Awaitable[None]]) -> None:
-        """Compute jobs one after another forever: ``async with job: await compute(job)``.
-        A job stopped meanwhile ends quietly; a model error fails that job (logged)."""
+        """Compute jobs one after another for ever: ``async with job: await compute(job)``.
+
+        A job stopped meanwhile ends quietly; a model error fails that job (logged).
+
+        Args:
+            compute: the model's prefill of one job.
+        """
         while True:
             job = await self.next_job()
             try:

@@ -123,9 +123,24 @@ class DispatchResult:
 class AllToAll:
     """Dispatch tokens to their top-k experts and combine the experts' outputs.
 
-    Collective: every rank constructs it with the same :class:`MoeConfig`, then calls
-    ``dispatch`` and ``combine`` the same number of times, in the same order, and finally
-    ``close``. ``all_gather`` is used at setup and close only.
+    Collective: every rank constructs it with the same ``MoeConfig``, then calls ``dispatch``
+    and ``combine`` the same number of times, in the same order, and finally ``close``.
+
+    Args:
+        config: the layer's shape, identical on every rank.
+        rank: this rank (0..world_size-1).
+        all_gather: exchanges a bytes object with every rank (setup and close only), e.g.
+            ``torch_all_gather()``.
+        device: the CUDA device (default: the current one).
+        path: ``"auto"`` (NVLink within a node, the host proxy across), ``"nvlink"`` or
+            ``"proxy"``.
+        provider: the proxy engine's provider.
+        tag: the message tag of the proxy's control messages.
+        timeout: seconds after which kernels waiting for a peer give up.
+
+    Raises:
+        InvalidArgument: a bad argument, or ``path="nvlink"`` with ranks on several nodes.
+        ControlMessageError: a peer's setup message is malformed or unusable.
     """
 
     def __init__(
@@ -393,15 +408,26 @@ class AllToAll:
         topk_weights: torch.Tensor,
         scales: torch.Tensor | None = None,
     ) -> DispatchResult:
-        """Send each of this rank's ``n`` tokens (``x``: ``[n, hidden]``, ``n`` up to
-        ``max_tokens``; fp8 with ``scales``: ``[n, hidden / scale_block]`` fp32) to the
-        ranks of its experts (``topk_idx``: ``[n, k]`` int32/int64, distinct per token; a
-        negative id means no expert) and return the tokens for this rank's experts.
+        """Send each token to the ranks of its experts; return the tokens for this rank's experts.
 
         On the NVLink path dispatch and combine can be captured into a CUDA graph
-        (``torch.cuda.graph``); a replay sends the tensors and token count of the capture
-        and may be interleaved with eager calls. Through the host proxy capturing raises
-        :class:`~afabric.errors.UsageError`."""
+        (``torch.cuda.graph``); a replay sends the tensors and token count of the capture and may
+        be interleaved with eager calls.
+
+        Args:
+            x: ``[n, hidden]`` tokens, ``n`` up to ``max_tokens`` (bf16, or fp8 e4m3).
+            topk_idx: ``[n, k]`` int32/int64 expert ids, distinct per token; negative: no expert.
+            topk_weights: ``[n, k]`` routing weights.
+            scales: for fp8, ``[n, hidden / scale_block]`` fp32.
+
+        Returns:
+            Expert-major tokens: ``x``, ``scales``, ``expert_counts``, ``expert_offsets``.
+
+        Raises:
+            InvalidArgument: a tensor of the wrong device, dtype, shape or layout.
+            UsageError: capturing on the host-proxy path.
+            EngineClosed: this AllToAll is closed.
+        """
         n, x_ptr, x_stride, s_ptr, s_stride = self._dispatch_args(x, topk_idx, topk_weights, scales)
         if self.proxy is not None:
             self._not_capturing()
@@ -460,10 +486,15 @@ class AllToAll:
         return n, x_ptr, x_stride, s_ptr, s_stride
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """For each token of the last dispatch, the sum over its experts of routing weight
-        times that expert's output. ``expert_out``: ``[expert_capacity, hidden]`` in the
-        output dtype, rows laid out as dispatch returned them. Returns ``[n, hidden]``
-        (a view valid until the next combine)."""
+        """Each token of the last dispatch: its experts' outputs summed with the routing weights.
+
+        Args:
+            expert_out: ``[expert_capacity, hidden]`` in the output dtype, rows laid out as
+                dispatch returned them.
+
+        Returns:
+            ``[n, hidden]``: a view valid until the next combine.
+        """
         self._live()
         if self._n_tok < 0:
             raise UsageError("combine before any dispatch")
@@ -484,8 +515,13 @@ class AllToAll:
         return self._out[:n]
 
     def check(self) -> None:
-        """Wait for this rank's calls so far and raise what the kernels flagged: a peer
-        that did not publish in time, expert ids out of range, or overflow."""
+        """Wait for this rank's calls so far and raise what the kernels flagged.
+
+        Raises:
+            OperationTimeout: a peer did not publish in time.
+            InvalidArgument: expert ids were out of range, or more (token, expert) entries
+                came than ``expert_capacity`` holds.
+        """
         self._live()
         self._torch.cuda.current_stream(self.device).synchronize()
         if self.proxy is not None:
@@ -510,8 +546,10 @@ class AllToAll:
     # ---- lifetime ----
 
     def close(self) -> None:
-        """Collective: wait for this rank's work, let every rank reach close (so no peer
-        still stores into this rank's buffers), then release everything."""
+        """Collective: wait for this rank's work, let every rank reach close, release everything.
+
+        Waiting for every rank means no peer still stores into this rank's buffers.
+        """
         if self._closed:
             return
         self._closed = True

@@ -509,9 +509,22 @@ def build_plan(
     inference: Sequence[int] | None = None,
     options: PlanOptions | None = None,
 ) -> Plan:
-    """Plan the transfer from ``sources`` (training parameters; ranks are global ranks
-    listed in ``trainers``) to ``layouts`` (one per inference rank, global ranks
-    ``inference``, default ``len(trainers) ...``)."""
+    """Plan the transfer from training parameters to inference ranks' tensors.
+
+    Args:
+        sources: the training parameters (shape, dtype, mesh and placements).
+        layouts: one per inference rank: the tensors it holds.
+        trainers: the training ranks (global ranks).
+        inference: the inference ranks (default: the ranks after ``trainers``).
+        options: task size, what is sent straight and what is unsharded.
+
+    Returns:
+        The plan: every trainer's tasks and every write's target, offset and length.
+
+    Raises:
+        InvalidArgument: a destination tensor no source covers, slices outside their
+            source, or not one layout per inference rank.
+    """
     opts = options or PlanOptions()
     opts.check()
     srcs = dict(sources) if isinstance(sources, Mapping) else {s.name: s for s in sources}

@@ -98,14 +98,28 @@ class WeightTransfer:
     ) -> WeightTransfer:
         """Join the session (collective over every rank of the default process group).
 
-        Trainers pass ``params`` (name -> DTensor, or a plain tensor held whole);
-        inference ranks pass ``tensors`` (their :class:`DestTensor` s). ``trainers`` and
-        ``inference`` are global ranks. ``staging_bytes``: a trainer's staging buffer, the
-        watermark on converted slices in flight. ``device``: where trainers slice, fuse and
-        quantise (default: where each parameter lives; "cuda" copies host-resident shards
-        there first). ``dest_device``: where an inference rank's buffer lives (it must be
-        registrable with the engine's provider). ``timeout`` bounds every control step and
-        every update."""
+        Args:
+            engine: this rank's engine.
+            trainers: the training ranks (global ranks).
+            inference: the inference ranks (global ranks).
+            params: on trainers, name -> DTensor (or a plain tensor held whole).
+            tensors: on inference ranks, their ``DestTensor`` s.
+            options: how the plan is built.
+            staging_bytes: a trainer's staging buffer, the watermark on converted slices in flight.
+            device: where trainers slice, fuse and quantise (default: where each parameter
+                lives; ``"cuda"`` copies host-resident shards there first).
+            dest_device: where an inference rank's buffer lives (registrable with the engine's
+                provider).
+            timeout: seconds that bound every control step and every update.
+            progress: print progress lines to stderr (default: when it is a terminal).
+
+        Returns:
+            The session.
+
+        Raises:
+            InvalidArgument: a rank is both trainer and inference, lacks its params or
+                tensors, or the plan cannot cover the tensors.
+        """
         dist = _dist()
         self = object.__new__(cls)
         self.engine = engine
@@ -259,13 +273,22 @@ class WeightTransfer:
     async def update(self, version: int, *, on_progress: ProgressCallback | None = None) -> UpdateStats:
         """Move the current weights to every inference rank (collective over all ranks).
 
-        Every rank calling it means it is ready: an inference rank must not read its
-        tensors until this returns, since they are overwritten in place. Starts with a
-        control-plane barrier, so no write lands before every inference rank has entered.
-        Trainers write their slices straight into the inference ranks' buffers; inference
-        ranks wait. Returns when every rank has finished, or raises
-        :class:`WeightUpdateFailed` on every rank (within ``timeout``) when any failed; an
-        inference rank then also finds the version words torn."""
+        Every rank calling it means it is ready: an inference rank must not read its tensors
+        until this returns, since they are overwritten in place. Starts with a control-plane
+        barrier, so no write lands before every inference rank has entered. Trainers write their
+        slices straight into the inference ranks' buffers; inference ranks wait.
+
+        Args:
+            version: the version the weights will be whole for (``receiver.version()``).
+            on_progress: called with progress as bytes move.
+
+        Returns:
+            Timing and byte counts of this rank's part.
+
+        Raises:
+            WeightUpdateFailed: on every rank (within ``timeout``) when any rank failed; an
+                inference rank then also finds the version words torn.
+        """
         self._check_version(version)
         self._last_version = version
         t0 = time.perf_counter()
@@ -306,8 +329,19 @@ class WeightTransfer:
         return UpdateStats(version, "p2p", time.perf_counter() - t0, sent, self._received, peak)
 
     async def update_rank0(self, version: int) -> UpdateStats:
-        """The baseline on the same processes and memory: gather to trainer rank 0, send to
-        inference rank 0, scatter (see :mod:`afabric.weights.rank0`)."""
+        """The baseline on the same processes and memory: gather, send, scatter.
+
+        Gathers to trainer 0, sends to inference rank 0, which scatters.
+
+        Args:
+            version: as in ``update``.
+
+        Returns:
+            Timing and byte counts of this rank's part.
+
+        Raises:
+            WeightUpdateFailed: when any rank failed.
+        """
         from . import rank0
 
         self._check_version(version)
