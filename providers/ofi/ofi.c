@@ -1009,7 +1009,7 @@ static bool cuda_present(void)
  * for (GPUDirect), so they ask wherever libcuda loads. The software ones (shm, tcp) do not
  * unless AFABRIC_OFI_HMEM=1: Debian's and PyPI's libfabric have no CUDA support, so FI_HMEM
  * gains nothing there, and it costs: 1.17's shm moved 64 KiB host-memory writes at 4.0-4.8
- * GB/s with it against 10.5-14.6 without (16-core GPU host, tools/repro/shm_rma_bw.c -m 1 against -m 0).
+ * GB/s with it against 10.5-14.6 without (16-core GPU host, tools/repro/fi_setup_bw.c -m 1 against -m 0).
  * AFABRIC_OFI_HMEM=0 keeps it off everywhere. */
 static bool want_hmem(const afp_open_args *a)
 {
