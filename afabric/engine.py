@@ -271,6 +271,21 @@ class Engine(MessagingMixin):
         heartbeat: seconds between keepalives to each peer in use; a peer that answers none
             for ``HEARTBEAT_MISSES`` intervals is reported down; None: off.
 
+    Attributes:
+        address: this engine's :class:`afabric.Address`; ``bytes(eng.address)`` is what
+            peers need to send to it.
+        provider: afabric's provider name (``"tcp"``).
+        fabric_provider: the provider as the native library reports it (``"tcp;ofi_rxm"``).
+        provider_choice: why this provider (with ``"auto"``: what was picked and passed over).
+        nics: NICs in this engine's group.
+        max_message_size: bytes of one receive buffer.
+        max_write_size: the largest single write (``write_many`` does not split writes).
+        queue_overflow: ``"backpressure"`` or ``"drop"``: what a message meets when
+            ``max_queued_messages`` are queued.
+        allowed_peers: the allow-list, or None.
+        op_timeout: seconds without progress before an operation fails.
+        name: the engine's name in logs.
+
     Raises:
         UsageError: no event loop is running in this thread.
         InvalidArgument: an argument outside the range given above.
