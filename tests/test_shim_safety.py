@@ -356,7 +356,7 @@ async def counting_target(ctl: Ctl, provider: str) -> bool:
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="libfabric shm completes a zero-length write locally and drops a refused "
-                "one at the target unseen (1.17: delivery-complete never completes; README)",
+                "one at the target unseen (1.17: delivery-complete never completes; docs/limitations.md)",
             ),
         ),
     ],
