@@ -33,6 +33,15 @@ $py -m pip install -q --upgrade pip
 $py -m pip install -q -e ".[test]" "torch==2.13.0"
 $py -m pip install -q ./examples/plugin_sockets
 
+# The docs site (tests/test_docs.py): the package's `docs` extra, read from pyproject.toml so
+# the list lives in one place, and a real browser to render the pages (Debian's chromium).
+command -v chromium >/dev/null 2>&1 || {
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+}
+$py -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))' \
+    | xargs -d '\n' $py -m pip install -q
+export AFABRIC_REQUIRE_DOCS=1
+
 # Neither the 2.x libfabric run (tests/libfabric2.py), the two-rail network-namespace
 # tests (tests/netns.py) nor the Soft-RoCE guest (tests/rxe) may be skipped silently here.
 export AFABRIC_REQUIRE_LIBFABRIC2=1 AFABRIC_REQUIRE_NETNS=1 AFABRIC_REQUIRE_RXE=1

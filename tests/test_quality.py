@@ -13,9 +13,11 @@ several work trees share it under a lock."""
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -63,3 +65,84 @@ def test_mypy_strict() -> None:
 def test_ruff_check() -> None:
     proc = _run_tool("ruff", "check", ".", "--output-format", "concise", timeout=280)
     assert proc.returncode == 0, f"ruff found problems:\n{proc.stdout}{proc.stderr}"
+
+
+# ---- no development history in the product ----
+
+_ORDINALS = (
+    "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
+    "thirteenth|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|"
+    "thirtieth|twenty[- ]?(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth)|"
+    r"\d+(?:st|nd|rd|th)"
+)
+# What a lab notebook leaves behind: development sessions by ordinal, issue numbers,
+# experiment folders and logs, the old benchmark diary, comments citing README sections.
+HISTORY = {
+    "a session ordinal": re.compile(rf"\b(?:{_ORDINALS})[ -]session\b", re.IGNORECASE),
+    "an issue number": re.compile(r"\bissues? ?#?\d+", re.IGNORECASE),
+    "an experiment folder": re.compile(r"docs/bench/|\bperop/|\bissue\d+/"),
+    "the benchmark diary": re.compile(r"BENCHMARKS\.md"),
+    "a README section cited": re.compile(r"\(README[,:)]|README \"|; README\)"),
+}
+# Experiment logs cited by path or by name (a tool writing its own output under $OUT or
+# /tmp is not history: only the product's text is scanned for these).
+LOG_CITED = re.compile(r"`[\w.-]+\.log`|(?:docs|bench|tools)/[\w./-]*\.log\b")
+PRODUCT = ("afabric/", "shim/", "providers/", "docs/", "tools/", "examples/", "README.md", "CHANGELOG.md")
+TEXT_SUFFIXES = {".py", ".c", ".h", ".cu", ".md", ".sh", ".toml", ".yml", ".yaml", ".txt", ".pyi", ".cfg", ""}
+
+
+def _tracked() -> list[str]:
+    proc = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"not a git checkout: {proc.stderr.strip()}")
+    return [p for p in proc.stdout.split("\0") if p]
+
+
+def test_no_development_history() -> None:
+    """The tree is a product, not a lab notebook: no session ordinals, issue numbers,
+    experiment folders or logs in any tracked file's name or text (this file excepted: it
+    holds the patterns). A comment that justifies a constant cites the docs page or the
+    benchmark command instead."""
+    found: list[str] = []
+    for path in _tracked():
+        if path.endswith(".log"):
+            found.append(f"{path}: a log file is tracked")
+        for what, pattern in HISTORY.items():
+            if pattern.search(path):
+                found.append(f"{path}: {what} in the file's name")
+        if path == "tests/test_quality.py" or Path(path).suffix not in TEXT_SUFFIXES:
+            continue
+        try:
+            text = (ROOT / path).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        checks = dict(HISTORY)
+        if path.startswith(PRODUCT):
+            checks["an experiment log cited"] = LOG_CITED
+        for n, line in enumerate(text.splitlines(), 1):
+            for what, pattern in checks.items():
+                m = pattern.search(line)
+                if m:
+                    found.append(f"{path}:{n}: {what}: {m.group(0)!r}")
+    assert not found, "development history in the tree:\n" + "\n".join(found)
+
+
+def test_benchmarks_reach_below_the_api_only_through_raw() -> None:
+    """The benchmarks use the public API; afabric/bench/raw.py is the one module that reads
+    an engine's private state (the raw C loop, first-post stamps, the timed watcher store).
+    Any other bench module touching a private attribute of something not its own fails."""
+    offenders = []
+    for path in sorted((ROOT / "afabric" / "bench").glob("*.py")):
+        if path.name == "raw.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "private state reached outside afabric/bench/raw.py:\n" + "\n".join(offenders)
