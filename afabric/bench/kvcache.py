@@ -41,10 +41,11 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .. import _native, host_buffer
+from .. import host_buffer
 from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
+from .raw import shim_path
 
 HELP = "disaggregated prefill: per-layer compute vs transfer, TTFT with and without, transfer hidden"
 GOAL_EXPOSED_PCT = 5.0
@@ -502,7 +503,7 @@ def main(args: argparse.Namespace) -> int:
             "cpus": os.cpu_count(),
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "shim": _native.shim().path,
+            "shim": shim_path(),
             "model": asdict(shape),
             "page_bytes": TOKENS_PER_PAGE * HEAD_DIM * 2,
             "repeat": args.repeat,

@@ -44,11 +44,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import Address, Engine, MrDesc, OpTiming, ScatterTarget, _native
+from .. import Address, Engine, MrDesc, OpTiming, ScatterTarget
 from ..errors import AfabricError
 from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
+from .raw import shim_path
 
 PEERS = (8, 16, 32, 64)
 SIZE = 64  # bytes per target of a scatter
@@ -400,7 +401,7 @@ def main(args: argparse.Namespace) -> int:
             "cpus": os.cpu_count(),
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "shim": _native.shim().path,
+            "shim": shim_path(),
             "size": args.size,
             "procs": args.procs,
             "post_round": POST_ROUND,

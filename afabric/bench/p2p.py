@@ -24,11 +24,11 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .. import Engine, MemoryRegion, MrDesc, Pages, _native, host_buffer
+from .. import Engine, MemoryRegion, MrDesc, Pages, host_buffer
 from . import fabtests, harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
-from .raw import RawLoop
+from .raw import RawLoop, shim_path
 
 KiB, MiB = 1 << 10, 1 << 20
 CONTIG_SIZES = [8, 64, 512, 4 * KiB, 32 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -570,7 +570,7 @@ def main(args: argparse.Namespace) -> int:
             "cpus": os.cpu_count(),
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "shim": _native.shim().path,
+            "shim": shim_path(),
             "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
             "latency": [asdict(x) for x in lat],
         }

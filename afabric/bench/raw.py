@@ -14,6 +14,8 @@ inside :class:`afabric.Engine` has this one file to follow:
   (``afabric bench trigger``: bump-to-post latency).
 - :func:`watcher_store`: a store into a watcher's word made by the shim, which reads the
   clock just before it, as a GPU kernel's store would be timed (``afabric bench trigger``).
+
+:func:`shim_path` names the shim library a run loaded, for the results' header.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from .. import _native
 from ..descriptor import MrDesc
 from ..engine import Engine
 from ..memory import MemoryRegion
@@ -79,3 +82,8 @@ def watcher_store(eng: Engine, watcher: UvmWatcher) -> Callable[[int], int]:
     another thread while the watcher is open."""
     store, watcher_id = eng._n.watcher_store, watcher.id
     return lambda value: store(watcher_id, value)
+
+
+def shim_path() -> str:
+    """The path of the shim library this process loaded (recorded with every result)."""
+    return _native.shim().path

@@ -40,12 +40,12 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from .. import Engine, MemoryRegion, MrDesc, UvmWatcher, _native
+from .. import Engine, MemoryRegion, MrDesc, UvmWatcher
 from ..errors import AfabricError
 from . import harness, report
 from .loops import run as run_on_loop
 from .progress import Progress
-from .raw import record_first_posts, watcher_store
+from .raw import record_first_posts, shim_path, watcher_store
 
 SIZE = 64  # bytes per write (a small "layer done" payload; the immediate is what counts)
 REGION = 1 << 16
@@ -433,7 +433,7 @@ def main(args: argparse.Namespace) -> int:
             "cpus": os.cpu_count(),
             "host": platform.node(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "shim": _native.shim().path,
+            "shim": shim_path(),
             "size": SIZE,
             "iterations": args.iterations,
             "rounds": o.rounds,
