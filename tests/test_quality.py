@@ -131,14 +131,24 @@ def test_no_development_history() -> None:
 
 def test_benchmarks_reach_below_the_api_only_through_raw() -> None:
     """The benchmarks use the public API; afabric/bench/raw.py is the one module that reads
-    an engine's private state (the raw C loop, first-post stamps, the timed watcher store).
-    Any other bench module touching a private attribute of something not its own fails."""
+    an engine's private state (the raw C loop, first-post stamps, the timed watcher store,
+    the shim's path). Any other bench module importing a private module or touching a
+    private attribute of something not its own fails."""
     offenders = []
     for path in sorted((ROOT / "afabric" / "bench").glob("*.py")):
         if path.name == "raw.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (
+            # imports from afabric outside bench/ (``from .. import x``, ``from ..x import y``)
+            outside = isinstance(node, ast.ImportFrom) and (
+                node.level >= 2 or (node.level == 0 and (node.module or "").startswith("afabric."))
+            )
+            if isinstance(node, ast.ImportFrom) and outside:
+                names = [node.module or "", *(alias.name for alias in node.names)]
+                private = [n for n in names if any(part.startswith("_") for part in n.split("."))]
+                if private:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {', '.join(private)}")
+            elif (
                 isinstance(node, ast.Attribute)
                 and node.attr.startswith("_")
                 and not node.attr.startswith("__")
