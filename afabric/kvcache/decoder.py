@@ -50,6 +50,8 @@ from .peers import Side
 
 
 class State(enum.Enum):
+    """Where a decode request is (``DecodeRequest.state``)."""
+
     PENDING = "pending"  # writes may still be landing
     DONE = "done"  # everything landed; the pages are the caller's until release()
     FAILED = "failed"

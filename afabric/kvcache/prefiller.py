@@ -55,6 +55,8 @@ _MAX_PARTIAL_BYTES = 256 << 20  # request fragments held while reassembling, all
 
 
 class JobState(enum.Enum):
+    """Where a prefill job is (``PrefillJob.state``)."""
+
     WAITING = "waiting"  # accepted, waiting for staging pages
     QUEUED = "queued"  # has pages, waiting for the model
     COMPUTING = "computing"

@@ -22,6 +22,7 @@ from ..errors import InvalidArgument
 from .meta import Box, box_shape, dtype_size
 
 FP8 = "float8_e4m3fn"
+"""The dtype name of fp8 destination tensors (torch's e4m3)."""
 ALIGN = 256
 """Every tensor starts on a 256-byte boundary of the rank's buffer."""
 

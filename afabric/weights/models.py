@@ -37,6 +37,9 @@ from .meta import Box, Placement, SourceParam, chunk_range
 
 @dataclass(frozen=True)
 class ModelShape:
+    """A model's published shape, as much of it as a weight-transfer plan needs (layers,
+    widths, heads, experts, the inference replica size); ``PRESETS`` holds the known ones."""
+
     name: str
     layers: int
     hidden: int
@@ -80,6 +83,7 @@ PRESETS: dict[str, ModelShape] = {
         first_dense=0, experts=128, moe_intermediate=1536, kv_heads=4, head_dim=128, qk_norm=True,
     ),
 }  # fmt: skip
+"""The shapes ``afabric weights plan --model`` knows, by name."""
 
 
 def small_model(
