@@ -116,6 +116,13 @@ class RemoteKeyRejected(TransportError, PermissionError):
     """The target refused the remote key or the range (deregistered or forged descriptor)."""
 
 
+class ImmediatesDropped(TransportError):
+    """Arrivals of the awaited immediate were dropped because the engine already counted
+    ``max_imm_values`` other values: the expectation (or the operation triggered on the
+    count) could never be met, so it fails at once. Raise ``Engine(max_imm_values=...)`` or
+    expect values before their arrivals pile up."""
+
+
 class PeerNotAllowed(UsageError, PermissionError):
     """The peer is not on the engine's allow-list (``Engine(allow_peers=...)``)."""
 
@@ -146,6 +153,7 @@ _BY_NAME: dict[str, type[AfabricError]] = {
     "EREG": RegistrationError,
     "EDENIED": PeerNotAllowed,
     "ESTUCK": EngineStuck,
+    "EDROPPED": ImmediatesDropped,
 }
 
 

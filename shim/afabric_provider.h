@@ -59,6 +59,8 @@ enum afp_error {
     AFP_EDENIED = -20,     /* peer is not on the engine's allow-list */
     AFP_ESTUCK = -21,      /* the engine's worker is stuck inside the provider (the shim's own:
                               providers never return it) */
+    AFP_EDROPPED = -22,    /* arrivals of an immediate were dropped at the bound (the shim's
+                              own: providers never return it) */
 };
 
 /* For provider authors: formats an error text into `buf` (a domain's errbuf or a call's

@@ -66,7 +66,8 @@
     X(EWRONGPROV, -18, "descriptor or address belongs to another provider")                     \
     X(EREG, -19, "memory registration failed")                                              \
     X(EDENIED, -20, "peer is not on the engine's allow-list")                                   \
-    X(ESTUCK, -21, "the engine's worker is stuck inside the provider")
+    X(ESTUCK, -21, "the engine's worker is stuck inside the provider")                          \
+    X(EDROPPED, -22, "arrivals of the immediate were dropped at the max_imm_values bound")
 
 #define AFS_ENUM_ITEM(name, value, text) AFS_##name = (value),
 enum afs_error { AFS_ERROR_TABLE(AFS_ENUM_ITEM) };

@@ -35,14 +35,17 @@ static int load_mr(afs_engine *eng, uint64_t id, mr_copy *out)
                                 "(deregistered, or from another engine)");
 }
 
-/* A peer whose NIC addresses were since claimed by a later incarnation has restarted:
- * what was imported from it is refused before anything is posted. */
+/* A peer whose NIC addresses a later incarnation has proved itself at has restarted: what
+ * was imported from it is refused before anything is posted. So has one that is down by
+ * its own state (exited, closed) where a later incarnation claims its NIC addresses. */
 static int peer_current(afs_engine *eng, uint64_t peer_id)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
     uint64_t later = p ? atomic_load(&p->superseded_by) : 0;
     int32_t down = !later && p ? atomic_load(&p->down) : 0; /* peers.c */
-    if (down)
+    if (down == AFS_PEER_EXITED || down == AFS_PEER_CLOSED)
+        later = afs_peer_later_claim(eng, p);
+    if (down && !later)
         return afs_fail(AFS_EPEER, "peer %016llx: %s", (unsigned long long)p->incarnation,
                         afs_peer_down_text(down));
     if (p && !(atomic_load_explicit(&p->ka, memory_order_relaxed) & AFS_KA_USED))

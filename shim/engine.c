@@ -285,6 +285,8 @@ static void engine_free(afs_engine *eng)
     afs_ring_destroy(&eng->ring);
     free(atomic_exchange(&eng->spare, NULL));
     afs_immtab_destroy(&eng->imm);
+    afs_immtab_destroy(&eng->imm_dropped);
+    free(eng->imm_dropped_bits);
     afs_slots_destroy(&eng->mrs);
     afs_slots_destroy(&eng->peers);
     afs_slots_destroy(&eng->remotes);
@@ -666,6 +668,78 @@ static bool same_nics(const afs_peer_entry *p, const afs_addr_view *v)
     return true;
 }
 
+/* Whether two live entries name the same NIC addresses (their address blobs' NIC parts). */
+static bool same_nic_addrs(const afs_peer_entry *a, const afs_peer_entry *b)
+{
+    for (uint32_t k = 0; k < AFS_MAX_NICS; k++) {
+        if (a->nic_len[k] != b->nic_len[k])
+            return false;
+        if (a->nic_len[k] &&
+            memcmp(a->addr + a->nic_off[k], b->addr + b->nic_off[k], a->nic_len[k]) != 0)
+            return false;
+    }
+    return a->nic_len[0] != 0;
+}
+
+static int incarnation_plausible(uint64_t incarnation)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_REALTIME, &ts) != 0)
+        return 0; /* no clock to judge by: the proof rule alone (afs_peer_proven) */
+    uint64_t now_us = (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+    uint64_t born_us = incarnation >> 12;
+    if (born_us > now_us + AFS_INCARNATION_AHEAD_US)
+        return afs_fail(AFS_EBADDESC,
+                        "address or descriptor of engine %016llx: its incarnation is dated "
+                        "%llu s ahead of this host's clock (at most %llu s allowed): refused",
+                        (unsigned long long)incarnation,
+                        (unsigned long long)((born_us - now_us) / 1000000u),
+                        (unsigned long long)(AFS_INCARNATION_AHEAD_US / 1000000u));
+    return 0;
+}
+
+void afs_peer_proven(afs_engine *eng, afs_peer_entry *p)
+{
+    if (atomic_fetch_or(&p->ka, AFS_KA_PROVEN) & AFS_KA_PROVEN)
+        return;
+    /* Lock-free (the worker never takes peer_lock: a resolve holds it while it waits for
+     * the worker): entries are read as keepalive.c reads them, and superseded_by only
+     * ever goes from 0 to an incarnation. */
+    pthread_mutex_lock(&eng->peers.lock); /* the slot table's own lock, held for a read */
+    uint32_t n = eng->peers.n_alloc;
+    pthread_mutex_unlock(&eng->peers.lock);
+    for (uint32_t i = 0; i < n; i++) {
+        afs_peer_entry *q = afs_slots_at(&eng->peers, i);
+        uint32_t gen = q ? atomic_load_explicit(&q->hdr.gen, memory_order_acquire) : 0;
+        if (!(gen & 1u) || q == p || q->incarnation == p->incarnation || !same_nic_addrs(p, q))
+            continue;
+        afs_peer_entry *older = q->incarnation < p->incarnation ? q : p;
+        afs_peer_entry *later = older == q ? p : q;
+        /* A proven later one retires the older (a late frame of the older one, proving it
+         * after the later one did, changes nothing). */
+        if (!(atomic_load(&later->ka) & AFS_KA_PROVEN))
+            continue;
+        uint64_t none = 0;
+        atomic_compare_exchange_strong(&older->superseded_by, &none, later->incarnation);
+    }
+}
+
+uint64_t afs_peer_later_claim(afs_engine *eng, const afs_peer_entry *p)
+{
+    pthread_mutex_lock(&eng->peers.lock);
+    uint32_t n = eng->peers.n_alloc;
+    pthread_mutex_unlock(&eng->peers.lock);
+    uint64_t later = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        afs_peer_entry *q = afs_slots_at(&eng->peers, i);
+        uint32_t gen = q ? atomic_load_explicit(&q->hdr.gen, memory_order_acquire) : 0;
+        if ((gen & 1u) && q->incarnation > p->incarnation && q->incarnation > later &&
+            same_nic_addrs(p, q))
+            later = q->incarnation;
+    }
+    return later;
+}
+
 int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation)
 {
     return afs_fail(AFS_ESTALE,
@@ -686,9 +760,9 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
                         eng->nnics);
     if (blob_len > sizeof(((afs_peer_entry *)0)->addr))
         return afs_fail(AFS_EBADDESC, "peer address too long (%u bytes)", blob_len);
+    if ((rc = incarnation_plausible(v->incarnation)))
+        return rc;
     pthread_mutex_lock(&eng->peer_lock);
-    afs_peer_entry *older[8];
-    uint32_t n_older = 0;
     for (uint32_t i = 0; i < eng->peers.n_alloc; i++) {
         afs_peer_entry *p = afs_slots_at(&eng->peers, i);
         uint32_t gen = p ? atomic_load(&p->hdr.gen) : 0;
@@ -703,14 +777,14 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
             *peer_id = ((uint64_t)gen << 32) | i;
             goto out_unlock;
         }
-        if (p->incarnation == v->incarnation || !same_nics(p, v))
-            continue;
-        if (p->incarnation > v->incarnation) { /* this blob is from before a restart */
+        /* Refused as from before a restart only where the later incarnation has proved
+         * itself at these NIC addresses: a mere claim of a later one (a forged address or
+         * descriptor) takes nothing away from the engine that lives there. */
+        if (p->incarnation > v->incarnation && (atomic_load(&p->ka) & AFS_KA_PROVEN) &&
+            same_nics(p, v)) {
             rc = afs_restarted_error(v->incarnation, p->incarnation);
             goto out_unlock;
         }
-        if (!atomic_load(&p->superseded_by) && n_older < sizeof(older) / sizeof(older[0]))
-            older[n_older++] = p;
     }
     uint32_t index;
     afs_peer_entry *p;
@@ -744,11 +818,6 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         }
         *peer_id = afs_slots_publish(&eng->peers, index);
         afs_live_watch(eng, *peer_id, &v->proc); /* peers.c: reported up; watched if local */
-        /* Earlier incarnations at these NIC addresses are dead: refuse their descriptors
-         * from now on, before anything is posted (api.c load_remote, afs_send). */
-        for (uint32_t i = 0; i < n_older; i++)
-            if (!atomic_load(&older[i]->superseded_by))
-                atomic_store(&older[i]->superseded_by, v->incarnation);
     } else if (rc != AFS_ESTUCK) { /* stuck: x and the entry stay the worker's */
         afs_slots_release(&eng->peers, index);
     }

@@ -23,7 +23,7 @@ int afs_immtab_init(afs_immtab *t)
 
 void afs_immtab_destroy(afs_immtab *t)
 {
-    free(t->e);
+    free(t->e); /* NULL for one never initialised (afs_immtab_get: created on first use) */
     memset(t, 0, sizeof(*t));
 }
 
@@ -50,6 +50,10 @@ static int grow(afs_immtab *t)
 
 afs_imm_entry *afs_immtab_get(afs_immtab *t, uint32_t imm, bool create)
 {
+    if (!t->e) { /* a table made on first use (engine.c zeroes it) */
+        if (!create || afs_immtab_init(t) != 0)
+            return NULL;
+    }
     uint32_t s = slot_of(t, imm);
     while (t->e[s].used) {
         if (t->e[s].imm == imm)

@@ -257,6 +257,10 @@ typedef struct afs_peer_entry {
  * fi_cq_readfrom when an in-process engine that had been sent to first (here: a hello)
  * then sent a large message (several frames) to the sender. */
 #define AFS_KA_SAME_PROCESS 8u
+/* A frame from the provider-named sender at its NIC addresses stated its incarnation
+ * (keepalive.c): only a proven incarnation supersedes older ones at those addresses, or
+ * makes an address of an older one be refused (engine.c). A claim proves nothing. */
+#define AFS_KA_PROVEN 16u
 
 /* A peer's down state (afs_peer_entry.down) moves to `why`: EXITED and CLOSED are final,
  * STOPPED replaces running or SILENT, SILENT only running. True if it moved (the caller
@@ -570,6 +574,15 @@ struct afs_engine {
 
     /* worker-owned */
     afs_immtab imm;
+    /* Values whose arrivals were dropped at max_imm_values (`arrived` = how many), so that
+     * an expectation on one fails at once instead of waiting for what will never be
+     * counted: exactly, for up to AFS_DROPPED_EXACT values (or max_imm_values if larger);
+     * past that in a hashed bitmap of AFS_DROPPED_BITS bits, where an expectation on a
+     * value whose bit is set fails as "may have been dropped" (a flood that large has
+     * broken the engine's counting already; a bit is cleared when it is reported). Both
+     * are made on the first drop; worker only. */
+    afs_immtab imm_dropped;
+    uint64_t *imm_dropped_bits;
     afs_xfer_list active;  /* posting or waiting for completions, in deadline order */
     afs_xfer_list zombies; /* reported failed, waiting for the provider to let go */
     afs_xfer_list expects; /* expect_imm requests waiting for arrivals */
@@ -757,5 +770,18 @@ int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **
 int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation); /* AFS_ESTALE */
 int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
                              uint32_t blob_len, uint64_t *peer_id); /* no allow-list check */
+/* A frame proved that `p`'s incarnation lives at its NIC addresses (keepalive.c, worker
+ * thread, lock-free): older incarnations there are superseded from now on. */
+void afs_peer_proven(afs_engine *eng, afs_peer_entry *p);
+/* The latest incarnation resolved here that claims `p`'s NIC addresses, later than p's
+ * (0: none). A claim only: it names the restart of a peer that is down by its own state
+ * (api.c), it never takes a live one away. */
+uint64_t afs_peer_later_claim(afs_engine *eng, const afs_peer_entry *p);
+/* How far ahead of this host's clock an incarnation's creation time may be (clocks of
+ * two hosts differ): one further ahead is refused on resolve, so no claim can stand above
+ * every later restart. */
+#define AFS_DROPPED_EXACT 65536u
+#define AFS_DROPPED_BITS (1u << 20)
+#define AFS_INCARNATION_AHEAD_US (24ull * 3600ull * 1000000ull)
 
 #endif

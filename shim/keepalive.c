@@ -24,9 +24,12 @@
  * and that sender is the peer whose incarnation the frame states: a peer can say goodbye
  * for itself only, never for another (on providers that cannot name senders goodbyes are
  * ignored; heartbeats, or op_timeout, still find a closed peer). A PING from an address not
- * resolved here is answered once it is (learned: at most LEARN_MAX addresses per engine);
- * its claim can only make this engine send one goodbye to the claimed address when it
- * closes.
+ * resolved here is answered once it is (learned: at most LEARN_MAX addresses per engine,
+ * and only where the claimed NIC address is the one the provider names, when it names
+ * one); its claim can only make this engine send one goodbye to the claimed address when
+ * it closes. A PING or PONG whose sender the provider names, stating that sender's own
+ * incarnation, is the proof that the incarnation lives at that NIC address
+ * (afs_peer_proven): only then does it supersede an older one there.
  *
  * This file sits below worker.c: what it finds (a peer silent, answering again, gone,
  * an address to learn) goes to the worker through the afs_ka_hook it is given.
@@ -232,6 +235,31 @@ static void heard(afs_engine *eng, uint64_t id, uint32_t index, uint64_t now, af
     }
 }
 
+/* Whether the address a hello claims (`blob`) can be its sender's: where the provider names
+ * the sender (a handle resolved here), its NIC address must be the claimed one's. A sender
+ * the provider cannot name is learned all the same: what is learned is resolved unproven
+ * and supersedes nothing until a frame from that NIC address states it (afs_peer_proven). */
+static bool claim_matches_sender(afs_engine *eng, uint32_t nic, uint64_t src, const uint8_t *blob,
+                                 uint32_t len)
+{
+    if (src == AFP_SRC_UNKNOWN || src == AFP_SRC_UNRESOLVED)
+        return true;
+    afs_addr_view v;
+    if (afs_addr_parse(blob, len, &v) != 0 || nic >= v.nics)
+        return false;
+    uint32_t n = peers_alloc(eng);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t id;
+        afs_peer_entry *q = peer_at(eng, i, &id);
+        if (!q || q->fi_addr[nic] != src || !q->nic_len[nic])
+            continue;
+        /* the provider names a peer known here: the claim must be of its NIC address */
+        return q->nic_len[nic] == v.nic_addr_len[nic] &&
+               memcmp(q->addr + q->nic_off[nic], v.nic_addr[nic], v.nic_addr_len[nic]) == 0;
+    }
+    return true; /* a handle this engine did not resolve (another engine's): unproven */
+}
+
 /* A hello from an engine not resolved here: its address goes up to be resolved (once per
  * incarnation while pending, LEARN_MAX in all); once it is, it gets a goodbye. */
 static void learn(afs_engine *eng, uint64_t inc, const uint8_t *blob, uint32_t len,
@@ -268,6 +296,9 @@ bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len
                                           (the provider may not name it then): its claim */
         p = sender_of(eng, nic, AFP_SRC_UNKNOWN, inc, &id, &index, &verified);
     uint64_t now = afs_now_ns();
+    if (p && verified && (kind == KA_PING || kind == KA_PONG))
+        afs_peer_proven(eng, p); /* the provider names it, at its NIC address, and it states
+                                    its own incarnation: a restart there is proven */
     switch (kind) {
     case KA_PING:
         if (p) {
@@ -278,7 +309,7 @@ bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len
             (void)ka_send(eng, src, UINT32_MAX, KA_PONG, 0); /* a handle of ours, by another
                                                               incarnation: answer it there */
         }
-        if (!p && !atomic_load(&eng->stop))
+        if (!p && !atomic_load(&eng->stop) && claim_matches_sender(eng, nic, src, buf + KA_HDR, alen))
             learn(eng, inc, buf + KA_HDR, alen, hook);
         break;
     case KA_PONG:

@@ -10,8 +10,11 @@
  *
  * An incarnation names one engine instance: its top 52 bits are the wall-clock time of
  * creation in microseconds, the low 12 random. Peers at one NIC address live on one host,
- * so when two incarnations claim the same NIC address the larger one is the restarted
- * engine and the smaller one's descriptors are refused (engine.c, afs_find_or_resolve_peer).
+ * so when two incarnations live at the same NIC address the larger one is the restarted
+ * engine and the smaller one's descriptors are refused — once the larger one has proved
+ * itself there (a keepalive frame from that NIC address stating it: afs_peer_proven in
+ * engine.c), never on a claim alone, and never for one dated more than
+ * AFS_INCARNATION_AHEAD_US ahead of this host's clock.
  */
 #include <time.h>
 

@@ -741,12 +741,28 @@ static void satisfy(afs_engine *eng, afs_xfer *x, uint64_t now)
         fire(eng, x, now);
 }
 
-/* An arrival nobody can count: dropped, counted, and reported on the first drop and at
- * every power of two after it (the engine logs it; the table stays bounded). */
-static void imm_dropped(afs_engine *eng, uint32_t nic)
+/* `n` arrivals of `imm` nobody can count: dropped, counted, remembered by value (so that
+ * an expectation on it fails at once: wait_imm), and reported on the first drop and at
+ * every power of two after it (the engine logs it; both tables stay bounded). */
+static void imm_dropped(afs_engine *eng, uint32_t nic, uint32_t imm, uint64_t count)
 {
     afs_nic *n = &eng->nics[nic];
     afs_count(&n->st_imms_dropped, 1);
+    uint32_t exact = eng->cfg.max_imm_values > AFS_DROPPED_EXACT ? eng->cfg.max_imm_values
+                                                                   : AFS_DROPPED_EXACT;
+    afs_imm_entry *d = afs_immtab_get(&eng->imm_dropped, imm, false);
+    if (!d && eng->imm_dropped.len < exact)
+        d = afs_immtab_get(&eng->imm_dropped, imm, true);
+    if (d) {
+        d->arrived += count;
+    } else {
+        if (!eng->imm_dropped_bits)
+            eng->imm_dropped_bits = calloc(AFS_DROPPED_BITS / 64, sizeof(uint64_t));
+        if (eng->imm_dropped_bits) {
+            uint32_t bit = (uint32_t)afs_mix64(imm) & (AFS_DROPPED_BITS - 1);
+            eng->imm_dropped_bits[bit / 64] |= 1ull << (bit % 64);
+        }
+    }
     uint64_t total = 0;
     for (uint32_t k = 0; k < eng->nnics; k++)
         total += atomic_load_explicit(&eng->nics[k].st_imms_dropped, memory_order_relaxed);
@@ -769,13 +785,13 @@ static void imm_arrived_n(afs_engine *eng, uint32_t nic, uint32_t imm, uint64_t 
 {
     afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, false);
     if (!e && !returned && eng->imm.len >= eng->cfg.max_imm_values) {
-        imm_dropped(eng, nic);
+        imm_dropped(eng, nic, imm, n);
         return;
     }
     if (!e)
         e = afs_immtab_get(&eng->imm, imm, true);
     if (!e) { /* out of memory: the counter cannot grow */
-        imm_dropped(eng, nic);
+        imm_dropped(eng, nic, imm, n);
         return;
     }
     e->arrived += n;
@@ -794,9 +810,38 @@ static void imm_arrived(afs_engine *eng, uint32_t nic, uint32_t imm, uint64_t no
     imm_arrived_n(eng, nic, imm, 1, false, now);
 }
 
+/* Whether arrivals of `imm` were dropped at the bound (imm_dropped): x fails, saying so,
+ * and the value is forgotten (said once: it is free for later use). */
+static bool dropped_before(afs_engine *eng, afs_xfer *x, uint32_t imm)
+{
+    char msg[240];
+    afs_imm_entry *d = afs_immtab_get(&eng->imm_dropped, imm, false);
+    uint32_t bit = (uint32_t)afs_mix64(imm) & (AFS_DROPPED_BITS - 1);
+    uint64_t *word = eng->imm_dropped_bits ? &eng->imm_dropped_bits[bit / 64] : NULL;
+    if (d) {
+        snprintf(msg, sizeof(msg),
+                 "%llu arrival(s) of immediate %u were dropped: the engine already counted "
+                 "max_imm_values=%u other values; raise Engine(max_imm_values=...)",
+                 (unsigned long long)d->arrived, imm, eng->cfg.max_imm_values);
+        d->arrived = 0;
+        afs_immtab_maybe_remove(&eng->imm_dropped, d);
+    } else if (word && (*word & (1ull << (bit % 64)))) {
+        snprintf(msg, sizeof(msg),
+                 "arrivals of immediate %u may have been dropped: more than %u distinct values "
+                 "were dropped at max_imm_values=%u; raise Engine(max_imm_values=...)",
+                 imm, (unsigned)eng->imm_dropped.len, eng->cfg.max_imm_values);
+        *word &= ~(1ull << (bit % 64));
+    } else {
+        return false;
+    }
+    set_error(x, AFS_EDROPPED, "%s", msg);
+    return true;
+}
+
 /* Registers x (an expectation, or an operation triggered on a count) as the waiter of
  * immediate `imm` for `count` arrivals; satisfies it at once from early arrivals.
- * Returns false (x untouched) when another waiter holds that immediate. */
+ * Returns false (x failed, typed) when another waiter holds that immediate or arrivals of
+ * it were dropped at the bound. */
 static bool wait_imm(afs_engine *eng, afs_xfer *x, uint32_t imm, uint64_t count, uint64_t now)
 {
     afs_imm_entry *e = afs_immtab_get(&eng->imm, imm, true);
@@ -816,6 +861,10 @@ static bool wait_imm(afs_engine *eng, afs_xfer *x, uint32_t imm, uint64_t count,
         afs_immtab_maybe_remove(&eng->imm, e);
         satisfy(eng, x, now);
         return true;
+    }
+    if (dropped_before(eng, x, imm)) { /* what it waits for was dropped: it would wait for ever */
+        afs_immtab_maybe_remove(&eng->imm, e);
+        return false;
     }
     e->expected = count;
     e->waiter = x;

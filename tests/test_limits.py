@@ -206,7 +206,9 @@ async def test_unexpected_immediates_bounded(
 ) -> None:
     """5,000 distinct immediates nobody expects, to an engine keeping at most 1,000 values:
     1,000 are kept (expect_imm for them returns at once), 4,000 dropped, counted in
-    stats() and logged; expect_imm for a dropped one times out (typed error)."""
+    stats() and logged; expect_imm for a dropped one, with no timeout, fails at once with
+    ImmediatesDropped naming the bound (before: it waited for ever). Said once: the value
+    is free again afterwards."""
     n, bound, first = 5000, 1000, 1 << 20
     caplog.set_level(logging.WARNING, logger="afabric")
     async with afabric.Engine(provider, max_imm_values=bound) as eng:
@@ -222,16 +224,45 @@ async def test_unexpected_immediates_bounded(
                 break
             await asyncio.sleep(0.05)
         assert nic["imms"] == n and nic["imms_dropped"] == n - bound, nic
-        outcomes = await asyncio.gather(
-            *(eng.expect_imm(first + i, 1, timeout=5.0) for i in range(n)), return_exceptions=True
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(eng.expect_imm(first + i, 1) for i in range(n)), return_exceptions=True), 60
         )
         kept = sum(o is None for o in outcomes)
-        timed_out = sum(isinstance(o, errors.OperationTimeout) for o in outcomes)
-        assert (kept, timed_out) == (bound, n - bound)
+        dropped = [o for o in outcomes if isinstance(o, errors.ImmediatesDropped)]
+        assert (kept, len(dropped)) == (bound, n - bound), {type(o) for o in outcomes}
+        assert "max_imm_values=1000" in str(dropped[0]) and "raise Engine(max_imm_values" in str(dropped[0])
+        gone = next(first + i for i, o in enumerate(outcomes) if o is not None)
+        with pytest.raises(errors.OperationTimeout):  # told once; the value is a fresh one now
+            await eng.expect_imm(gone, 1, timeout=0.3)
         assert eng.stats()["max_imm_values"] == bound
     # the log carries the NOTICE record's `total`: how many were dropped so far
     logged = [int(m.split()[0]) for r in caplog.records if "of new values dropped" in (m := r.getMessage())]
     assert logged and 0 < max(logged) <= n - bound, logged
+
+
+async def test_expectations_fail_past_the_exact_memory_of_drops(peers: list[Peer]) -> None:
+    """More distinct values dropped than the engine remembers exactly (65,536 at a bound of
+    one value): expectations on the ones past that still fail, as "may have been dropped",
+    instead of waiting for ever."""
+    n, first = 70_000, 1 << 22
+    async with afabric.Engine("tcp", max_imm_values=1) as eng:
+        mr = eng.register(np.zeros(8, dtype=np.uint8))
+        sender = Peer(distinct_imms, "tcp", first, n)
+        peers.append(sender)
+        sender.put(bytes(mr.descriptor))
+        assert await sender.result(timeout=120) == n
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if eng.stats()["nics"][0]["imms"] >= n:
+                break
+            await asyncio.sleep(0.05)
+        assert eng.stats()["nics"][0]["imms_dropped"] == n - 1
+        late = [first + n - 1 - i for i in range(20)]  # the last arrivals: past the exact set
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(eng.expect_imm(v, 1) for v in late), return_exceptions=True), 30
+        )
+        assert all(isinstance(o, errors.ImmediatesDropped) for o in outcomes), outcomes
+        assert all("may have been dropped" in str(o) for o in outcomes), outcomes[0]
 
 
 def test_limits_validated() -> None:
