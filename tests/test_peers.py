@@ -131,6 +131,34 @@ async def test_engine_closed_in_this_process_reported_down(provider: str) -> Non
             await eng.write(src, dst, 8)
 
 
+@pytest.mark.parametrize("provider", ["tcp", "cma"])
+async def test_write_to_closed_engine_says_so(provider: str, peers: list[Peer]) -> None:
+    """A peer closes its engine and its process lives on: a write and a send to it fail
+    with PeerUnreachable saying its engine was closed, not that its process is gone: tcp
+    from the goodbye (once the "down" event is out), cma from the peer's segment (its
+    `closed` word, node_seg.h; cma names no senders, so goodbyes are not heard there)."""
+    victim = Peer(victim_target, provider, REGION)
+    peers.append(victim)
+    desc_b, addr_b, _ = await victim.get()
+    desc, addr = afabric.MrDesc.from_bytes(desc_b), afabric.Address.from_bytes(addr_b)
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT) as eng:
+        src = eng.register(np.ones(WRITE, np.uint8))
+        events = eng.peer_events()
+        await eng.write(src, desc, WRITE)
+        victim.put("close")
+        assert await victim.get() == "closed"
+        if provider == "tcp":
+            while (ev := await next_event(events, 10)).kind != "down":
+                pass
+            assert ev.reason == "closed"
+        for op in (eng.write(src, desc, WRITE), eng.send(addr, b"x")):
+            with pytest.raises(errors.PeerUnreachable, match="its engine was closed") as e:
+                await asyncio.wait_for(op, DOWN_WITHIN)
+            assert "gone" not in str(e.value) and "exited" not in str(e.value), e.value
+    victim.put("stop")
+    assert await victim.result() is True  # the process lived on throughout
+
+
 async def stream(
     eng: afabric.Engine, src: afabric.MemoryRegion, desc: afabric.MrDesc, stop: asyncio.Event,
     stamps: list[float], failures: list[tuple[float, BaseException]], size: int = WRITE,

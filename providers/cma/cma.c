@@ -12,10 +12,14 @@
  *    deregistration revokes at once. A writer checks every access against that entry (the
  *    target's own memory), never against the descriptor, which a peer could forge.
  *  - Nothing lands after deregister returns: a writer holds one of the target's writer slots
- *    (a process-shared robust mutex in the target's segment, `busy` set) from before it
- *    checks the entry's generation until its copy returned; deregister revokes the entry and
- *    then waits for every busy slot (lock, unlock). A writer that dies holding a slot
- *    releases it with it (EOWNERDEAD): the wait is bounded by the writer's copy or its life.
+ *    (a word in the target's segment naming the writer's process, with a count of holds)
+ *    from before it checks the entry's generation until its copy returned; deregister
+ *    revokes the entry and then waits until every slot held at that moment has been let go.
+ *    A slot whose process has exited (killed mid-copy: its copy stopped with it), or that
+ *    names no process (stray bytes), is taken over: the wait is bounded by the writer's copy
+ *    or its life. The slots are plain atomics, not pthread mutexes: bytes a peer scribbles
+ *    there cost a wait, never a crash (glibc follows a robust mutex's list pointers and
+ *    asserts on its kind). Writer and target share a PID namespace (cma_resolve).
  *  - Operations of 16 KiB up to the split threshold (AFABRIC_CMA_ASYNC_AT, cma_pool.h) run
  *    whole and in parallel on the domain's copy threads: post queues them and returns at
  *    once; the copy thread takes the writer slot, checks the entry, copies and releases the
@@ -58,11 +62,14 @@
 #define CMA_ADDR_MAGIC 0x31414d43u /* "CMA1" */
 #define CMA_SLOTS 64u              /* writer slots in each domain's segment */
 #define CMA_MAX_WRITE (1ull << 40)
+#define CMA_SLOT_PROBE_NS 1000000ull    /* slots held unchanged this long: holders alive? */
+#define CMA_SLOT_STALL_NS 2000000000ull /* all 64 held unchanged by live writers: give up */
 
 typedef struct cma_slot {
-    pthread_mutex_t lock; /* process-shared, robust: held by a writer around check + copy */
-    _Atomic uint32_t busy;
-    uint8_t pad[64 - (sizeof(pthread_mutex_t) + sizeof(uint32_t)) % 64];
+    /* holds << 32 | holder: holder 0 = free, else the writer's pid; holds counts the
+     * takings, so a change of the word means a release */
+    _Atomic uint64_t word;
+    uint8_t pad[56];
 } cma_slot;
 
 static const mb_kind CMA_KIND = {
@@ -90,7 +97,7 @@ struct afp_domain {
 
 #define DERR(d, code, ...) AFN_ERR(&(d)->c, code, __VA_ARGS__)
 
-static cma_slot *slots(mb_header *h) { return (cma_slot *)(void *)mb_extra(h); }
+static cma_slot *slots(const mb_seg *s) { return (cma_slot *)(void *)mb_extra(s); }
 
 /* ------------------------------------------------------------------------------------ */
 /* Permissions                                                                           */
@@ -186,57 +193,96 @@ static int cma_list_nics(const afp_open_args *args, afp_nic_info *out, uint32_t 
 /* ------------------------------------------------------------------------------------ */
 /* Writer slots                                                                          */
 
-static void lock_slot(cma_slot *s)
+static uint64_t slot_taken(uint64_t w, uint32_t me) { return ((w >> 32) + 1) << 32 | me; }
+
+static void nap_ns(long ns)
 {
-    if (pthread_mutex_lock(&s->lock) == EOWNERDEAD) /* its writer died: nothing in flight */
-        pthread_mutex_consistent(&s->lock);
+    struct timespec ts = {0, ns};
+    (void)nanosleep(&ts, NULL);
 }
 
-/* Take one of the target's slots (any free one) and mark it busy. Any thread (the copy
- * threads take slots for the operations they run). With all 64 taken it tries again (a
- * yield, then 50 us naps) rather than block on one slot: that slot's holder may be this
- * process's own worker waiting for a split copy's parts, which the waiting thread would
- * run (a deadlock), while other writers' slots come free within a copy. */
-static cma_slot *enter(uint64_t token, mb_header *h)
+/* A held slot whose process has exited: take it over (its copy stopped with it). */
+static cma_slot *take_over(cma_slot *t, uint32_t me, uint64_t *held)
 {
-    cma_slot *t = slots(h);
-    uint32_t first = (uint32_t)(token % CMA_SLOTS);
-    cma_slot *s = NULL;
-    for (uint32_t round = 0; !s; round++) {
-        for (uint32_t i = 0; i < CMA_SLOTS && !s; i++) {
-            cma_slot *c = &t[(first + i) % CMA_SLOTS];
-            int rc = pthread_mutex_trylock(&c->lock);
-            if (rc == EOWNERDEAD)
-                pthread_mutex_consistent(&c->lock);
-            if (rc == 0 || rc == EOWNERDEAD)
-                s = c;
-        }
-        if (!s && round < 64) {
-            sched_yield();
-        } else if (!s) {
-            struct timespec nap = {0, 50000};
-            nanosleep(&nap, NULL);
+    for (uint32_t i = 0; i < CMA_SLOTS; i++) {
+        uint64_t w = atomic_load_explicit(&t[i].word, memory_order_seq_cst);
+        if ((uint32_t)w && mb_pid_gone((int32_t)(uint32_t)w) &&
+            atomic_compare_exchange_strong(&t[i].word, &w, slot_taken(w, me))) {
+            *held = slot_taken(w, me);
+            return &t[i];
         }
     }
-    atomic_store_explicit(&s->busy, 1, memory_order_seq_cst);
-    return s;
+    return NULL;
 }
 
-static void leave(cma_slot *s)
+/* Take one of the target's slots (any free one) as process `me`; *held gets the word we
+ * wrote. Any thread (the copy threads take slots for the operations they run). With all 64
+ * taken it tries again (a yield, then 50 us naps) rather than wait for one: that slot's
+ * holder may be this process's own worker waiting for a split copy's parts, which the
+ * waiting thread would run (a deadlock), while other writers' slots come free within a
+ * copy. Holds unchanged for CMA_SLOT_PROBE_NS are checked (take_over); NULL once all 64 have
+ * stayed the same, held by live domains, for CMA_SLOT_STALL_NS. */
+static cma_slot *enter(uint32_t me, cma_slot *t, uint64_t *held)
 {
-    atomic_store_explicit(&s->busy, 0, memory_order_release);
-    pthread_mutex_unlock(&s->lock);
+    uint32_t first = me % CMA_SLOTS;
+    uint64_t seen = 0, since = 0, probed = 0;
+    for (uint32_t round = 0;; round++) {
+        uint64_t print = 0xcbf29ce484222325ull; /* of every word: a release changes it */
+        for (uint32_t i = 0; i < CMA_SLOTS; i++) {
+            cma_slot *c = &t[(first + i) % CMA_SLOTS];
+            uint64_t w = atomic_load_explicit(&c->word, memory_order_relaxed);
+            if ((uint32_t)w == 0 &&
+                atomic_compare_exchange_strong(&c->word, &w, slot_taken(w, me))) {
+                *held = slot_taken(w, me);
+                return c;
+            }
+            print = (print ^ w) * 0x100000001b3ull;
+        }
+        uint64_t now = afn_now_ns();
+        if (print != seen || !since) {
+            seen = print;
+            since = now;
+        } else if (now - since >= CMA_SLOT_PROBE_NS && now - probed >= CMA_SLOT_PROBE_NS) {
+            probed = now;
+            cma_slot *c = take_over(t, me, held);
+            if (c)
+                return c;
+            if (now - since >= CMA_SLOT_STALL_NS)
+                return NULL;
+        }
+        if (round < 64)
+            sched_yield();
+        else
+            nap_ns(50000);
+    }
+}
+
+static void leave(cma_slot *s, uint64_t held)
+{
+    /* not ours any more only if it was taken over: leave it then */
+    (void)atomic_compare_exchange_strong(&s->word, &held, held & ~0xffffffffull);
+}
+
+static int slots_wedged(afp_domain *d, afn_peer *p)
+{
+    return DERR(d, AFP_EPEER, "peer (process %d): all %u writer slots of its segment have been "
+                              "held by live writers, unchanged, for %.0f s (they are stopped, "
+                              "or the segment is corrupt) [cma]",
+                (int)p->pid, CMA_SLOTS, CMA_SLOT_STALL_NS / 1e9);
 }
 
 /* Enter one of the peer's slots, then check that the entry is still live (in that order:
- * deregister revokes, then waits for busy slots). 0 with *out entered, or AFP_EKEY. */
+ * deregister revokes, then waits for held slots). 0 with *out entered, or AFP_EKEY, or
+ * AFP_EPEER (slots wedged). */
 static int enter_live(afp_domain *d, afn_peer *p, const afn_import *im, uint64_t key,
-                      cma_slot **out)
+                      cma_slot **out, uint64_t *held)
 {
-    cma_slot *s = enter(d->token, p->seg.hdr);
+    cma_slot *s = enter((uint32_t)d->pid, slots(&p->seg), held);
+    if (!s)
+        return slots_wedged(d, p);
     if (atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr, memory_order_seq_cst) !=
         key >> 32) {
-        leave(s);
+        leave(s, *held);
         return DERR(d, AFP_EKEY, "remote key %016llx was deregistered at the target [cma]",
                     (unsigned long long)key);
     }
@@ -245,37 +291,33 @@ static int enter_live(afp_domain *d, afn_peer *p, const afn_import *im, uint64_t
 }
 
 /* Owner: after revoking an entry, wait until no writer can still be copying under the old
- * generation (one that entered before the revocation). */
+ * generation (one that entered before the revocation): every slot held now is let go, or
+ * its holder found gone (its slot is freed then). */
 static void drain_writers(afp_domain *d)
 {
-    cma_slot *t = slots(d->c.seg.hdr);
+    cma_slot *t = slots(&d->c.seg);
     atomic_thread_fence(memory_order_seq_cst);
-    for (uint32_t i = 0; i < CMA_SLOTS; i++)
-        if (atomic_load_explicit(&t[i].busy, memory_order_seq_cst)) {
-            lock_slot(&t[i]);
-            pthread_mutex_unlock(&t[i].lock);
+    for (uint32_t i = 0; i < CMA_SLOTS; i++) {
+        uint64_t w = atomic_load_explicit(&t[i].word, memory_order_seq_cst);
+        if (!(uint32_t)w)
+            continue;
+        uint64_t since = afn_now_ns(), probed = 0;
+        for (uint32_t turns = 0; atomic_load_explicit(&t[i].word, memory_order_seq_cst) == w;
+             turns++) {
+            uint64_t now = afn_now_ns();
+            if (now - since >= CMA_SLOT_PROBE_NS && now - probed >= CMA_SLOT_PROBE_NS) {
+                probed = now;
+                if (mb_pid_gone((int32_t)(uint32_t)w)) {
+                    (void)atomic_compare_exchange_strong(&t[i].word, &w, w & ~0xffffffffull);
+                    break;
+                }
+            }
+            if (turns < 1000)
+                afp_cpu_relax();
+            else
+                nap_ns(20000);
         }
-}
-
-static int init_slots(afp_domain *d, char *err, size_t errlen)
-{
-    pthread_mutexattr_t ma;
-    if (pthread_mutexattr_init(&ma) != 0) {
-        afp_errf(err, errlen, "pthread_mutexattr_init failed [cma]");
-        return AFP_EIO;
     }
-    int rc = 0;
-    if (pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED) != 0 ||
-        pthread_mutexattr_setrobust(&ma, PTHREAD_MUTEX_ROBUST) != 0)
-        rc = AFP_EIO;
-    cma_slot *t = slots(d->c.seg.hdr);
-    for (uint32_t i = 0; i < CMA_SLOTS && !rc; i++)
-        if (pthread_mutex_init(&t[i].lock, &ma) != 0)
-            rc = AFP_EIO;
-    pthread_mutexattr_destroy(&ma);
-    if (rc)
-        afp_errf(err, errlen, "cannot make process-shared robust mutexes [cma]");
-    return rc;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -284,12 +326,15 @@ static int init_slots(afp_domain *d, char *err, size_t errlen)
 /* Describes a failed copy (errno `e`) for the operation's error. */
 static int copy_failed(afp_domain *d, afn_peer *p, const char *what, int e)
 {
-    if (e == ESRCH || !afn_peer_alive(p, true))
-        return DERR(d, AFP_EPEER, "%s: target process %d is gone [cma]", what, p->seg.hdr->pid);
+    char gone[AFP_ERRTEXT_LEN];
+    if (!afn_peer_alive(p, true))
+        return DERR(d, AFP_EPEER, "%s: %s [cma]", what, afn_gone_text(p, gone, sizeof gone));
+    if (e == ESRCH)
+        return DERR(d, AFP_EPEER, "%s: target process %d is gone [cma]", what, (int)p->pid);
     if (e == EPERM)
         return DERR(d, AFP_EIO, "%s: permission denied (EPERM) copying into process %d: it "
                                 "must have our uid and be dumpable, and Yama/seccomp must allow "
-                                "process_vm_writev [cma]", what, p->seg.hdr->pid);
+                                "process_vm_writev [cma]", what, (int)p->pid);
     if (e == EFAULT)
         return DERR(d, AFP_EIO, "%s: an address is not mapped (EFAULT): the target's region "
                                 "(or ours) was unmapped while registered [cma]", what);
@@ -301,13 +346,16 @@ static int copy_failed(afp_domain *d, afn_peer *p, const char *what, int e)
 /* The copy threads' part of a queued operation: slot, generation check, copy, slot. */
 static int run_job(cma_job *j, struct iovec *liov, struct iovec *riov)
 {
-    cma_slot *s = enter(j->token, j->target);
+    uint64_t held = 0;
+    cma_slot *s = enter(j->writer, j->target, &held);
+    if (!s)
+        return CMA_JOB_WEDGED;
     int e = CMA_JOB_REVOKED;
     if (atomic_load_explicit(j->gen, memory_order_seq_cst) == j->want_gen) {
         cma_test_delay(j->delay_us); /* the testing hook holds the slot: deregister waits */
         e = cma_copy_part(&j->part, liov, riov);
     }
-    leave(s);
+    leave(s, held);
     return e;
 }
 
@@ -335,6 +383,8 @@ static void reap_jobs(afp_domain *d)
         int rc = 0;
         if (j->err == CMA_JOB_REVOKED)
             rc = DERR(d, AFP_EKEY, "remote key was deregistered at the target [cma]");
+        else if (j->err == CMA_JOB_WEDGED)
+            rc = slots_wedged(d, afn_peer_of(&d->c, j->peer));
         else if (j->err)
             rc = copy_failed(d, afn_peer_of(&d->c, j->peer),
                              !j->part.write ? "process_vm_readv" : "process_vm_writev", j->err);
@@ -369,14 +419,14 @@ static int one_copy(afp_domain *d, const afp_write *w, bool write)
     if (rc || w->length == 0)
         return rc;
     afn_peer *p = afn_peer_of(&d->c, w->peer);
-    cma_part op = {.pid = p->seg.hdr->pid, .write = write, .local = w->local_addr,
+    cma_part op = {.pid = p->pid, .write = write, .local = w->local_addr,
                    .remote = w->remote_addr, .len = w->length};
     if (cma_pool_async(&d->pool, w->length)) {
         cma_job *j = calloc(1, sizeof *j);
         if (j) {
-            *j = (cma_job){.part = op, .target = p->seg.hdr,
+            *j = (cma_job){.part = op, .target = slots(&p->seg),
                            .gen = (const _Atomic uint64_t *)(uintptr_t)im->gen_addr,
-                           .want_gen = w->remote_key >> 32, .token = d->token, .ctx = w->ctx,
+                           .want_gen = w->remote_key >> 32, .writer = (uint32_t)d->pid, .ctx = w->ctx,
                            .peer = w->peer, .arrivals = write && w->has_imm ? 1u : 0u,
                            .imm = w->imm};
             if (cma_pool_submit(&d->pool, j) == 0)
@@ -385,10 +435,11 @@ static int one_copy(afp_domain *d, const afp_write *w, bool write)
         }
     }
     cma_slot *s = NULL;
-    if ((rc = enter_live(d, p, im, w->remote_key, &s)))
+    uint64_t held = 0;
+    if ((rc = enter_live(d, p, im, w->remote_key, &s, &held)))
         return rc;
     int e = cma_pool_copy(&d->pool, &op, w->length); /* every part returned */
-    leave(s);
+    leave(s, held);
     return e ? copy_failed(d, p, write ? "process_vm_writev" : "process_vm_readv", e) : 0;
 }
 
@@ -441,15 +492,15 @@ static int paged_copy(afp_domain *d, const afp_paged *p)
     if (rc || p->page_len == 0)
         return rc;
     afn_peer *peer = afn_peer_of(&d->c, p->peer);
-    cma_part op = {.pid = peer->seg.hdr->pid, .write = true, .pg = p,
+    cma_part op = {.pid = peer->pid, .write = true, .pg = p,
                    .local = (uint8_t *)p->local_base + p->src_offset,
                    .remote = p->remote_base + p->dst_offset, .len = total};
     if (cma_pool_async(&d->pool, total)) {
         cma_job *j = calloc(1, sizeof *j);
         if (j) {
-            *j = (cma_job){.part = op, .pg = *p, .target = peer->seg.hdr,
+            *j = (cma_job){.part = op, .pg = *p, .target = slots(&peer->seg),
                            .gen = (const _Atomic uint64_t *)(uintptr_t)im->gen_addr,
-                           .want_gen = p->remote_key >> 32, .token = d->token, .ctx = p->ctx,
+                           .want_gen = p->remote_key >> 32, .writer = (uint32_t)d->pid, .ctx = p->ctx,
                            .peer = p->peer, .arrivals = p->has_imm ? p->count : 0,
                            .imm = p->imm};
             j->part.pg = &j->pg; /* the index arrays stay valid until completion */
@@ -459,10 +510,11 @@ static int paged_copy(afp_domain *d, const afp_paged *p)
         }
     }
     cma_slot *s = NULL;
-    if ((rc = enter_live(d, peer, im, p->remote_key, &s)))
+    uint64_t held = 0;
+    if ((rc = enter_live(d, peer, im, p->remote_key, &s, &held)))
         return rc;
     int e = cma_pool_copy(&d->pool, &op, total); /* every part returned */
-    leave(s);
+    leave(s, held);
     return e ? copy_failed(d, peer, "process_vm_writev", e) : 0;
 }
 
@@ -533,7 +585,7 @@ static int cma_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
             free(m);
             return DERR(d, AFP_ENOMEM, "more than %u regions registered [cma]", MB_EXPORTS);
         }
-        mb_export *e = &mb_exports(d->c.seg.hdr)[idx];
+        mb_export *e = &mb_exports(&d->c.seg)[idx];
         memset((uint8_t *)e + sizeof e->gen, 0, sizeof *e - sizeof e->gen);
         e->base = (uint64_t)(uintptr_t)addr;
         e->len = len;
@@ -608,8 +660,7 @@ static int cma_open(const afp_open_args *args, afp_domain **out, char *err, size
         fclose(f);
     d->token = seed ^ afn_now_ns() ^ ((uint64_t)d->pid << 32);
     mb_wake_name(&CMA_KIND, d->token, &d->self_wake, &d->self_wake_len);
-    if ((rc = afn_open(&d->c, &CMA_KIND, CMA_ADDR_MAGIC, d->token, err, errlen)) != 0 ||
-        (rc = init_slots(d, err, errlen)) != 0) {
+    if ((rc = afn_open(&d->c, &CMA_KIND, CMA_ADDR_MAGIC, d->token, err, errlen)) != 0) {
         cma_close(d);
         return rc;
     }
@@ -643,12 +694,12 @@ static int cma_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
     if (rc)
         return rc;
     afn_peer *p = afn_peer_of(&d->c, *peer);
-    mb_header *h = p->seg.hdr;
-    uint64_t ns = mb_pidns();
-    if (h->pid <= 0 || (h->pidns && ns && h->pidns != ns)) {
+    uint64_t ns = mb_pidns(), theirs = p->seg.hdr->pidns;
+    if (p->pid <= 0 || (theirs && ns && theirs != ns)) {
+        int32_t pid = p->pid;
         (void)afn_forget(&d->c, *peer);
         return DERR(d, AFP_EPEER, "peer process %d is in another PID namespace: cma copies "
-                                  "need both in one [cma]", h->pid);
+                                  "need both in one [cma]", (int)pid);
     }
     return 0;
 }

@@ -73,9 +73,10 @@ typedef struct cma_job {
     struct cma_job *next; /* queue, then done stack */
     cma_part part;        /* off 0, len the whole operation */
     afp_paged pg;         /* paged: the shim's index arrays stay valid until completion */
-    void *target;         /* for run: the target's segment header (its writer slots) */
+    void *target;         /* for run: the target's writer slots (in its segment's mapping) */
     const _Atomic uint64_t *gen; /* for run: the export entry's generation in the target */
-    uint64_t want_gen, token;
+    uint64_t want_gen;
+    uint32_t writer; /* for run: our pid, the holder a writer slot names */
     uint64_t ctx, peer, arrivals; /* how the worker reports it */
     uint32_t imm;
     uint32_t delay_us; /* testing hook: run sleeps this long inside the slot, before copying */
@@ -83,6 +84,7 @@ typedef struct cma_job {
 } cma_job;
 
 #define CMA_JOB_REVOKED (-1)
+#define CMA_JOB_WEDGED (-2) /* no writer slot of the target could be had (cma.c, enter) */
 
 typedef int (*cma_run_fn)(cma_job *j, struct iovec *liov, struct iovec *riov);
 typedef void (*cma_notify_fn)(void *arg);

@@ -169,30 +169,81 @@ bool afn_peer_alive(afn_peer *p, bool force)
     uint64_t t = afn_now_ns();
     if (force || t - p->checked_ns > AFN_LIVENESS_NS) {
         p->checked_ns = t;
-        if (!mb_alive(&p->seg))
+        int st = mb_owner_state(&p->seg);
+        if (st != MB_OWNER_LIVE) {
             p->dead = true;
+            p->gone = (uint8_t)st;
+        }
     }
     return !p->dead;
 }
 
-static void wake_peer(afn_core *c, afn_peer *p)
+const char *afn_gone_text(const afn_peer *p, char *buf, size_t len)
 {
-    if (!atomic_load_explicit(&p->seg.hdr->sleeping, memory_order_acquire) || c->send_fd < 0)
+    if (p->gone == MB_OWNER_CLOSED)
+        snprintf(buf, len, "peer (process %d): its engine was closed", (int)p->pid);
+    else
+        snprintf(buf, len, "peer process %d is gone", (int)p->pid);
+    return buf;
+}
+
+/* force: whether it sleeps or not (its ring needs its attention: a reset) */
+static void wake_peer(afn_core *c, afn_peer *p, bool force)
+{
+    if ((!force && !atomic_load_explicit(&p->seg.hdr->sleeping, memory_order_acquire)) ||
+        c->send_fd < 0)
         return;
     char one = 1;
     (void)sendto(c->send_fd, &one, 1, MSG_DONTWAIT, (struct sockaddr *)&p->wake, p->wake_len);
 }
 
-/* Deliver `arrivals` of an immediate. 0, AFP_EAGAIN (mailbox full) or AFP_EPEER. */
-static int deliver_imm(afn_core *c, uint64_t peer, uint32_t imm, uint64_t arrivals)
+/* Appends a record to a peer's mailbox: 0, AFP_EAGAIN (full or busy: try again) or an
+ * error with its text in `why` (AFP_EPEER: the peer is gone or closed, or its mailbox is
+ * corrupt or wedged; AFP_ETOOBIG). */
+static int push_to(afn_core *c, afn_peer *p, uint32_t kind, uint32_t imm, uint64_t arg,
+                   const void *payload, uint64_t len, char *why, size_t whylen)
 {
-    afn_peer *p = afn_peer_of(c, peer);
-    if (!p || !afn_peer_alive(p, false))
+    char text[AFP_ERRTEXT_LEN];
+    if (!afn_peer_alive(p, false)) {
+        snprintf(why, whylen, "%s", afn_gone_text(p, text, sizeof text));
         return AFP_EPEER;
-    int rc = mb_push(p->seg.hdr, MB_REC_IMM, imm, arrivals, NULL, 0);
+    }
+    int rc = mb_push(&p->seg, c->token, kind, imm, arg, payload, len, text, sizeof text);
+    if (rc == 0 || rc == -ESTALE) {
+        wake_peer(c, p, rc == -ESTALE);
+        return rc ? AFP_EAGAIN : 0;
+    }
+    if (rc == -EINVAL) {
+        snprintf(why, whylen, "message of %llu bytes exceeds %s's %u", (unsigned long long)len,
+                 c->kind->name, MB_MAX_MSG);
+        return AFP_ETOOBIG;
+    }
+    if (!afn_peer_alive(p, true)) {
+        snprintf(why, whylen, "%s", afn_gone_text(p, text, sizeof text));
+        return AFP_EPEER;
+    }
     if (rc == -EAGAIN)
-        return afn_peer_alive(p, true) ? AFP_EAGAIN : AFP_EPEER;
-    wake_peer(c, p);
+        return AFP_EAGAIN;
+    afp_errf(why, whylen, "peer (process %d): %s", (int)p->pid, text);
+    return AFP_EPEER; /* -EBADMSG, -EDEADLK */
+}
+
+/* Deliver op's arrivals of its immediate (op->arrivals goes down as records go out, at most
+ * MB_MAX_ARRIVALS per record). 0, AFP_EAGAIN or AFP_EPEER with `why`. */
+static int deliver_imm(afn_core *c, afn_op *op, char *why, size_t whylen)
+{
+    afn_peer *p = afn_peer_of(c, op->peer);
+    if (!p) {
+        snprintf(why, whylen, "unknown peer handle %llu", (unsigned long long)op->peer);
+        return AFP_EPEER;
+    }
+    while (op->arrivals) {
+        uint64_t n = op->arrivals < MB_MAX_ARRIVALS ? op->arrivals : MB_MAX_ARRIVALS;
+        int rc = push_to(c, p, MB_REC_IMM, op->imm, n, NULL, 0, why, whylen);
+        if (rc)
+            return rc;
+        op->arrivals -= n;
+    }
     return 0;
 }
 
@@ -204,7 +255,8 @@ void afn_finish_op(afn_core *c, afn_op *op)
         return;
     }
     if (op->arrivals) {
-        int rc = deliver_imm(c, op->peer, op->imm, op->arrivals);
+        char why[AFP_ERRTEXT_LEN] = "";
+        int rc = deliver_imm(c, op, why, sizeof why);
         if (rc == AFP_EAGAIN) { /* the target is not draining: retry on the next poll */
             afn_op *h = afn_grow(c->held, &c->held_cap, c->nheld + 1, sizeof *h);
             if (h) {
@@ -213,12 +265,11 @@ void afn_finish_op(afn_core *c, afn_op *op)
                 return;
             }
             rc = AFP_ENOMEM;
+            snprintf(why, sizeof why, "out of memory");
         }
         if (rc) {
             afn_write_failed(c, op->ctx, rc,
-                             afn_dup_text("immediate %u not delivered: %s [%s]", op->imm,
-                                          rc == AFP_EPEER ? "target process is gone"
-                                                          : "out of memory",
+                             afn_dup_text("immediate %u not delivered: %s [%s]", op->imm, why,
                                           c->kind->name));
             return;
         }
@@ -255,7 +306,7 @@ uint32_t afn_export_take(afn_core *c)
 
 uint64_t afn_export_publish(afn_core *c, uint32_t idx)
 {
-    mb_export *e = &mb_exports(c->seg.hdr)[idx];
+    mb_export *e = &mb_exports(&c->seg)[idx];
     uint64_t gen = atomic_load(&e->gen); /* even: free */
     atomic_store_explicit(&e->gen, gen + 1, memory_order_release); /* live */
     return ((gen + 1) << 32) | idx;
@@ -263,7 +314,7 @@ uint64_t afn_export_publish(afn_core *c, uint32_t idx)
 
 void afn_export_revoke(afn_core *c, uint32_t idx)
 {
-    mb_export *e = &mb_exports(c->seg.hdr)[idx];
+    mb_export *e = &mb_exports(&c->seg)[idx];
     atomic_store_explicit(&e->gen, atomic_load(&e->gen) + 1, memory_order_seq_cst); /* revoked */
     c->export_next[idx] = c->free_exports;
     c->free_exports = idx;
@@ -341,9 +392,9 @@ static int read_export(afn_peer *p, uint64_t key, mb_export *out)
 {
     uint32_t idx = (uint32_t)(key & 0xffffffffu);
     uint64_t gen = key >> 32;
-    if (idx >= MB_EXPORTS || idx >= p->seg.hdr->nexports || !(gen & 1u))
+    if (idx >= MB_EXPORTS || !(gen & 1u))
         return AFP_EKEY;
-    mb_export *e = &mb_exports(p->seg.hdr)[idx];
+    mb_export *e = &mb_exports(&p->seg)[idx];
     uint64_t g1 = atomic_load_explicit(&e->gen, memory_order_acquire);
     memcpy((uint8_t *)out + sizeof out->gen, (uint8_t *)e + sizeof e->gen,
            sizeof *e - sizeof e->gen);
@@ -360,8 +411,9 @@ int afn_translate(afn_core *c, uint64_t peer, uint64_t key, uint64_t raddr, uint
     afn_peer *p = afn_peer_of(c, peer);
     if (!p)
         return CERR(c, AFP_EPEER, "unknown peer handle %llu", (unsigned long long)peer);
+    char gone[AFP_ERRTEXT_LEN];
     if (!afn_peer_alive(p, false))
-        return CERR(c, AFP_EPEER, "peer process %d is gone", p->seg.hdr->pid);
+        return CERR(c, AFP_EPEER, "%s", afn_gone_text(p, gone, sizeof gone));
     afn_import *im = imp_find(c, peer, key);
     if (im && atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)im->gen_addr,
                                    memory_order_acquire) != key >> 32) {
@@ -381,7 +433,7 @@ int afn_translate(afn_core *c, uint64_t peer, uint64_t key, uint64_t raddr, uint
         im = imp_insert(c, peer, key);
         if (!im)
             return CERR(c, AFP_ENOMEM, "out of memory");
-        im->gen_addr = (uint64_t)(uintptr_t)&mb_exports(p->seg.hdr)[key & 0xffffffffu].gen;
+        im->gen_addr = (uint64_t)(uintptr_t)&mb_exports(&p->seg)[key & 0xffffffffu].gen;
         im->base = e.base;
         im->len = e.len;
         im->delta = delta;
@@ -402,48 +454,91 @@ int afn_translate(afn_core *c, uint64_t peer, uint64_t key, uint64_t raddr, uint
 /* ------------------------------------------------------------------------------------ */
 /* Mailbox, polling                                                                      */
 
-/* Our mailbox: immediates and messages from peers. */
+/* Our ring was corrupt (`why`): reset it, and report that once (report_reset). */
+static void mailbox_corrupt(afn_core *c, uint64_t tail, const char *why)
+{
+    uint64_t dropped = mb_reset(&c->seg, tail);
+    (void)mb_repair(&c->seg);
+    c->mb_resets++;
+    c->mb_report_pending = true;
+    afp_errf(c->mb_report, sizeof c->mb_report,
+             "this engine's mailbox was corrupt (%s): the %llu bytes of records in it were "
+             "dropped, immediates or messages from peers may be lost (reset %llu) [%s]",
+             why, (unsigned long long)dropped, (unsigned long long)c->mb_resets, c->kind->name);
+}
+
+/* A reset waiting to be reported fails the oldest posted receive with its text. */
+static uint32_t report_reset(afn_core *c)
+{
+    if (!c->mb_report_pending || !c->rq_len)
+        return 0;
+    afn_recv rv = c->rq[c->rq_head];
+    c->rq_head = (c->rq_head + 1) % c->rq_cap;
+    c->rq_len--;
+    c->mb_report_pending = false;
+    afn_push_ev(c, AFP_EV_ERROR, AFP_EIO, rv.ctx, 0, 0, AFP_EV_RECV,
+                afn_dup_text("%s", c->mb_report));
+    return 1;
+}
+
+/* Our mailbox: immediates and messages from peers. At most `room` events, MB_DRAIN_RECORDS
+ * records and MB_DRAIN_BYTES message bytes per call. */
 static uint32_t drain_mailbox(afn_core *c, uint32_t room)
 {
-    mb_header *h = c->seg.hdr;
-    if (atomic_load_explicit(&h->tail_pub, memory_order_acquire) == h->head)
-        return 0;
-    uint32_t made = 0;
-    mb_lock(h);
-    mb_rec *r;
-    while (made < room && (r = mb_peek(h)) != NULL) {
-        if (r->kind == MB_REC_IMM) {
-            while (r->arg && made < room) {
-                afn_push_ev(c, AFP_EV_IMM, 0, 0, r->imm, 0, 0, NULL);
-                r->arg--;
+    mb_seg *s = &c->seg;
+    uint32_t made = report_reset(c);
+    char why[160];
+    uint64_t tail = mb_tail(s, why, sizeof why);
+    if (tail == s->head) {
+        mb_publish_head(s); /* (repairs a head overwritten in the segment) */
+        return made;
+    }
+    if (tail == UINT64_MAX) {
+        mailbox_corrupt(c, tail, why);
+        return made + report_reset(c);
+    }
+    uint32_t records = 0;
+    uint64_t bytes = 0;
+    mb_view v;
+    int rc = 0;
+    while (made < room && records < MB_DRAIN_RECORDS && bytes < MB_DRAIN_BYTES &&
+           (rc = mb_next(s, tail, &v, why, sizeof why)) > 0) {
+        records++;
+        if (v.kind == MB_REC_IMM) {
+            while (s->imm_done < v.arg && made < room) {
+                afn_push_ev(c, AFP_EV_IMM, 0, 0, v.imm, 0, 0, NULL);
+                s->imm_done++;
                 made++;
             }
-            if (r->arg)
+            if (s->imm_done < v.arg)
                 break;
-            mb_pop(h);
-        } else if (r->kind == MB_REC_MSG) {
-            if (!c->rq_len)
-                break; /* no receive posted: the message waits (the ring applies backpressure) */
-            afn_recv rv = c->rq[c->rq_head];
-            c->rq_head = (c->rq_head + 1) % c->rq_cap;
-            c->rq_len--;
-            if (r->arg > rv.len) {
-                afn_push_ev(c, AFP_EV_ERROR, AFP_ETOOBIG, rv.ctx, 0, r->arg, AFP_EV_RECV,
-                            afn_dup_text("message of %llu bytes truncated by a %llu-byte "
-                                         "receive [%s]",
-                                         (unsigned long long)r->arg,
-                                         (unsigned long long)rv.len, c->kind->name));
-            } else {
-                memcpy(rv.buf, r + 1, r->arg);
-                afn_push_ev(c, AFP_EV_RECV, 0, rv.ctx, 0, r->arg, 0, NULL);
-            }
-            made++;
-            mb_pop(h);
-        } else {
-            mb_pop(h); /* unknown record kind: skip it */
+            mb_pop(s, &v);
+            continue;
         }
+        if (!c->rq_len)
+            break; /* no receive posted: the message waits (the ring applies backpressure) */
+        afn_recv rv = c->rq[c->rq_head];
+        c->rq_head = (c->rq_head + 1) % c->rq_cap;
+        c->rq_len--;
+        if (v.arg > rv.len) {
+            afn_push_ev(c, AFP_EV_ERROR, AFP_ETOOBIG, rv.ctx, 0, v.arg, AFP_EV_RECV,
+                        afn_dup_text("message of %llu bytes truncated by a %llu-byte "
+                                     "receive [%s]",
+                                     (unsigned long long)v.arg, (unsigned long long)rv.len,
+                                     c->kind->name));
+        } else {
+            memcpy(rv.buf, v.payload, v.arg);
+            afn_push_ev(c, AFP_EV_RECV, 0, rv.ctx, 0, v.arg, 0, NULL);
+        }
+        bytes += v.bytes;
+        made++;
+        mb_pop(s, &v);
     }
-    mb_unlock(h);
+    if (rc < 0) {
+        mailbox_corrupt(c, tail, why);
+        made += report_reset(c);
+    }
+    mb_publish_head(s);
     return made;
 }
 
@@ -455,6 +550,8 @@ uint32_t afn_poll_events(afn_core *c, afp_event *ev, uint32_t max)
         while (c->wake_fd >= 0 && recv(c->wake_fd, junk, sizeof junk, MSG_DONTWAIT) > 0) {
         }
     }
+    if (++c->polls % AFN_REPAIR_POLLS == 0)
+        (void)mb_repair(&c->seg);
     if (c->nheld)
         retry_held(c);
     if (c->evq_len < max)
@@ -484,9 +581,10 @@ int afn_trywait(afn_core *c, bool busy)
 {
     if (c->wake_fd < 0 || busy || c->nheld || c->evq_len)
         return AFP_EAGAIN;
+    (void)mb_repair(&c->seg); /* (asleep, nobody else would) */
     atomic_store(&c->seg.hdr->sleeping, 1);
     atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load(&c->seg.hdr->tail_pub) != c->seg.hdr->head) {
+    if (atomic_load(&c->seg.hdr->tail) != c->seg.head) {
         atomic_store(&c->seg.hdr->sleeping, 0);
         return AFP_EAGAIN;
     }
@@ -499,18 +597,23 @@ int afn_trywait(afn_core *c, bool busy)
 int afn_post_send(afn_core *c, uint64_t peer, const void *buf, uint64_t len, uint64_t ctx)
 {
     afn_peer *p = afn_peer_of(c, peer);
-    if (!p || !afn_peer_alive(p, false)) {
+    if (!p) {
         afn_push_ev(c, AFP_EV_ERROR, AFP_EPEER, ctx, 0, 0, AFP_EV_SEND_DONE,
-                    afn_dup_text("send: peer process is gone [%s]", c->kind->name));
+                    afn_dup_text("send: unknown peer handle %llu [%s]",
+                                 (unsigned long long)peer, c->kind->name));
         return 0;
     }
-    int rc = mb_push(p->seg.hdr, MB_REC_MSG, 0, len, buf, len);
-    if (rc == -EAGAIN)
-        return afn_peer_alive(p, true) ? AFP_EAGAIN : CERR(c, AFP_EPEER, "peer is gone");
-    if (rc == -EINVAL)
-        return CERR(c, AFP_ETOOBIG, "message of %llu bytes exceeds %s's %u",
-                    (unsigned long long)len, c->kind->name, MB_MAX_MSG);
-    wake_peer(c, p);
+    char why[AFP_ERRTEXT_LEN] = "";
+    int rc = push_to(c, p, MB_REC_MSG, 0, len, buf, len, why, sizeof why);
+    if (rc == AFP_EAGAIN)
+        return rc;
+    if (rc == AFP_ETOOBIG)
+        return CERR(c, rc, "%s", why);
+    if (rc) {
+        afn_push_ev(c, AFP_EV_ERROR, rc, ctx, 0, 0, AFP_EV_SEND_DONE,
+                    afn_dup_text("send: %s [%s]", why, c->kind->name));
+        return 0;
+    }
     afn_push_ev(c, AFP_EV_SEND_DONE, 0, ctx, 0, len, 0, NULL);
     return 0;
 }
@@ -578,12 +681,23 @@ int afn_resolve(afn_core *c, const void *addr, size_t len, uint64_t *peer)
     c->peers = ps;
     afn_peer *p = &c->peers[c->npeers];
     memset(p, 0, sizeof *p);
-    if (mb_attach(&p->seg, c->kind, a.seg, a.token, c->errbuf, sizeof c->errbuf) != 0)
+    if (mb_attach(&p->seg, c->kind, a.seg, a.token, c->errbuf, sizeof c->errbuf) != 0) {
+        /* a header overwritten is put back by its owner before it sleeps: wake it */
+        struct sockaddr_un sa;
+        socklen_t sl;
+        mb_wake_name(c->kind, a.token, &sa, &sl);
+        char one = 1;
+        if (c->send_fd >= 0)
+            (void)sendto(c->send_fd, &one, 1, MSG_DONTWAIT, (struct sockaddr *)&sa, sl);
         return AFP_EPEER;
-    if (!mb_alive(&p->seg)) {
-        mb_detach(&p->seg, false);
-        return CERR(c, AFP_EPEER, "peer %s is gone", a.seg);
     }
+    int st = mb_owner_state(&p->seg);
+    if (st != MB_OWNER_LIVE) {
+        mb_detach(&p->seg, false);
+        return CERR(c, AFP_EPEER, "peer %s %s", a.seg,
+                    st == MB_OWNER_CLOSED ? "closed its engine" : "is gone");
+    }
+    p->pid = p->seg.pid;
     p->used = true;
     p->token = a.token;
     p->checked_ns = afn_now_ns();

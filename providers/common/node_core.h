@@ -10,7 +10,10 @@
  *    only when the provider says the data has landed (afn_finish_op), held and retried
  *    while the target's mailbox is full;
  *  - the mailbox consumer (immediates, SEND payloads into posted receives), trywait,
- *    send/recv, address/resolve/forget.
+ *    send/recv, address/resolve/forget. Our ring found corrupt is reset (node_seg.h) and
+ *    each reset is reported once, as a failed receive (AFP_EV_ERROR on a posted receive:
+ *    the shim counts it in the NIC's `errors` and posts the buffer again) whose text says
+ *    what was wrong: records were lost, and the application cannot be told which.
  * What moves the bytes (CUDA copies, process_vm_writev) stays in each provider.
  *
  * Threading: called from the shim's worker thread of the domain only (provider ABI rule).
@@ -27,6 +30,7 @@
 #include "node_seg.h"
 
 #define AFN_LIVENESS_NS 200000ull /* a peer's flock is probed at most every 200 us */
+#define AFN_REPAIR_POLLS 256u     /* our header's fixed fields are checked this often */
 
 typedef struct afn_addr {
     uint32_t magic;
@@ -38,6 +42,8 @@ typedef struct afn_addr {
 
 typedef struct afn_peer {
     bool used, dead;
+    uint8_t gone;  /* once dead: MB_OWNER_CLOSED or MB_OWNER_GONE (the error texts differ) */
+    int32_t pid;   /* the owner's, read once at resolve (the segment's copy may change) */
     mb_seg seg;
     uint64_t token;
     uint64_t checked_ns;
@@ -104,6 +110,12 @@ typedef struct afn_core {
     afn_recv *rq;      /* posted receives, FIFO ring */
     uint32_t rq_head, rq_len, rq_cap;
 
+    uint32_t polls;               /* mb_repair runs every AFN_REPAIR_POLLS polls, and before
+                                     sleeping */
+    uint64_t mb_resets;           /* our ring found corrupt and reset, since open */
+    bool mb_report_pending;       /* the last reset is still to be reported */
+    char mb_report[AFP_ERRTEXT_LEN];
+
     char errbuf[AFP_ERRTEXT_LEN];
 } afn_core;
 
@@ -128,6 +140,8 @@ void afn_finish_op(afn_core *c, afn_op *op);
 afn_peer *afn_peer_of(afn_core *c, uint64_t handle);
 /* Alive, as far as we can tell at most AFN_LIVENESS_NS ago (force: ask now). */
 bool afn_peer_alive(afn_peer *p, bool force);
+/* Why a dead peer is: "its engine was closed" or "its process is gone", with its pid. */
+const char *afn_gone_text(const afn_peer *p, char *buf, size_t len);
 
 /* Export slots of our table: a free index, or UINT32_MAX when all are taken. */
 uint32_t afn_export_take(afn_core *c);

@@ -26,7 +26,8 @@
  * fail with AFP_ENODEV and say why: the provider is then unavailable.
  *
  * Threading: every call on a domain comes from the shim's worker thread (ABI rule), so
- * the domain needs no lock; only the peer-facing mailbox is shared, under its own mutex.
+ * the domain needs no lock; only the peer-facing mailbox is shared, under its own lock
+ * (node_seg.h).
  *
  * The CPU side that is not CUDA's (segment, export table, mailbox, peers and their
  * liveness, imports, completions, send/recv, addresses) is ../common/node_core.c, shared
@@ -924,7 +925,7 @@ static int nvl_reg_mr(afp_domain *d, void *addr, uint64_t len, uint32_t flags, i
             free(m);
             return DERR(d, AFP_ENOMEM, "more than %u regions registered [nvlink]", MB_EXPORTS);
         }
-        mb_export *e = &mb_exports(d->c.seg.hdr)[idx];
+        mb_export *e = &mb_exports(&d->c.seg)[idx];
         e->base = (uint64_t)p;
         e->len = len;
         e->alloc_base = base;
