@@ -28,6 +28,7 @@ import contextlib
 import enum
 import functools
 import random
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -233,7 +234,6 @@ class Decoder(Side):
         self.allocator = PageAllocator(layout.num_pages)
         self._free_tails = list(range(layout.tail_slots - 1, -1, -1)) if layout.tail_bytes else []
         self._rng = random.Random(seed)
-        self._next_id = 0
         self._requests: dict[int, DecodeRequest] = {}
         self._mr: MemoryRegion | None = None
         self._tail_mr: MemoryRegion | None = None
@@ -326,8 +326,7 @@ class Decoder(Side):
         ]
         work = [(a, s, t) for a, s, t in work if s.size or t]
         ranks = [self._rank(a, s, t, pull) for a, s, t in work]
-        self._next_id += 1
-        rid = self._next_id
+        rid = self._new_id()
         imm = self.eng.alloc_imm()
         total = sum(r.expected for r in ranks)
         req = DecodeRequest(self, rid, num_tokens, pages, tail_slot, imm, total, ranks)
@@ -364,6 +363,14 @@ class Decoder(Side):
                 self._start_quiesce(req)
                 break
         return req
+
+    def _new_id(self) -> int:
+        """64 random bits, none of a request still here: a peer cannot guess the id of
+        another decoder's request (``seed`` drives only the split among prefillers)."""
+        while True:
+            rid = secrets.randbits(64)
+            if rid not in self._requests:
+                return rid
 
     def _expect_writes(self, req: DecodeRequest) -> None:
         """Push: one expectation counts every write's immediate (pull: reads are awaited)."""

@@ -21,11 +21,11 @@ Version 2 added ``READY``, ``RELEASE`` and ``FLAG_PULL``; a message of another v
 refused.
 
 Every message is ``header | body``: magic ``AFKV``, version, kind, a reserved zero, the body
-length and a CRC-32 of everything else; the body starts with the sender's address (``recv``
-does not say who sent a message). :func:`parse` accepts exactly what :func:`encode` makes and
-raises :class:`ProtocolError` for anything else: it never raises another exception, never
-reads past the message, and checks every count against the bytes actually present before
-allocating anything.
+length and a CRC-32 of everything else; the body starts with the sender's address, which
+the receiver checks against the sender the transport reports (:mod:`.peers`). :func:`parse`
+accepts exactly what :func:`encode` makes and raises :class:`ProtocolError` for anything
+else: it never raises another exception, never reads past the message, and checks every
+count against the bytes actually present before allocating anything.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class _Reader:
             raise ProtocolError(f"{self.what}: {len(self.data) - self.pos} unexpected bytes at the end")
 
 
-def _open(msg: bytes) -> tuple[int, _Reader, bytes]:
+def _open(msg: bytes | memoryview) -> tuple[int, _Reader, bytes]:
     """Header checks; returns the kind, a reader over the body past the sender, the sender."""
     if not isinstance(msg, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"message must be bytes, got {type(msg).__name__}")
@@ -306,7 +306,7 @@ def _open(msg: bytes) -> tuple[int, _Reader, bytes]:
     return kind, r, sender
 
 
-def parse(msg: bytes) -> Message:
+def parse(msg: bytes | memoryview) -> Message:
     """Decode one received message, or raise :class:`ProtocolError` saying what is wrong."""
     kind, r, sender = _open(msg)
     if kind == REQUEST:

@@ -93,6 +93,8 @@ class SourceParam:
             raise InvalidArgument(
                 f"{self.name}: {len(self.placements)} placements for a {len(self.mesh_shape)}-d mesh"
             )
+        if any(n < 1 for n in self.mesh_shape):
+            raise InvalidArgument(f"{self.name}: mesh shape {self.mesh_shape} has an empty dimension")
         if math.prod(self.mesh_shape) != len(self.mesh_ranks):
             raise InvalidArgument(
                 f"{self.name}: mesh shape {self.mesh_shape} does not match {len(self.mesh_ranks)} ranks"

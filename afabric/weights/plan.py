@@ -16,6 +16,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import struct
+import zipfile
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,8 +27,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import InvalidArgument
-from .layout import DestTensor, RankLayout
+from .layout import FP8, DestTensor, RankLayout
 from .meta import Box, SourceParam, box_numel, box_shape, dtype_size, intersect
+from .npz import read_members
 
 MiB = 1 << 20
 STAGE_ALIGN = 16
@@ -273,33 +276,20 @@ class Plan:
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Plan:
-        from .meta import Placement
-
+        """Decode what :meth:`to_bytes` made, which may have come from a peer: every field
+        is checked (its type, its range, every index and byte range against what it
+        refers to) and sizes declared inside against the bytes present, before anything
+        is allocated for them. Raises :class:`InvalidArgument` and nothing else."""
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"not a weight transfer plan: {type(blob).__name__}, not bytes")
         try:
-            with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-                writes = np.asarray(z["writes"], dtype=np.int64)
-                meta = json.loads(bytes(z["meta"]).decode())
-        except (OSError, ValueError, KeyError) as e:
+            arrays = read_members(bytes(blob), _MEMBERS)
+            meta = json.loads(arrays["meta"].tobytes().decode())
+            return _decode(arrays["writes"], meta)
+        except InvalidArgument as e:
             raise InvalidArgument(f"not a weight transfer plan: {e}") from e
-        sources = {
-            s[0]: SourceParam(
-                s[0], tuple(s[1]), s[2], tuple(s[3]), tuple(s[4]), tuple(Placement(d) for d in s[5])
-            )
-            for s in meta["sources"]
-        }
-
-        def box(b: list[list[int]]) -> Box:
-            return tuple((int(x), int(y)) for x, y in b)
-
-        tasks = [
-            Task(i, t[0], box(t[1]), t[2], int(t[3]), int(t[4]), bool(t[5]), int(t[6]), int(t[7]), int(t[8]))
-            for i, t in enumerate(meta["tasks"])
-        ]
-        groups = [Group(g[0], tuple(g[1]), tuple(g[2]), int(g[3]), int(g[4])) for g in meta["groups"]]
-        return cls(
-            meta["trainers"], meta["inference"], sources, tasks, groups, writes,
-            meta["dst_sizes"], int(meta["header_bytes"]),
-        )  # fmt: skip
+        except _MALFORMED as e:
+            raise InvalidArgument(f"not a weight transfer plan: {type(e).__name__}: {e}") from e
 
     def summary(self) -> dict[str, Any]:
         sent, recv = self.sent_bytes(), self.received_bytes()
@@ -313,6 +303,181 @@ class Plan:
             "max_received": max(recv.values(), default=0),
             "unshard_params": sum(len(g.unshard) for g in self.groups),
         }
+
+
+# ---- decoding ----
+
+_MEMBERS: dict[str, tuple[np.dtype[Any], int]] = {"writes": (np.dtype("<i8"), 2), "meta": (np.dtype("u1"), 1)}
+_MALFORMED = (
+    ValueError, TypeError, KeyError, IndexError, OverflowError, EOFError, OSError, MemoryError,
+    RuntimeError, struct.error, zipfile.BadZipFile, zipfile.LargeZipFile,
+)  # fmt: skip
+"""What zipfile, numpy's header parser and json raise for malformed bytes (RuntimeError:
+zipfile's NotImplementedError for an unknown zip version, json's RecursionError)."""
+_META_KEYS = {"trainers", "inference", "dst_sizes", "header_bytes", "sources", "tasks", "groups"}
+_BIG = 1 << 62
+"""The largest size, offset or rank a plan holds: two of them add up exactly in int64."""
+_MAX_DIMS = 64
+
+
+def _int(v: object, what: str, lo: int = 0, hi: int = _BIG) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise InvalidArgument(f"{what}: {v!r:.40} is not an integer in {lo}..{hi}")
+    return v
+
+
+def _list(v: object, what: str, n: int | None = None) -> list[Any]:
+    if not isinstance(v, list) or (n is not None and len(v) != n):
+        raise InvalidArgument(f"{what}: {v!r:.40} is not a list" + ("" if n is None else f" of {n}"))
+    return v
+
+
+def _str(v: object, what: str) -> str:
+    if not isinstance(v, str):
+        raise InvalidArgument(f"{what}: {v!r:.40} is not a string")
+    return v
+
+
+def _ranks(v: object, what: str, at_least: int = 0) -> list[int]:
+    ranks = [_int(r, what) for r in _list(v, what)]
+    if len(set(ranks)) != len(ranks) or len(ranks) < at_least:
+        raise InvalidArgument(f"{what}: {len(ranks)} ranks, not {at_least} or more distinct ones")
+    return ranks
+
+
+def _source(v: object, trainers: set[int]) -> SourceParam:
+    from .meta import Placement
+
+    name, shape, dtype, mesh_shape, mesh_ranks, dims = _list(v, "source", 6)
+    name = _str(name, "source name")
+    shape = tuple(_int(n, f"{name}: shape") for n in _list(shape, f"{name}: shape"))
+    mesh_shape = tuple(_int(n, f"{name}: mesh shape", 1) for n in _list(mesh_shape, f"{name}: mesh shape"))
+    if len(shape) > _MAX_DIMS or len(mesh_shape) > _MAX_DIMS:
+        raise InvalidArgument(f"{name}: more than {_MAX_DIMS} dimensions")
+    placements = tuple(
+        Placement(None if d is None else _int(d, f"{name}: placement", 0, len(shape) - 1))
+        for d in _list(dims, f"{name}: placements")
+    )
+    src = SourceParam(
+        name, shape, _str(dtype, f"{name}: dtype"), mesh_shape, tuple(_ranks(mesh_ranks, f"{name}: mesh")),
+        placements,
+    )  # fmt: skip
+    if not set(src.mesh_ranks) <= trainers:
+        stray = sorted(set(src.mesh_ranks) - trainers)
+        raise InvalidArgument(f"{name}: mesh ranks {stray[:8]} are not trainers")
+    if src.nbytes > _BIG:
+        raise InvalidArgument(f"{name}: {src.nbytes} bytes")
+    return src
+
+
+def _box(v: object, shape: tuple[int, ...], what: str) -> Box:
+    out = []
+    for d, pair in enumerate(_list(v, f"{what}: box", len(shape))):
+        lo, hi = _list(pair, f"{what}: box", 2)
+        lo = _int(lo, f"{what}: box start", 0, shape[d] - 1)
+        out.append((lo, _int(hi, f"{what}: box stop", lo + 1, shape[d])))
+    return tuple(out)
+
+
+def _task(index: int, v: object, sources: Mapping[str, SourceParam], n_groups: int) -> Task:
+    param, box, out_dtype, block, sender, unshard, group, first, n = _list(v, "task", 9)
+    what = f"task {index}"
+    src = sources.get(_str(param, f"{what}: parameter"))
+    if src is None:
+        raise InvalidArgument(f"{what}: no parameter named {param!r:.40}")
+    if not isinstance(unshard, bool):
+        raise InvalidArgument(f"{what}: unshard {unshard!r:.40} is not a boolean")
+    t = Task(
+        index, param, _box(box, src.shape, what), _str(out_dtype, f"{what}: dtype"),
+        _int(block, f"{what}: block"), _int(sender, f"{what}: sender"), unshard,
+        _int(group, f"{what}: group", 0, n_groups - 1),
+        _int(first, f"{what}: first write"), _int(n, f"{what}: writes"),
+    )  # fmt: skip
+    dtype_size(t.out_dtype)
+    if (t.out_dtype == FP8) != t.fp8 or (t.fp8 and len(t.box) != 2):
+        raise InvalidArgument(f"{what}: {t.out_dtype} with block {t.block} of a {len(t.box)}-d slice")
+    if t.sender not in src.mesh_ranks:
+        raise InvalidArgument(f"{what}: sender {t.sender} is not in {param}'s mesh")
+    if not unshard and any(
+        not a <= lo < hi <= b for (lo, hi), (a, b) in zip(t.box, src.box_of(t.sender), strict=True)
+    ):
+        raise InvalidArgument(f"{what}: rank {t.sender} does not hold slice {t.box} of {param}")
+    if t.nbytes > _BIG:
+        raise InvalidArgument(f"{what}: {t.nbytes} staging bytes")
+    return t
+
+
+def _group(index: int, v: object, sources: Mapping[str, SourceParam], trainers: set[int]) -> Group:
+    key, mesh, unshard, first, n = _list(v, "group", 5)
+    what = f"group {index}"
+    g = Group(
+        _str(key, f"{what}: key"), tuple(_ranks(mesh, f"{what}: mesh")),
+        tuple(_str(p, f"{what}: parameter") for p in _list(unshard, f"{what}: unshard")),
+        _int(first, f"{what}: first task"), _int(n, f"{what}: tasks"),
+    )  # fmt: skip
+    if not set(g.mesh_ranks) <= trainers or not set(g.unshard) <= set(sources):
+        raise InvalidArgument(f"{what}: a mesh rank that is no trainer, or a parameter the plan lacks")
+    return g
+
+
+def _tiles(spans: Sequence[tuple[int, int]], total: int, what: str) -> None:
+    """Spans ``(first, count)`` must follow one another from 0 and end at ``total``."""
+    at = 0
+    for first, n in spans:
+        if first != at:
+            raise InvalidArgument(f"{what}: a span starts at {first}, the previous ended at {at}")
+        at += n
+    if at != total:
+        raise InvalidArgument(f"{what}: spans cover {at} of {total}")
+
+
+def _check_writes(
+    writes: npt.NDArray[np.int64], tasks: Sequence[Task], dst_sizes: Sequence[int], header: int
+) -> None:
+    """Each row belongs to the task whose span holds it, names an inference rank, and reads
+    inside its task's staging bytes and writes inside its rank's buffer, past the header."""
+    if writes.shape[1] != 5:
+        raise InvalidArgument(f"writes of shape {writes.shape}, expected (n, 5)")
+    owner = np.repeat(np.arange(len(tasks), dtype=np.int64), [t.n_writes for t in tasks])
+    task, rank, src, dst, n = writes.T
+    if not np.array_equal(task, owner):
+        raise InvalidArgument("a write names another task than the one whose span holds it")
+    if ((rank < 0) | (rank >= len(dst_sizes))).any():
+        raise InvalidArgument("a write to an inference rank the plan does not list")
+    if ((src < 0) | (n < 0) | (dst < header)).any():
+        raise InvalidArgument("a write with a negative offset or length, or into the version header")
+    staged = np.array([t.nbytes for t in tasks], dtype=np.int64)[task]
+    sizes = np.array(dst_sizes, dtype=np.int64)[rank]
+    if ((src > staged) | (n > staged - src) | (dst > sizes) | (n > sizes - dst)).any():
+        raise InvalidArgument("a write outside its task's staging bytes or its rank's buffer")
+
+
+def _decode(writes: npt.NDArray[np.int64], meta: object) -> Plan:
+    if not isinstance(meta, dict):
+        raise InvalidArgument(f"metadata {meta!r:.40} is not an object")
+    if set(meta) != _META_KEYS:
+        raise InvalidArgument(f"metadata fields {sorted(meta)[:10]}, expected {sorted(_META_KEYS)}")
+    trainers = _ranks(meta["trainers"], "trainers", 1)
+    inference = _ranks(meta["inference"], "inference ranks")
+    sizes = [_int(n, "buffer size") for n in _list(meta["dst_sizes"], "buffer sizes", len(inference))]
+    header = _int(meta["header_bytes"], "header bytes", 16 * len(trainers), 16 * len(trainers))
+    if any(n < header for n in sizes):
+        raise InvalidArgument(f"a buffer smaller than the {header}-byte header")
+    sources: dict[str, SourceParam] = {}
+    for v in _list(meta["sources"], "sources"):
+        s = _source(v, set(trainers))
+        if sources.setdefault(s.name, s) is not s:
+            raise InvalidArgument(f"parameter {s.name} twice")
+    raw_groups = _list(meta["groups"], "groups")
+    tasks = [_task(i, v, sources, len(raw_groups)) for i, v in enumerate(_list(meta["tasks"], "tasks"))]
+    groups = [_group(i, v, sources, set(trainers)) for i, v in enumerate(raw_groups)]
+    _tiles([(t.first_write, t.n_writes) for t in tasks], writes.shape[0], "tasks' writes")
+    _tiles([(g.first_task, g.n_tasks) for g in groups], len(tasks), "groups' tasks")
+    for gi, g in enumerate(groups):
+        if any(t.group != gi for t in tasks[g.first_task : g.first_task + g.n_tasks]):
+            raise InvalidArgument(f"group {gi}: holds a task of another group")
+    _check_writes(writes, tasks, sizes, header)
+    return Plan(trainers, inference, sources, tasks, groups, writes, sizes, header)
 
 
 def _merge(starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], what: str) -> list[tuple[int, int]]:
