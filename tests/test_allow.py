@@ -119,6 +119,37 @@ async def test_listed_peer_delivers_unlisted_flood_is_dropped(provider: str, pee
             assert await p.result() is True
 
 
+async def test_an_unlisted_peer_stays_refused_once_the_queue_went_round(provider: str) -> None:
+    """The listed peer's messages go round the engine's completion queue first; the
+    unlisted peer's messages and immediates that follow are refused all the same (1.17's
+    shm reports, for a sender not in the engine's AV, the source its queue slot last held:
+    the listed peer's, which the list would let through)."""
+    async with (
+        afabric.Engine(provider, rx_depth=8, tx_depth=8) as eng,  # a completion queue of 32
+        afabric.Engine(provider) as a,
+        afabric.Engine(provider) as b,
+    ):
+        buf = np.zeros(64, dtype=np.uint8)
+        mr = eng.register(buf)
+        eng.allow_peers([a.address])
+        for _ in range(3):
+            await asyncio.gather(*(a.send(eng.address, b"A %d" % i) for i in range(40)))
+            assert len(await drain_messages(eng, 40)) == 40
+        src = np.arange(8, dtype=np.uint8)
+        b_mr = b.register(src, remote=False)
+        await asyncio.gather(*(b.send(eng.address, b"B %d" % i) for i in range(20)))
+        await asyncio.gather(*(b.write(b_mr, mr.descriptor, 8, imm=IMM_B) for _ in range(20)))
+        exact = exact_imm_sources(eng)
+        want = {"rejected": 20 + (20 if exact else 0), "rejected_unknown": 0 if exact else 20}
+        nic = await counters_reach(eng, want)
+        assert {k: nic[k] for k in want} == want
+        assert nic["recvs"] == 120 and nic["imms"] == 0
+        await nothing_more(eng)
+        with pytest.raises(errors.OperationTimeout):
+            await eng.expect_imm(IMM_B, 1, timeout=0.5)
+        assert eng.stats()["messages_forged"] == 0
+
+
 async def test_changes_take_effect_at_once(provider: str, peers: list[Peer]) -> None:
     (a, addr_a), (b, addr_b) = await start_senders(peers, provider, 2)
     async with afabric.Engine(provider) as eng:

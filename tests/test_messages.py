@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 
 import numpy as np
@@ -119,6 +120,103 @@ async def test_with_an_allow_list_every_sender_is_verified(provider: str) -> Non
         with pytest.raises(errors.OperationTimeout):
             await other.send(rx.address, bytes(3 * MiB))
         assert rx.stats()["nics"][0]["rejected"] >= 1 and rx.stats()["large_in_progress"] == 0
+
+
+async def test_a_forger_the_receiver_never_resolved_stays_a_claim(provider: str) -> None:
+    """The provider names only senders the receiver has resolved: a forged header from a
+    peer it never resolved stays what the header claims (not verified), also once the
+    receiver's completion queue went round with a resolved peer's messages (1.17's shm
+    reports, for a sender not in the receiver's AV, the source its queue slot last held:
+    the resolved peer's, which would verify the forgery)."""
+    async with (
+        afabric.Engine(provider, rx_depth=8, tx_depth=8) as rx,  # a completion queue of 32
+        afabric.Engine(provider) as honest,
+        afabric.Engine(provider) as forger,
+    ):
+        await rx.send(honest.address, b"hello")  # rx resolves honest: the provider names it
+        await asyncio.wait_for(honest.recv(), 20)
+        for _ in range(3):
+            await asyncio.gather(*(honest.send(rx.address, b"%d" % i) for i in range(40)))
+            got = [await asyncio.wait_for(rx.recv(), 20) for _ in range(40)]
+            assert all(m.verified and m.sender == honest.address for m in got)
+        pid, _ = forger._peer(rx.address)
+        fake = messages.frame(messages.K_DATA, bytes(honest.address), 0, payload=b"I am honest")
+        forger._n.send("send", pid, fake)
+        msg = await asyncio.wait_for(rx.recv(), 20)
+        assert bytes(msg.data) == b"I am honest" and msg.sender == honest.address
+        assert not msg.verified
+        await honest.send(rx.address, b"really")
+        msg = await asyncio.wait_for(rx.recv(), 20)
+        assert bytes(msg.data) == b"really" and msg.verified
+        assert rx.stats()["messages_forged"] == 0
+
+
+# ---- engines of one process ----
+
+LARGE = 64 * MiB
+
+
+async def counting_receiver(
+    ctl: Ctl, provider: str, n: int
+) -> tuple[list[tuple[bytes, bytes, bool]], int, int]:
+    """Receives n messages; stops early once one was dropped as forged or malformed (or
+    nothing more came for 60 s). Returns (sender, data (a digest for a large one),
+    verified) of each, and the forged and malformed counts."""
+    async with afabric.Engine(provider) as eng:
+        ctl.put(bytes(eng.address))
+        got: list[tuple[bytes, bytes, bool]] = []
+        deadline = time.monotonic() + 60
+        while len(got) < n and time.monotonic() < deadline:
+            st = eng.stats()
+            if st["messages_forged"] or st["messages_malformed"]:
+                break
+            try:
+                msg = await asyncio.wait_for(eng.recv(), 0.2)
+            except asyncio.TimeoutError:
+                continue
+            data = bytes(msg.data) if len(msg.data) < 1024 else hashlib.sha256(msg.data).digest()
+            got.append((bytes(msg.sender), data, msg.verified))
+        st = eng.stats()
+        return got, st["messages_forged"], st["messages_malformed"]
+
+
+# shm with 2 and 8 engines, tcp (sources from its connections) once: 64 MiB takes a while
+@pytest.mark.parametrize(("provider", "n_engines"), [("shm", 2), ("shm", 8), ("tcp", 2)])
+async def test_engines_of_one_process_are_told_apart_after_a_large_message(
+    provider: str, n_engines: int, peers: list[Peer]
+) -> None:
+    """Engines of one process send to a receiver in another: the first one a 64 MiB
+    message, whose fragments go round the receiver's completion queue, then every one a
+    few small ones. All arrive, each with its own engine as sender; none is taken for a
+    forgery (1.17's shm reports, for a sender not in the receiver's AV, the source its queue
+    slot last held: after the fragments, the first engine's, which would make the others'
+    messages read as forgeries of it)."""
+    per_engine = 3
+    data = _pattern(LARGE, 3)
+    rx = Peer(counting_receiver, provider, 1 + per_engine * n_engines)
+    peers.append(rx)
+    rx_addr = afabric.Address.from_bytes(await rx.get())
+    async with contextlib.AsyncExitStack() as stack:
+        engs = [await stack.enter_async_context(afabric.Engine(provider)) for _ in range(n_engines)]
+        await engs[0].send(rx_addr, memoryview(data))
+        await asyncio.gather(
+            *(e.send(rx_addr, b"%d:%d" % (i, j)) for j in range(per_engine) for i, e in enumerate(engs))
+        )
+        got, forged, malformed = await rx.result(90)
+    assert (forged, malformed) == (0, 0)
+    digest = hashlib.sha256(data).digest()
+    assert [sender for sender, body, _ in got if body == digest] == [bytes(engs[0].address)]
+    by_sender: dict[bytes, list[tuple[bytes, bool]]] = {}
+    for sender, body, verified in got:
+        if body != digest:
+            by_sender.setdefault(sender, []).append((body, verified))
+    assert len(got) == 1 + per_engine * n_engines
+    for i, e in enumerate(engs):
+        mine = by_sender.get(bytes(e.address), [])
+        assert sorted(b for b, _ in mine) == [b"%d:%d" % (i, j) for j in range(per_engine)]
+    # the receiver resolved the first engine to answer its large message, before that one's
+    # small ones left: the provider names it (the others it resolves when their hellos come)
+    assert all(v for _, v in by_sender[bytes(engs[0].address)])
 
 
 # ---- tags ----

@@ -128,6 +128,8 @@ struct afp_domain {
     struct fid_domain *domain;
     struct fid_av *av;
     struct fid_cq *cq;
+    struct fid_cq *rx_cq; /* shm117 with FI_SOURCE: receives' own CQ (open_rx_cq), else NULL */
+    bool rx_first;        /* poll_src: which of the two CQs is read first this time */
     struct fid_ep *ep;
     struct fid_cntr *rw_cntr; /* remote writes landed (FI_RMA_EVENT), or NULL */
     uint64_t rw_seen;
@@ -1134,7 +1136,7 @@ static void close_objects(afp_domain *d)
     /* Reverse order of creation. A failing fi_close cannot be acted upon by anyone (the
      * domain is going away), so teardown continues regardless. */
     struct fid *fids[] = {d->ep ? &d->ep->fid : NULL, d->rw_cntr ? &d->rw_cntr->fid : NULL,
-                          d->cq ? &d->cq->fid : NULL,
+                          d->rx_cq ? &d->rx_cq->fid : NULL, d->cq ? &d->cq->fid : NULL,
                           d->av ? &d->av->fid : NULL, d->domain ? &d->domain->fid : NULL,
                           d->fabric ? &d->fabric->fid : NULL};
     for (size_t i = 0; i < sizeof fids / sizeof fids[0]; i++) {
@@ -1177,13 +1179,42 @@ static int open_cq(afp_domain *d, size_t size)
     return 0;
 }
 
-/* Which senders FI_SOURCE names exactly, as seen (tests/test_allow.py) with libfabric 1.17
- * and 2.5: shm and 2.x's native tcp name the sender of messages and immediates, with
- * FI_ADDR_NOTAVAIL for one never inserted in the AV, except that 1.17's shm reports such a
- * sender as 0; 1.17's tcp;ofi_rxm names a message's sender but leaves the source of remote
- * CQ data at 0, whoever wrote it. So index 0 of the AV is taken by our own address (no peer
- * ever gets it: 0, like FI_ADDR_NOTAVAIL, means a sender never resolved), immediates over
- * rxm have no source, and other providers' sources are not passed on until tested. */
+/*
+ * libfabric 1.17's CQs (util_cq) keep each entry's source in an array beside the ring,
+ * written only for a completion that comes with a source: one without (a sender not in our
+ * AV, on shm; any remote CQ data, on tcp;ofi_rxm) leaves the slot's old value there, and
+ * fi_cq_readfrom reports that. It is 0 until the ring has gone round, then the source of
+ * the slot's last completion that had one: on shm, a sender not in our AV is named as the
+ * resolved peer whose message used the slot before (after one peer's 64 MiB message, 1024
+ * fragments, every slot of a default-sized ring names that peer): its messages would read
+ * as forged, a forger's as that peer's, and the allow-list would pass what it names
+ * (tools/repro/shm117_source_probe.c). An entry that does not fit the ring carries its own
+ * source, FI_ADDR_NOTAVAIL for such a sender, and in a ring of one slot every entry is one
+ * of those. So on 1.17's shm receives complete on a CQ of their own with one slot
+ * (open_rx_cq), read one entry per call; 2.x writes every entry's source.
+ */
+#define OFI_RX_CQ_SLOTS 1u
+
+/* A CQ for receive completions alone, on 1.17's shm with FI_SOURCE (see above). shm has no
+ * wait fd for CQs: a sleeping worker is woken through ofi_wake.c. */
+static int open_rx_cq(afp_domain *d)
+{
+    struct fi_cq_attr attr = {
+        .size = OFI_RX_CQ_SLOTS,
+        .format = FI_CQ_FORMAT_DATA,
+        .wait_obj = FI_WAIT_NONE,
+    };
+    int ret = fi_cq_open(d->domain, &attr, &d->rx_cq, NULL);
+    return ret ? fail(d, "fi_cq_open(receives)", ret) : 0;
+}
+
+/* Which senders FI_SOURCE names exactly, as seen (tests/test_allow.py, tests/test_messages.py)
+ * with libfabric 1.17 and 2.5: shm (1.17: with open_rx_cq) and 2.x's native tcp name the
+ * sender of messages and immediates, with FI_ADDR_NOTAVAIL for one never inserted in the
+ * AV; 1.17's tcp;ofi_rxm names a message's sender but gives remote CQ data no source of its
+ * own (see above). So immediates over rxm have no source, and other providers' sources are
+ * not passed on until tested. Index 0 of the AV is taken by our own address: no peer ever
+ * gets the value a source slot starts at. */
 static void trust_sources(afp_domain *d, const char *self_name)
 {
     uint8_t padded[AFP_MAX_ADDR_LEN + 8] = {0};
@@ -1338,7 +1369,17 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
         rc = fail(d, "fi_ep_bind(av)", ret);
         goto out_close;
     }
-    ret = fi_ep_bind(d->ep, &d->cq->fid, FI_TRANSMIT | FI_RECV);
+    if (d->shm117 && d->source) {
+        rc = open_rx_cq(d);
+        if (rc)
+            goto out_close;
+        ret = fi_ep_bind(d->ep, &d->rx_cq->fid, FI_RECV);
+        if (ret) {
+            rc = fail(d, "fi_ep_bind(receive cq)", ret);
+            goto out_close;
+        }
+    }
+    ret = fi_ep_bind(d->ep, &d->cq->fid, d->rx_cq ? FI_TRANSMIT : FI_TRANSMIT | FI_RECV);
     if (ret) {
         rc = fail(d, "fi_ep_bind(cq)", ret);
         goto out_close;
@@ -1808,12 +1849,13 @@ static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event 
     return true;
 }
 
-/* Reads one error entry; returns 1 if *ev was filled, 0 if not, or a negative AFS code. */
-static int on_error(afp_domain *d, afp_event *ev)
+/* Reads one error entry of `cq`; returns 1 if *ev was filled, 0 if not, or a negative AFS
+ * code. */
+static int on_error(afp_domain *d, struct fid_cq *cq, afp_event *ev)
 {
     struct fi_cq_err_entry ee;
     memset(&ee, 0, sizeof ee); /* err_data_size 0: the provider lends its own buffer */
-    ssize_t ret = fi_cq_readerr(d->cq, &ee, 0);
+    ssize_t ret = fi_cq_readerr(cq, &ee, 0);
     if (ret == -FI_EAGAIN)
         return 0;
     if (ret < 0)
@@ -1847,7 +1889,7 @@ static int on_error(afp_domain *d, afp_event *ev)
         ev->op = ee.flags & FI_REMOTE_CQ_DATA ? AFP_EV_IMM : 0;
     }
     char prov_text[AFP_ERRTEXT_LEN];
-    const char *pt = fi_cq_strerror(d->cq, ee.prov_errno, ee.err_data, prov_text,
+    const char *pt = fi_cq_strerror(cq, ee.prov_errno, ee.err_data, prov_text,
                                     sizeof prov_text);
     snprintf(ev->errtext, sizeof ev->errtext, "%s: %s: %s", d->prov_name,
              d->lib->strerror(ee.err), pt ? pt : "");
@@ -1868,6 +1910,62 @@ static bool fd_ready(int fd)
     return poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
 }
 
+/* Reads `cq` into ev[*n..max): its entries' events, with their senders in src when
+ * `named` (fi_cq_readfrom); 0 or a negative AFS code. */
+static int read_cq(afp_domain *d, struct fid_cq *cq, bool named, afp_event *ev, uint64_t *src,
+                   uint32_t max, uint32_t *n, bool *busy)
+{
+    struct fi_cq_data_entry ent[OFI_POLL_BATCH];
+    fi_addr_t from[OFI_POLL_BATCH];
+    uint32_t got = *n;
+    int rc = 0;
+    /* Each entry yields at most one event, so reading no more entries than there are
+     * free event slots means nothing read is ever dropped. */
+    while (got < max) {
+        size_t want = max - got < OFI_POLL_BATCH ? max - got : OFI_POLL_BATCH;
+        uint64_t t0 = d->wait_fd < 0 ? mono_ns() : 0;
+        ssize_t ret = named ? fi_cq_readfrom(cq, ent, want, from) : fi_cq_read(cq, ent, want);
+        *busy |= ret == -FI_EAGAIN && d->wait_fd < 0 && mono_ns() - t0 > OFI_BUSY_POLL_NS;
+        if (ret > 0) {
+            for (ssize_t i = 0; i < ret; i++) {
+                if (!on_entry(d, &ent[i], &ev[got]))
+                    continue;
+                if (src) {
+                    bool trusted = ev[got].kind == AFP_EV_RECV ? d->src_msg
+                                   : ev[got].kind == AFP_EV_IMM ? d->src_imm
+                                                                : false;
+                    fi_addr_t fa = named ? from[i] : FI_ADDR_NOTAVAIL;
+                    bool known = fa != FI_ADDR_NOTAVAIL && fa != d->self_fa;
+                    src[got] = !named || !trusted ? AFP_SRC_UNKNOWN
+                               : known            ? (uint64_t)fa
+                                                  : AFP_SRC_UNRESOLVED;
+                }
+                got++;
+            }
+            continue;
+        }
+        if (ret == -FI_EAGAIN)
+            break;
+        if (ret == -FI_EAVAIL) {
+            if (src)
+                src[got] = AFP_SRC_UNKNOWN;
+            int r = on_error(d, cq, &ev[got]);
+            if (r < 0) {
+                rc = r;
+                break;
+            }
+            if (r == 0)
+                break; /* advertised error vanished; do not spin on it */
+            got += (uint32_t)r;
+            continue;
+        }
+        rc = fail(d, "fi_cq_read", ret);
+        break;
+    }
+    *n = got;
+    return rc;
+}
+
 /* Polls; with `src`, each event's sender as a resolve handle where FI_SOURCE names it
  * exactly (trust_sources), AFP_SRC_UNRESOLVED for a sender it says was never resolved, and
  * AFP_SRC_UNKNOWN for the rest: events whose source the provider leaves unset (remote CQ
@@ -1875,8 +1973,6 @@ static bool fd_ready(int fd)
  * path. Only what libfabric states is passed on. */
 static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, uint32_t *n)
 {
-    struct fi_cq_data_entry ent[OFI_POLL_BATCH];
-    fi_addr_t from[OFI_POLL_BATCH];
     uint32_t got = 0;
     int rc = 0;
 
@@ -1896,49 +1992,19 @@ static int poll_src(afp_domain *d, afp_event *ev, uint64_t *src, uint32_t max, u
      * that stays ready is not counted: a listening socket whose accept fails with EMFILE
      * stays readable however often progress runs (FRUITLESS_WAKES, shim/worker.c). */
     bool arriving = !d->rw_cntr && d->wait_fd >= 0 && fd_ready(d->wait_fd);
-    /* Each entry yields at most one event, so reading no more entries than there are
-     * free event slots means nothing read is ever dropped. */
-    bool busy = false;
-    while (got < max) {
-        size_t want = max - got < OFI_POLL_BATCH ? max - got : OFI_POLL_BATCH;
-        uint64_t t0 = d->wait_fd < 0 ? mono_ns() : 0;
-        ssize_t ret = src && d->source ? fi_cq_readfrom(d->cq, ent, want, from)
-                                       : fi_cq_read(d->cq, ent, want);
-        busy |= ret == -FI_EAGAIN && d->wait_fd < 0 && mono_ns() - t0 > OFI_BUSY_POLL_NS;
-        if (ret > 0) {
-            for (ssize_t i = 0; i < ret; i++) {
-                if (!on_entry(d, &ent[i], &ev[got]))
-                    continue;
-                if (src) {
-                    bool trusted = ev[got].kind == AFP_EV_RECV ? d->src_msg
-                                   : ev[got].kind == AFP_EV_IMM ? d->src_imm
-                                                                : false;
-                    bool named = from[i] != FI_ADDR_NOTAVAIL && from[i] != d->self_fa;
-                    src[got] = !d->source || !trusted ? AFP_SRC_UNKNOWN
-                               : named                ? (uint64_t)from[i]
-                                                      : AFP_SRC_UNRESOLVED;
-                }
-                got++;
-            }
-            continue;
+    bool busy = false, named = src && d->source;
+    if (!d->rx_cq) {
+        rc = read_cq(d, d->cq, named, ev, src, max, &got, &busy);
+    } else {
+        /* two CQs, first one then the other: neither starves the other of event slots */
+        struct fid_cq *order[2] = {d->cq, d->rx_cq};
+        if (d->rx_first) {
+            order[0] = d->rx_cq;
+            order[1] = d->cq;
         }
-        if (ret == -FI_EAGAIN)
-            break;
-        if (ret == -FI_EAVAIL) {
-            if (src)
-                src[got] = AFP_SRC_UNKNOWN;
-            int r = on_error(d, &ev[got]);
-            if (r < 0) {
-                rc = r;
-                break;
-            }
-            if (r == 0)
-                break; /* advertised error vanished; do not spin on it */
-            got += (uint32_t)r;
-            continue;
-        }
-        rc = fail(d, "fi_cq_read", ret);
-        break;
+        d->rx_first = !d->rx_first;
+        for (int k = 0; k < 2 && rc == 0; k++)
+            rc = read_cq(d, order[k], named && order[k] == d->rx_cq, ev, src, max, &got, &busy);
     }
     uint64_t landed = 0;
     if (d->rw_cntr) {
