@@ -26,8 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -51,7 +51,7 @@ class System:
     ``("sha", sha256 hex of its first n bytes)`` for a received ``("sha", n)``. ``initiator(conn,
     params, target_info)`` runs in another process: it writes the workload and sends
     ``{size: [seconds per batch, ...]}`` then ``sha256 hex`` of what it wrote. ``params``:
-    ``sizes``, ``iterations``, ``batch_bytes``, ``protocol``.
+    ``sizes``, ``iterations``, ``batch_bytes``, ``protocol``, and the system's own ``options``.
     """
 
     name: str
@@ -59,6 +59,7 @@ class System:
     unavailable: Callable[[], str | None]
     target: Callable[[Connection, dict[str, Any]], None]
     initiator: Callable[[Connection, dict[str, Any], Any], None]
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _pattern(n: int) -> bytes:
@@ -151,16 +152,14 @@ def _ours_missing() -> str | None:
 SYSTEMS: dict[str, System] = {
     "mooncake": System(
         "mooncake", "Mooncake's TransferEngine (mooncake.engine)", _real_mooncake_missing,
-        mooncake_target, mooncake_initiator,
+        mooncake_target, mooncake_initiator, {"module": "mooncake.engine"},
     ),
     "afabric-mooncake": System(
         "afabric-mooncake", "afabric.compat.mooncake.TransferEngine", _ours_missing,
-        mooncake_target, mooncake_initiator,
+        mooncake_target, mooncake_initiator, {"module": "afabric.compat.mooncake"},
     ),
 }  # fmt: skip
-"""Every column, in order. The params each gets: ``module`` names the Python module of
-Mooncake's API for the two Mooncake columns."""
-_MODULES = {"mooncake": "mooncake.engine", "afabric-mooncake": "afabric.compat.mooncake"}
+"""Every column, in order (``--systems`` picks some)."""
 
 
 # ---- the command ----
@@ -236,8 +235,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name}: skipped: {why}", file=sys.stderr)
             continue
         params = {
-            "sizes": sizes, "iterations": iterations, "batch_bytes": batch_bytes,
-            "protocol": protocol, "module": _MODULES.get(name, ""),
+            "sizes": sizes, "iterations": iterations, "batch_bytes": batch_bytes, "protocol": protocol,
+            **system.options,
         }  # fmt: skip
         print(f"{name}: {system.description} ...", file=sys.stderr)
         results[name] = _run_system(system, params)
