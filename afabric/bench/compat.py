@@ -175,7 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:  # fmt: skip
     p.add_argument("--iterations", type=int, default=None, metavar="N",
                    help=f"timed batches per size (default: {ITERATIONS})")
     p.add_argument("--protocol", default="tcp",
-                   help="the framework protocol name both columns use (default: tcp); "
+                   help="the framework protocol name every column uses (default: tcp); "
                         "AFABRIC_COMPAT_PROVIDER picks afabric's provider instead")
     p.add_argument("--json", metavar="PATH", default=None, help=harness.JSON_HELP)
     p.add_argument("--quick", action="store_true", help=f"{QUICK_ITERATIONS} batches per size (smoke run)")
