@@ -29,7 +29,9 @@ TAG_KVCACHE = _RESERVED_BASE + 1
 """Reserved: afabric.kvcache's control messages."""
 TAG_WEIGHTS = _RESERVED_BASE + 2
 """Reserved: afabric.weights' control messages."""
-RESERVED_TAGS = frozenset({TAG_KVCACHE, TAG_WEIGHTS})
+TAG_COMPAT = _RESERVED_BASE + 3
+"""Reserved: the notifications of afabric.compat (NIXL's and Mooncake's APIs)."""
+RESERVED_TAGS = frozenset({TAG_KVCACHE, TAG_WEIGHTS, TAG_COMPAT})
 
 
 @dataclass(frozen=True, slots=True)
