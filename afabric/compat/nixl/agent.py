@@ -171,14 +171,13 @@ def _rows(descs: _DescList) -> npt.NDArray[np.int64]:
 
 
 def _indices(value: Any, what: str) -> npt.NDArray[np.int64]:
-    """makeXferReq's indices: a list of ints or a 1-D C-contiguous int32/uint32 array."""
+    """makeXferReq's indices: a list of ints or a 1-D integer numpy array (upstream's
+    binding converts any such array to uint32 first)."""
     if isinstance(value, np.ndarray):
         if value.ndim != 1:
             raise ValueError(f"{what} numpy array must be 1D")
-        if value.dtype not in (np.dtype(np.int32), np.dtype(np.uint32)):
-            raise ValueError(f"{what} numpy array must be 1D of uint32 or int32")
-        if not value.flags.c_contiguous:
-            raise ValueError(f"{what} numpy array must be C-contiguous")
+        if value.size and value.dtype.kind not in "iu":
+            raise ValueError(f"{what} numpy array must hold integers, not {value.dtype}")
         return value.astype(np.int64)
     if isinstance(value, (list, tuple)):
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
