@@ -219,6 +219,7 @@ class nixlAgent:
         self._telemetry = _telemetry_wanted(getattr(config, "captureTelemetry", False))
         self._lock = threading.RLock()
         self._endpoint: _core.Endpoint | None = None
+        self._closed = False
         self._op_timeout = DEFAULT_OP_TIMEOUT
         self._backends: dict[str, _Backend] = {}
         self._regions: dict[int, _Region] = {}  # by base address
@@ -238,13 +239,15 @@ class nixlAgent:
         """Close the agent's engine and listener (also done when it is collected)."""
         with self._lock:
             ep, self._endpoint = self._endpoint, None
+            self._closed = True
         if ep is not None:
             ep.close()
 
     def _ep(self) -> _core.Endpoint:
         ep = self._endpoint
         if ep is None:
-            fail(_S.NIXL_ERR_BACKEND, f"agent {self.name} has no UCX/LIBFABRIC backend")
+            why = "is closed" if self._closed else "has no UCX/LIBFABRIC backend"
+            fail(_S.NIXL_ERR_BACKEND, f"agent {self.name} {why}")
         return ep
 
     # ---- plugins and backends ----
@@ -294,6 +297,8 @@ class nixlAgent:
             if type not in (*TRANSPORTS, *STORAGE):
                 fail(_S.NIXL_ERR_NOT_FOUND, f"unsupported backend {type!r}")
             params = {**_plugin_params(type), **{str(k): str(v) for k, v in (initParams or {}).items()}}
+            if self._closed:
+                fail(_S.NIXL_ERR_BACKEND, f"agent {self.name} is closed")
             if type in TRANSPORTS and self._endpoint is None:
                 self._open(params)
             b = _Backend(type, next(_handles), params)
