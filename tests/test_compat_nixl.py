@@ -396,6 +396,46 @@ def test_repost_loopback_telemetry_and_release(
         a.transfer(h)
 
 
+def test_threads_share_an_agent(agents: Callable[..., nixl_agent]) -> None:
+    """Eight threads post, poll and release transfers on one agent at once (vLLM calls from
+    a thread pool): every transfer's bytes and notification arrive."""
+    a, b = agents(), agents()
+    src, back = _buffers(a, 8 * 4096, 8 * 4096)
+    (dst,) = _buffers(b, 8 * 4096)
+    a.add_remote_agent(b.get_agent_metadata())
+    failures: list[str] = []
+
+    def worker(t: int) -> None:
+        rnd = random.Random(t)
+        base = t * 4096
+        try:
+            for k in range(20):
+                n = rnd.randrange(1, 4097)
+                src[base : base + n] = rnd.randrange(256)
+                pairs = [(a.get_xfer_descs([(int(x.ctypes.data) + base, n, 0)], "DRAM"),
+                          a.get_xfer_descs([(int(dst.ctypes.data) + base, n, 0)], "DRAM"), op)
+                         for x, op in ((src, "WRITE"), (back, "READ"))]  # fmt: skip
+                for local, remote, op in pairs:
+                    h = a.initialize_xfer(op, local, remote, b.name, f"{t}:{k}:{op}".encode())
+                    a.transfer(h)
+                    _done(a, h)
+                    a.release_xfer_handle(h)
+                if not np.array_equal(back[base : base + n], src[base : base + n]):
+                    failures.append(f"thread {t} round {k}: bytes differ")
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(f"thread {t}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(DEADLINE)
+    assert not any(th.is_alive() for th in threads) and failures == []
+    want = {f"{t}:{k}:{op}".encode() for t in range(8) for k in range(20) for op in ("WRITE", "READ")}
+    got: set[bytes] = set()
+    _wait("every notification", lambda: got.update(b.get_new_notifs().get(a.name, [])) or got == want)
+
+
 def test_errors_before_posting(agents: Callable[..., nixl_agent]) -> None:
     a, b = agents(), agents()
     (src,) = _buffers(a, 4096)
@@ -422,6 +462,12 @@ def test_errors_before_posting(agents: Callable[..., nixl_agent]) -> None:
         a.transfer(h)
     with pytest.raises(nb.nixlNotPostedError):
         a.check_xfer_state(h)
+    reg = a.get_reg_descs([(int(src.ctypes.data), 4096, 0, "")], "DRAM")
+    a.deregister_memory(reg)
+    with pytest.raises(nb.nixlNotFoundError):  # deregistered: no longer a local side
+        a.prep_xfer_dlist("", local)
+    with pytest.raises(nb.nixlNotFoundError):  # and not twice
+        a.deregister_memory(reg)
 
 
 def test_listener_exchange_and_partial_metadata(agents: Callable[..., nixl_agent]) -> None:
