@@ -402,6 +402,7 @@ _MODULE_COMMANDS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
     ("bench", "moe", "afabric.bench.moe", {}),
     ("", "weights", "afabric.weights.cli", {}),
     ("bench", "weights", "afabric.bench.weights", {}),
+    ("bench", "compat", "afabric.bench.compat", {}),
 )
 
 

@@ -138,8 +138,9 @@ def choose_provider(protocol: str | None = None, *, force_tcp: bool = False) -> 
         raise errors.InvalidArgument(f"protocol {protocol!r} is not one of {known}") from None
 
 
-async def _open_engine(provider: str, *, name: str, op_timeout: float, bind: str | None,
-                       nics: Sequence[str] | None) -> Engine:
+async def _open_engine(
+    provider: str, *, name: str, op_timeout: float, bind: str | None, nics: Sequence[str] | None
+) -> Engine:
     """The one place the layers' engine is made."""
     return Engine(provider, name=name, op_timeout=op_timeout, bind=bind, nics=list(nics) if nics else None)
 
@@ -474,14 +475,20 @@ class _State:
         self.server: asyncio.base_events.Server | None = None
         self.recv_task: asyncio.Task[None] | None = None
         self.notes: deque[Notification] = deque()
+        self.noted = threading.Event()  # set when a notification is queued
         self.handlers: dict[str, Callable[[], Handler | None]] = {}
         self.info: PeerInfo | None = None
         self.closed = False
         self.operations = 0  # afabric operations posted by run(): the layers' tests count them
 
     async def open(
-        self, provider: str, name: str, op_timeout: float, bind: str | None,
-        nics: Sequence[str] | None, listen: tuple[str, int] | None,
+        self,
+        provider: str,
+        name: str,
+        op_timeout: float,
+        bind: str | None,
+        nics: Sequence[str] | None,
+        listen: tuple[str, int] | None,
     ) -> None:
         self.engine = await _open_engine(provider, name=name, op_timeout=op_timeout, bind=bind, nics=nics)
         try:
@@ -516,6 +523,7 @@ class _State:
             except errors.EngineClosed:
                 return
             self.notes.append(Notification(bytes(msg.sender), bytes(msg.data)))
+            self.noted.set()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -714,10 +722,14 @@ class Endpoint:
         return self._state.operations
 
     def close(self) -> None:
-        """Close the engine (bounded wait for transfers in flight) and the listener."""
+        """Close the engine (bounded wait for transfers in flight) and the listener. On the
+        loop's own thread (a listener handler) it only starts closing."""
         if os.getpid() != self._pid or not self._finalizer.detach():
             return
-        with contextlib.suppress(errors.UsageError):
+        if threading.get_ident() == self._rt.thread.ident:
+            _close_collected(self._state)
+            return
+        with contextlib.suppress(concurrent.futures.TimeoutError):
             self._rt.run(self._state.aclose(), _CLOSE_S + 5.0)
 
     def _check(self) -> Engine:
@@ -933,8 +945,13 @@ class Endpoint:
         return Transfer(fut, _deadline(self.op_timeout, len(payload)))
 
     def take_notifications(self) -> list[Notification]:
-        """Every notification received since the last call, oldest first."""
+        """Every notification received since the last call, oldest first. With none queued it
+        first waits up to :data:`POLL_GRACE_S` for one (a caller polling in a tight loop
+        leaves the GIL to the loop thread that receives them)."""
         notes = self._state.notes
+        if not notes:
+            self._state.noted.wait(POLL_GRACE_S)
+        self._state.noted.clear()
         out = []
         while notes:
             try:

@@ -1,0 +1,1 @@
+"""Mooncake's import name over afabric: ``mooncake.engine`` is afabric.compat.mooncake."""
