@@ -525,6 +525,20 @@ def test_descriptor_lists_from_every_form(agents: Callable[..., nixl_agent]) -> 
         from_tuples.index((1, 2, 3))
 
 
+def test_bench_compat_nixl_columns() -> None:
+    """`afabric bench compat`'s NIXL columns: afabric's moves and checks its batches and vLLM's
+    12,800-descriptor READ; NIXL's own runs or says why it is skipped."""
+    cmd = [sys.executable, "-m", "afabric.cli", "bench", "compat", "--systems", "nixl,afabric-nixl",
+           "--sizes", "64K", "--batch-bytes", "128K", "--iterations", "1", "--json", "-"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    doc = json.loads(out.stdout)
+    ours = doc["results"]["afabric-nixl"]
+    assert ours["checked"] is True and ours["sizes"]["65536"]["writes_per_batch"] == 2
+    assert ours["vllm_read"]["descriptors"] == 12_800 and ours["vllm_read"]["checked"] is True
+    real = doc["results"]["nixl"]
+    assert real.get("checked") is True or "NIXL" in real["skipped"]
+
+
 # ---- lifetime ----
 
 

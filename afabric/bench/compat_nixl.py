@@ -6,9 +6,10 @@ Two workloads, each a process pair (target, initiator) of its own:
 - the command's batch write: per size S, ``batch_bytes // S`` descriptors of S bytes
   prepared once (``prep_xfer_dlist`` on both sides, ``make_prepped_xfer``), the handle posted
   again for every batch (``transfer`` then ``check_xfer_state`` until ``DONE``);
-- vLLM's disaggregated-prefill READ: ``layers`` x 2 (K, V) registrations of ``blocks_per_region``
-  blocks on each side, ``blocks`` random blocks of each read in one ``make_prepped_xfer``
-  (64 x 2 x 100 = 12,800 descriptors by default), then the blocks compared with the target's.
+- vLLM's disaggregated-prefill READ: 64 layers x 2 (K, V) registrations of 128 blocks on
+  each side, 100 random blocks of each read in one ``make_prepped_xfer`` (12,800
+  descriptors), then the blocks compared with the target's. A block is 16 KiB, or less where
+  one side's registrations would exceed 4 x ``batch_bytes`` (1 KiB at most with ``--quick``).
 
 For ``--protocol tcp`` NIXL's UCX is held to TCP (``UCX_TLS=tcp`` unless set) and afabric to
 its tcp provider (unless AFABRIC_COMPAT_PROVIDER names one). Nothing here asserts speed.
@@ -70,8 +71,10 @@ def _agent(api: Any, name: str) -> Any:
 
 def _kv_layout(params: dict[str, Any]) -> tuple[int, int, int]:
     """(registrations, blocks each, bytes a block) of the vLLM READ."""
+    regions = 2 * VLLM_LAYERS
     block = VLLM_QUICK_BLOCK_BYTES if params.get("quick") else VLLM_BLOCK_BYTES
-    return 2 * VLLM_LAYERS, VLLM_REGION_BLOCKS, block
+    room = 4 * int(params["batch_bytes"]) // (regions * VLLM_REGION_BLOCKS)
+    return regions, VLLM_REGION_BLOCKS, max(8, min(block, room) // 8 * 8)
 
 
 def _kv_fill(region: int, nbytes: int) -> np.ndarray:
