@@ -213,26 +213,31 @@ class nixl_agent:
         return True
 
     def get_plugin_list(self) -> list[str]:
+        """Backend names this layer knows: UCX, LIBFABRIC, POSIX."""
         return self.plugin_list
 
     def get_plugin_mem_types(self, backend: str) -> list[str]:
+        """Memory types a backend handles ([] for an unknown name)."""
         if not self._plugin(backend):
             logger.warning("Plugin %s is not available to get its supported mem types.", backend)
             return []
         return self.plugin_mem_types[backend]
 
     def get_plugin_params(self, backend: str) -> dict[str, str]:
+        """A backend's parameters and their defaults ({} for an unknown name)."""
         if not self._plugin(backend):
             logger.warning("Plugin %s is not available to get its parameters.", backend)
             return {}
         return self.plugin_b_options[backend]
 
     def get_backend_mem_types(self, backend: str) -> list[str]:
+        """Memory types a created backend handles ([] if not created)."""
         if backend not in self.backend_mems:
             logger.warning("Backend %s not instantiated to get its supported mem types.", backend)
         return self.backend_mems.get(backend, [])
 
     def get_backend_params(self, backend: str) -> dict[str, str]:
+        """A created backend's parameters ({} if not created)."""
         if backend not in self.backend_options:
             logger.warning("Backend %s not instantiated to get its parameters.", backend)
         return self.backend_options.get(backend, {})
@@ -258,6 +263,7 @@ class nixl_agent:
         return descs
 
     def deregister_memory(self, dereg_list: Any, backends: Sequence[str] = ()) -> None:
+        """Deregister what register_memory returned. Raises nixlNotFoundError for memory not registered."""
         self.agent.deregisterMem(dereg_list, self._handles(backends))
 
     def query_memory(
@@ -271,6 +277,7 @@ class nixl_agent:
     # ---- transfers ----
 
     def make_connection(self, remote_agent: str, backends: Sequence[str] = ()) -> None:
+        """Check the remote agent is known (afabric connects on first use)."""
         self.agent.makeConnection(remote_agent, self._handles(backends))
 
     def prep_xfer_dlist(
@@ -324,6 +331,7 @@ class nixl_agent:
         return nixl_xfer_handle(self.agent, h)
 
     def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> tuple[int, int, str]:
+        """Raises nixlNotSupportedError: afabric's transport does not estimate."""
         duration, margin, method = self.agent.estimateXferCost(req_handle._handle)
         return (
             duration,
@@ -340,30 +348,38 @@ class nixl_agent:
         return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> Any:
+        """A completed transfer's nixlXferTelemetry; nixlNoTelemetryError when telemetry is off."""
         return self.agent.getXferTelemetry(handle._handle)
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
+        """The backend name a transfer runs on."""
         h = self.agent.queryXferBackend(handle._handle)
         return next(name for name, bh in self.backends.items() if bh == h)
 
     def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
+        """Release a transfer (one in flight is cancelled: no notification)."""
         handle.release()
 
     def release_dlist_handle(self, handle: nixl_prepped_dlist_handle) -> None:
+        """Release a prepared descriptor list."""
         handle.release()
 
     def prep_mem_view(self, dlist: Any, *, backends: Sequence[str] | None = None) -> int:
+        """Raises nixlNotSupportedError (UCX's GPU device API)."""
         return self.agent.prepMemView(dlist, self._handles(backends or ()))
 
     def release_mem_view(self, mvh: int) -> None:
+        """Raises nixlNotSupportedError (UCX's GPU device API)."""
         self.agent.releaseMemView(mvh)
 
     # ---- notifications ----
 
     def get_new_notifs(self, backends: Sequence[str] = ()) -> dict[str, list[bytes]]:
+        """Notifications received since the last call: sender name -> messages, oldest first."""
         return self.agent.getNotifs({}, self._handles(backends))
 
     def update_notifs(self, backends: Sequence[str] = ()) -> dict[str, list[bytes]]:
+        """Add new notifications to ``self.notifs`` and return it."""
         self.notifs = self.agent.getNotifs(self.notifs, self._handles(backends))
         return self.notifs
 
@@ -385,11 +401,13 @@ class nixl_agent:
         return False
 
     def send_notif(self, remote_agent_name: str, notif_msg: bytes, backend: str | None = None) -> None:
+        """Send a notification not tied to a transfer. Raises nixlNotFoundError for an unknown agent."""
         self.agent.genNotif(remote_agent_name, notif_msg, [] if backend is None else [self.backends[backend]])
 
     # ---- metadata ----
 
     def get_agent_metadata(self) -> bytes:
+        """This agent's metadata, for another agent's add_remote_agent."""
         return self.agent.getLocalMD()
 
     def get_partial_agent_metadata(
@@ -402,9 +420,11 @@ class nixl_agent:
         return self.agent.loadRemoteMD(metadata)
 
     def remove_remote_agent(self, agent: str) -> None:
+        """Forget a remote agent; its transfers fail with nixlNotFoundError from then on."""
         self.agent.invalidateRemoteMD(agent)
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Push this agent's metadata to the listener at ``ip_addr:port``."""
         self.agent.sendLocalMD(ip_addr, port)
 
     def send_partial_agent_metadata(
@@ -416,17 +436,21 @@ class nixl_agent:
         port: int = DEFAULT_COMM_PORT,
         label: str = "",
     ) -> None:
+        """Push partial metadata (see get_partial_agent_metadata) to the listener at ``ip_addr:port``."""
         self.agent.sendLocalPartialMD(descs, inc_conn_info, self._handles(backends), ip_addr, port, label)
 
     def fetch_remote_metadata(
         self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
     ) -> None:
+        """Fetch the metadata of the agent listening at ``ip_addr:port`` and load it."""
         self.agent.fetchRemoteMD(remote_agent, ip_addr, port, label)
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Tell the agent listening at ``ip_addr:port`` to forget this one."""
         self.agent.invalidateLocalMD(ip_addr, port)
 
     def check_remote_metadata(self, agent: str, descs: Any = None) -> bool:
+        """Whether the agent's metadata (covering ``descs``, if given) is loaded."""
         if descs is None:
             descs = _bindings.nixlXferDList(_bindings.DRAM_SEG)
         return bool(self.agent.checkRemoteMD(agent, descs) == _bindings.NIXL_SUCCESS)
@@ -444,6 +468,7 @@ class nixl_agent:
         return self._descs(descs, mem_type, _bindings.nixlRegDList, 4)
 
     def get_remote_descs(self, descs: Any, mem_type: str | None = None) -> Any:
+        """A nixlRemoteDList from (addr, len, dev, agent name) tuples with ``mem_type``; None otherwise."""
         if isinstance(descs, _bindings.nixlRemoteDList):
             return descs
         if isinstance(descs, (list, tuple)) and descs and isinstance(descs[0], tuple):
@@ -505,4 +530,5 @@ class nixl_agent:
         return pickle.dumps(descs)
 
     def deserialize_descs(self, serialized_descs: bytes) -> Any:
+        """A descriptor list from get_serialized_descs (pickle: trusted bytes only)."""
         return pickle.loads(serialized_descs)
