@@ -2,8 +2,9 @@
 
 Every system is a column: Mooncake's own ``TransferEngine`` (when ``pip install
 mooncake-transfer-engine-non-cuda`` installed it; otherwise the column is skipped, saying
-so) and afabric.compat.mooncake, the same API over afabric. More systems join by adding a
-:class:`System` to :data:`SYSTEMS`.
+so) and afabric.compat.mooncake, the same API over afabric; NIXL's own ``nixl_agent`` (when
+``pip install nixl-cu12`` installed it) and afabric.compat.nixl (:mod:`.compat_nixl`). More
+systems join by adding a :class:`System` to :data:`SYSTEMS`.
 
 The workload, per size S (64 KiB, 1 MiB, 16 MiB by default): batches of ``batch_bytes // S``
 writes of S bytes each (64 MiB a batch), from one registered buffer of an initiator process
@@ -11,7 +12,9 @@ into one of a target process, each batch one blocking call (``batch_transfer_syn
 A system's initiator and target are processes of their own (spawned, so two systems never
 share one), on this host, over the protocol ``--protocol`` names (tcp by default). Reported:
 GB/s of the median batch and the median batch's time. After the timed batches the target's
-buffer is compared with what was written (``checked``). Nothing here asserts speed.
+buffer is compared with what was written (``checked``). The NIXL columns post each size's
+batch as one prepared transfer of ``batch_bytes // S`` descriptors and also time vLLM's READ
+of 64 x 2 x 100 block descriptors (a row of its own). Nothing here asserts speed.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import harness
+from . import compat_nixl, harness
 
-HELP = "one batch-write workload through Mooncake's own TransferEngine and afabric.compat.mooncake"
+HELP = (
+    "one batch-write workload through Mooncake's and NIXL's own libraries and afabric.compat "
+    "(and vLLM's READ of many block descriptors through NIXL's API)"
+)
 SIZES = (64 << 10, 1 << 20, 16 << 20)
 BATCH_BYTES = 64 << 20
 ITERATIONS = 20
@@ -158,8 +164,19 @@ SYSTEMS: dict[str, System] = {
         "afabric-mooncake", "afabric.compat.mooncake.TransferEngine", _ours_missing,
         mooncake_target, mooncake_initiator, {"module": "afabric.compat.mooncake"},
     ),
+    "nixl": System(
+        "nixl", "NIXL's nixl_agent (nixl._api, UCX)", compat_nixl.real_nixl_missing,
+        compat_nixl.nixl_target, compat_nixl.nixl_initiator, {"module": "nixl._api", "vllm": True},
+    ),
+    "afabric-nixl": System(
+        "afabric-nixl", "afabric.compat.nixl's nixl_agent", _ours_missing,
+        compat_nixl.nixl_target, compat_nixl.nixl_initiator,
+        {"module": "afabric.compat.nixl._api", "vllm": True},
+    ),
 }  # fmt: skip
-"""Every column, in order (``--systems`` picks some)."""
+"""Every column, in order (``--systems`` picks some). Each carries its own params:
+``module`` names the Python module of the API it drives; ``vllm`` (NIXL's columns) also
+times vLLM's READ of many block descriptors."""
 
 
 # ---- the command ----
@@ -196,7 +213,11 @@ def _run_system(system: System, params: dict[str, Any]) -> dict[str, Any]:
         target.stop()
     finally:
         target.close()
+    vllm = times.pop("vllm_read", None)
     out: dict[str, Any] = {"checked": got == ("sha", sha), "sizes": {}}
+    if vllm is not None:
+        out["vllm_read"] = vllm
+        out["checked"] = out["checked"] and vllm["checked"]
     for size, runs in times.items():
         median = statistics.median(runs)
         n = max(1, params["batch_bytes"] // size)
@@ -236,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
             continue
         params = {
             "sizes": sizes, "iterations": iterations, "batch_bytes": batch_bytes, "protocol": protocol,
-            **system.options,
+            "vllm": False, "quick": bool(args.quick), **system.options,
         }  # fmt: skip
         print(f"{name}: {system.description} ...", file=sys.stderr)
         results[name] = _run_system(system, params)
@@ -245,8 +266,8 @@ def main(args: argparse.Namespace) -> int:
         f"afabric bench compat — protocol {protocol}"
         + (f" (AFABRIC_COMPAT_PROVIDER={override})" if override else "")
         + f", {os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-        f"batch_transfer_sync_write of {_label(batch_bytes)} batches, {iterations} timed per size; "
-        "GB/s of the median batch (median batch time)"
+        f"batch_transfer_sync_write (NIXL: a prepared transfer) of {_label(batch_bytes)} batches, "
+        f"{iterations} timed per size; GB/s of the median batch (median batch time)"
     )
     print(header)
     print(f"{'size':>8} " + " ".join(f"{n:>24}" for n in names))
@@ -260,6 +281,18 @@ def main(args: argparse.Namespace) -> int:
                 s = r["sizes"][str(size)]
                 cells.append(f"{s['gbps_median']:>9.2f} GB/s ({s['batch_s_median'] * 1e3:7.1f} ms)")
         print(f"{_label(size):>8} " + " ".join(cells))
+    reads = {n: results[n]["vllm_read"] for n in names if "vllm_read" in results[n]}
+    if reads:
+        first = next(iter(reads.values()))
+        cells = [
+            f"{r['gbps_median']:>9.2f} GB/s ({r['read_s_median'] * 1e3:7.1f} ms)"
+            if (r := reads.get(n))
+            else f"{'skipped' if 'skipped' in results[n] else '-':>24}"
+            for n in names
+        ]
+        print(f"{'vLLM READ':>8} " + " ".join(cells))
+        layout = "64 layers x (K, V) x 100 blocks"
+        print(f"vLLM READ: {first['descriptors']} descriptors of {_label(first['block_bytes'])} ({layout})")
     for n in names:
         r = results[n]
         print(f"{n}: " + (f"skipped: {r['skipped']}" if "skipped" in r else f"data checked: {r['checked']}"))

@@ -439,6 +439,12 @@ class Transfer:
             return errors.Cancelled("transfer cancelled")
         return self._fut.exception()
 
+    def cancel(self) -> None:
+        """Stop waiting for it: operations already posted still complete (the engine keeps
+        their buffers), but nothing that follows them (the notification) is sent."""
+        if not self._done.is_set():
+            self._fut.cancel()
+
     def _expire(self) -> None:
         if self._expired is None and not self._done.is_set():
             self._expired = TransferTimeout("no completion by the transfer's deadline")
@@ -473,6 +479,7 @@ class _State:
         self.handlers: dict[str, Callable[[], Handler | None]] = {}
         self.info: PeerInfo | None = None
         self.closed = False
+        self.operations = 0  # afabric operations posted by run(): the layers' tests count them
 
     async def open(
         self,
@@ -577,6 +584,7 @@ class _State:
                     )
                 ]
                 aws.append(eng.gather(mr, sources))
+        self.operations += len(aws)
         if len(aws) == 1:
             await aws[0]
         elif aws:
@@ -707,6 +715,11 @@ class Endpoint:
     @property
     def closed(self) -> bool:
         return self._state.closed
+
+    @property
+    def operations(self) -> int:
+        """afabric operations (writes, write_many, reads, gathers) posted for transfers so far."""
+        return self._state.operations
 
     def close(self) -> None:
         """Close the engine (bounded wait for transfers in flight) and the listener. On the
