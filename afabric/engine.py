@@ -231,7 +231,7 @@ class Engine(MessagingMixin):
     """One endpoint: a provider, its NIC domain(s), a worker thread and a completion ring.
 
     Create it inside a running event loop and close it with ``await eng.aclose()`` or
-    ``async with``::
+    ``async with``:
 
         async with afabric.Engine(provider="auto") as eng:
             mr = eng.register(buf)

@@ -1,7 +1,7 @@
 """What a provider plugin declares: the public contract for plugin authors.
 
 A plugin is a distribution with an entry point in the group ``afabric.providers`` whose
-object is a zero-argument callable returning a :class:`ProviderSpec`::
+object is a zero-argument callable returning a :class:`ProviderSpec`:
 
     [project.entry-points."afabric.providers"]
     sockets = "afabric_sockets:sockets"
