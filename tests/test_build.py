@@ -242,7 +242,7 @@ _fresh: dict[str, Job] = {}  # the job start_early began
 
 def _fresh_machine(nice: int) -> Job:
     return Job(["bash", str(ROOT / "tests" / "fresh_machine.sh")], nice=nice,
-               env={**os.environ, "AFABRIC_FRESH_QUICK": "1", "AFABRIC_FRESH_DEADLINE": "780"})  # fmt: skip
+               env={**os.environ, "AFABRIC_FRESH_DEADLINE": "780"})  # fmt: skip
 
 
 def start_early(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -258,8 +258,8 @@ def start_early(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 @pytest.mark.timeout(900)
 def test_readme_install_line_on_a_fresh_debian() -> None:
-    """tests/fresh_machine.sh: the README's first command, as written (with --quick added to
-    its benchmark), as root in a chroot of a fresh debootstrap'd bookworm; it must print the
+    """tests/fresh_machine.sh: the README's first command, as written (its benchmark's default
+    is the quick sweep), as root in a chroot of a fresh debootstrap'd bookworm; it must print the
     benchmark's table. Needs root, Debian's mirror and PyPI: tests/run.sh --all turns it on with
     AFABRIC_FRESH_MACHINE=1 (2 minutes here with the root cached in ~/.cache/afabric;
     the first run's debootstrap adds about 2 more). Started in the background when

@@ -106,7 +106,7 @@ def _target(conn: Connection, provider: str) -> None:
                 buf[:] = 0
                 conn.send(bad)
 
-    asyncio.run(run())
+    loops.run(run(), "asyncio")  # a stopping signal cancels it (bench.interrupt)
 
 
 async def _round(
