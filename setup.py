@@ -6,6 +6,10 @@
   afabric_nvlink/libafabric_nvlink.so and afabric_cma/libafabric_cma.so.
 - The wheel is platform-tagged but Python-version independent (``py3-none-linux_x86_64``):
   the libraries are loaded with ctypes, they are not CPython extensions.
+- An editable install (``pip install -e .``) puts setuptools' finder for its packages
+  ahead of Python's path-based one (``_FinderFirst``): run from the checkout's parent, a
+  directory named ``afabric`` there (the checkout itself) would otherwise be imported as an
+  empty namespace package (``module 'afabric' has no attribute 'Engine'``).
 - ``afabric_ofi`` (the first-party libfabric provider plugin) lives in providers/ofi/,
   ``afabric_verbs`` (the libibverbs one) in providers/verbs/, ``afabric_nvlink`` (CUDA IPC
   between the GPUs of a node) in providers/nvlink/, ``afabric_cma`` (cross-memory attach
@@ -86,6 +90,56 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", plat
 
 
+class _FinderFirst:
+    """setuptools' editable strategy, plus one .pth file that moves the finder it installs
+    (``_TopLevelFinder``: a meta path finder appended after Python's PathFinder) to the
+    front of sys.meta_path. Without it, a directory on sys.path named like a package but
+    without ``__init__.py`` (the checkout, seen from its parent) becomes a namespace package
+    that hides the editable one: PathFinder answers before the appended finder is asked."""
+
+    def __init__(self, inner: Any, finder_module: str, dist_name: str) -> None:
+        self.inner, self.module, self.dist_name = inner, finder_module, dist_name
+
+    def __enter__(self) -> _FinderFirst:
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.inner.__exit__(*exc)
+
+    def __call__(self, wheel: Any, files: list[str], mapping: Any) -> None:
+        self.inner(wheel, files, mapping)
+        m = self.module
+        line = (
+            f"import sys, {m}; {m}.install(); "
+            f"sys.meta_path.remove({m}._EditableFinder); sys.meta_path.insert(0, {m}._EditableFinder)\n"
+        )
+        wheel.writestr(f"__editable__.{self.dist_name}.first.pth", line.encode())
+
+
+def _editable_wheel() -> type | None:
+    """editable_wheel with _FinderFirst around setuptools' finder strategy (None: a
+    setuptools without PEP 660 editable wheels; any other strategy is left as it is)."""
+    try:
+        from setuptools.command import editable_wheel as ew
+    except ImportError:
+        return None
+
+    class EditableFinderFirst(ew.editable_wheel):  # type: ignore[misc, name-defined]
+        def _select_strategy(self, name: str, tag: str, build_lib: Any) -> Any:
+            strategy = super()._select_strategy(name, tag, build_lib)
+            finder_type = getattr(ew, "_TopLevelFinder", None)
+            if finder_type is None or not isinstance(strategy, finder_type):
+                return strategy
+            try:
+                module = strategy.template_vars()[0]
+            except Exception:  # noqa: BLE001 - another setuptools' internals: leave them be
+                return strategy
+            return _FinderFirst(strategy, module, name)
+
+    return EditableFinderFirst
+
+
 class BinaryDistribution(Distribution):
     """Says it carries native code, so everything installs into platlib."""
 
@@ -102,6 +156,9 @@ package_data: dict[str, Any] = {
     "afabric_cma": ["*.so"],
 }
 
+_editable_cmd = _editable_wheel()
+_editable = {"editable_wheel": _editable_cmd} if _editable_cmd is not None else {}
+
 setup(
     packages=[
         *find_packages(include=["afabric", "afabric.*"]), "afabric_ofi", "afabric_verbs", "afabric_nvlink",
@@ -116,5 +173,5 @@ setup(
     package_data=package_data,
     zip_safe=False,
     distclass=BinaryDistribution,
-    cmdclass={"build_py": BuildPyWithNative, "bdist_wheel": PlatformWheel},
+    cmdclass={"build_py": BuildPyWithNative, "bdist_wheel": PlatformWheel, **_editable},
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -186,10 +187,32 @@ def _candidates() -> list[tuple[str, str]]:
         out.append((env, "AFABRIC_SHIM"))
     try:
         pkg = resources.files("afabric").joinpath("_lib").joinpath(SHIM_NAME)
-        out.append((str(pkg), "installed package"))
+        out.append((str(pkg), "this package's own copy"))
     except (ModuleNotFoundError, TypeError):  # pragma: no cover - broken install
         pass
     return out
+
+
+def _source_tree_note() -> str:
+    """When this ``afabric`` is a source checkout's package directory (beside shim/ and
+    build_native.py) that was never built in place, what happened and what to do: the
+    current directory (``python -m``, ``-c``, a script beside the checkout's package) or
+    PYTHONPATH put the checkout before the installed package on sys.path. "" otherwise."""
+    pkg = Path(__file__).resolve().parent
+    root = pkg.parent
+    if not ((root / "shim" / "afabric_shim.h").is_file() and (root / "build_native.py").is_file()):
+        return ""
+    installed = ""
+    for entry in sys.path:
+        other = Path(entry or ".").resolve() / "afabric"
+        if other != pkg and (other / "__init__.py").is_file():
+            installed = f", not the installed package in {other.parent}"
+            break
+    return (
+        f"afabric is imported from the source tree {root}{installed} (the current directory or "
+        f"PYTHONPATH puts the checkout first on sys.path), and the source tree has no compiled "
+        f"shim: run from another directory, or build it in place with `pip install -e {root}`"
+    )
 
 
 def shim() -> Shim:
@@ -223,10 +246,13 @@ def shim() -> Shim:
                 continue
             _shim = Shim(lib, path)
             return _shim
+        note = _source_tree_note()
         raise errors.ShimLoadError(
-            "cannot load the afabric shim; looked in:\n  "
+            "cannot load the afabric shim"
+            + (f": {note}" if note else "")
+            + "; looked in:\n  "
             + "\n  ".join(tried or ["(nowhere)"])
-            + "\nreinstall afabric (`pip install .` compiles it) or set AFABRIC_SHIM"
+            + ("" if note else "\nreinstall afabric (`pip install .` compiles it) or set AFABRIC_SHIM")
         )
 
 

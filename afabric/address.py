@@ -2,21 +2,45 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 
 from . import _native
+
+
+def _owner(blob: bytes) -> tuple[str, int | None, int | None]:
+    """(provider, pid, host id) of a checked address blob (shim/codec.c: "AFA1" u8 nics
+    u8 name_len u16 max_msg u64 incarnation name, then per NIC u16 len + bytes, then an
+    optional "L" u64 host u32 pid u64 start, then u32 crc); pid and host None if absent."""
+    nics, name_len = blob[4], blob[5]
+    provider = blob[16 : 16 + name_len].decode(errors="replace")
+    at = 16 + name_len
+    for _ in range(nics):
+        at += 2 + struct.unpack_from("<H", blob, at)[0]
+    if blob[at : at + 1] == b"L" and at + 21 <= len(blob) - 4:
+        host, pid = struct.unpack_from("<QI", blob, at + 1)
+        return provider, int(pid), int(host)
+    return provider, None, None
 
 
 class Address:
     """An engine's address. ``bytes(a)`` to send it, ``Address.from_bytes(b)`` to take it back
     (checked: a truncated or corrupted blob raises :class:`afabric.errors.BadDescriptor`)."""
 
-    __slots__ = ("_blob", "incarnation", "nics")
+    __slots__ = ("_blob", "host", "incarnation", "nics", "pid", "provider")
 
     def __init__(self, blob: bytes) -> None:
         blob = bytes(blob)
         self.incarnation, self.nics = _native.check_address(blob)
         self._blob = blob
+        self.provider: str
+        """The provider of the engine that made it ("tcp")."""
+        self.pid: int | None
+        """Its process id (None: the address does not say)."""
+        self.host: int | None
+        """Its host (boot id and pid namespace, hashed; None: not said): equal for engines
+        that can watch each other's processes."""
+        self.provider, self.pid, self.host = _owner(blob)
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Address:
@@ -40,7 +64,10 @@ class Address:
         return self._blob.hex()
 
     def __repr__(self) -> str:
-        return f"Address({self._blob.hex()[:16]}…, nics={self.nics})"
+        """What tells engines apart in a log: provider, process, host and incarnation (the
+        creation time in its high half, random bits in its low half)."""
+        where = "" if self.pid is None else f", pid {self.pid} on host {(self.host or 0) & 0xFFFFFFFF:08x}"
+        return f"Address({self.provider}{where}, incarnation {self.incarnation:016x}, nics={self.nics})"
 
     def short(self) -> str:
         """A short tag for log lines: the low half of the incarnation in hex.

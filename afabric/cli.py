@@ -8,9 +8,14 @@ its options (``HELP``, ``add_arguments``) and runs in its ``main``.
 
 What every command does the same way (:mod:`afabric.bench.harness`): options and output
 paths are checked before anything runs, and a missing optional package (torch, cupy,
-matplotlib, uvloop) is named with how to install it: exit status 2 for all of these;
+matplotlib, uvloop) is named with how to install it: exit status 2 for all of these, as
+for an unknown option (reported with the usage of the subcommand it was given to), an
+argument out of range or a ``--provider`` that is not installed or not usable here;
 ``--json -`` writes the JSON document to stdout and the report to stderr; progress goes to
 stderr (a bar on a terminal, plain lines otherwise); a failed run exits 1 with one line.
+SIGINT (Ctrl-C), SIGTERM and SIGHUP stop a run cleanly (engines closed, child processes
+stopped, nothing left in /dev/shm): one line, exit status 128 + the signal's number
+(:mod:`afabric.bench.interrupt`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +37,7 @@ from pathlib import Path
 from typing import TextIO, TypedDict
 
 from . import _native, registry
-from .bench import harness
+from .bench import harness, interrupt
 from .bench.harness import parse_size
 from .errors import AfabricError
 
@@ -296,10 +302,14 @@ def _print_info(info: InfoJson) -> None:
                 f"pci {n['pci'] or '-'}, speed {_speed(n['link_speed_bps'])}"
             )
         if not p["available"]:
-            print(f"    why: {p['reason']}")
+            # the shim's failure is every provider's: said once, above
+            print(f"    why: {'the shim is not loaded (above)' if not shim['loaded'] else p['reason']}")
     print()
     auto = info["auto"]
-    print(auto["why"] if auto["provider"] else f"auto: nothing usable: {auto['why']}")
+    if not shim["loaded"]:
+        print("auto: nothing usable: the shim is not loaded (above)")
+    else:
+        print(auto["why"] if auto["provider"] else f"auto: nothing usable: {auto['why']}")
     print()
     print("GPUs:" + ("" if info["gpus"] else " none"))
     for g in info["gpus"]:
@@ -371,6 +381,7 @@ def _run_bench(module: str, ns: argparse.Namespace) -> int:
         str(getattr(ns, k)) for k in ("command", "bench") if getattr(ns, k, None)
     )
     harness.check_outputs(ns, command)  # before anything runs, not after it
+    harness.check_provider(ns)
     if getattr(ns, "loop", None) == "uvloop":
         harness.require(f"{command} --loop uvloop", "uvloop")
     # Imported here, on use only: the benchmark pulls in numpy and the engine.
@@ -432,27 +443,57 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _chosen(p: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that ``ns`` was parsed with ("afabric bench p2p")."""
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(ns, action.dest, None)
+            if isinstance(name, str) and name in action.choices:
+                return _chosen(action.choices[name], ns)
+    return p
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, except that an unknown option is reported with the usage of the
+    subcommand it was given to (argparse's own: the top-level usage); exits 2."""
+    ap = _parser()
+    ns, extra = ap.parse_known_args(argv)
+    if extra:
+        _chosen(ap, ns).error(f"unrecognized arguments: {' '.join(extra)}")
+    return ns
+
+
+def _interrupted(signum: int) -> int:
+    name = signal.Signals(signum).name
+    print(f"afabric: interrupted ({name}): stopped, engines closed", file=sys.stderr)
+    return interrupt.exit_status(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afabric`` console script; returns the exit status."""
-    ns = _parser().parse_args(argv)
+    ns = _parse(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in benchmark results
     if ns.verbose:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("afabric").setLevel(logging.INFO)
-    try:
-        rc: int = ns.func(ns)
-    except harness.CommandError as e:
-        print(f"afabric: error: {e}", file=sys.stderr)
-        return e.exit_status
-    except AfabricError as e:
-        print(f"afabric: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `afabric info | head`: stop quietly, as other tools do
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
+    with interrupt.handled():
+        try:
+            rc: int = ns.func(ns)
+        except KeyboardInterrupt:
+            return _interrupted(interrupt.received() or signal.SIGINT)
+        except harness.CommandError as e:
+            print(f"afabric: error: {e}", file=sys.stderr)
+            return e.exit_status
+        except AfabricError as e:
+            # what a signal caused (a child that stopped first, a transfer to it) is no error
+            if interrupt.received() is not None:
+                return _interrupted(interrupt.received() or signal.SIGINT)
+            print(f"afabric: error: {e}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:  # `afabric info | head`: stop quietly, as other tools do
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 1
     return rc
 
 

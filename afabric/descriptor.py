@@ -3,6 +3,7 @@ read from it, as its ``access`` says)."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 
 from . import _native
@@ -60,10 +61,17 @@ class MrDesc:
     def __len__(self) -> int:
         return len(self._blob)
 
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """The remote key of each NIC (what a target's refusal names: "remote key ...")."""
+        # the blob ends with { u64 remote_base, u64 key } per NIC, then the u32 checksum
+        at = len(self._blob) - 4 - 16 * self.nics
+        return tuple(struct.unpack_from("<Q", self._blob, at + 16 * i + 8)[0] for i in range(self.nics))
+
     def __repr__(self) -> str:
         return (
             f"MrDesc(length={self.length}, provider={self.provider}, nics={self.nics}, "
-            f"access={self.access!r}, "
+            f"access={self.access!r}, key={self.keys[0]:016x}, "
             f"owner={self.incarnation:016x})"
         )
 

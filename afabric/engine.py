@@ -9,6 +9,7 @@ thread. Python never runs on the worker; the worker never takes the GIL.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import logging
@@ -194,6 +195,7 @@ _monotonic = time.monotonic
 _TAKEN = _native.TAKEN
 _OP_WRITE = _native.OP_WRITE
 _fork_hook = False
+_exit_hook = False
 # Buffers of engines whose worker could not be stopped (close raised): it may still write.
 _ABANDONED: list[object] = []
 
@@ -219,11 +221,30 @@ def _tell_closed_in_process(closing: Engine) -> None:
                 other._loop.call_soon_threadsafe(other._peer_closed_here, blob)
 
 
+def _close_at_exit() -> None:
+    """At interpreter exit, the engines of this process still open (never closed, or their
+    ``async with`` cut short) are closed as ``__del__`` would close them: warned about
+    (ResourceWarning), then aborted. Their native resources go now, not with the process:
+    shm's and cma's files in /dev/shm are removed (a process killed before this runs leaves
+    them to the next engine on the host, which reclaims those of dead owners)."""
+    pid = os.getpid()
+    for eng in list(_LIVE):
+        if eng._closed or eng._forked or eng._pid != pid:
+            continue
+        with contextlib.suppress(Exception):  # another thread's open loop: left to the OS
+            warnings.warn(f"afabric.Engine {eng.name} still open at exit: closed", ResourceWarning,
+                          source=eng, stacklevel=1)  # fmt: skip
+            eng.close()
+
+
 def _track(eng: Engine) -> None:
-    global _fork_hook
+    global _fork_hook, _exit_hook
     if not _fork_hook and hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _fork_hook = True
+    if not _exit_hook:
+        atexit.register(_close_at_exit)
+        _exit_hook = True
     _LIVE.add(eng)
 
 

@@ -276,6 +276,7 @@ def _scope_note(a: Availability) -> str:
 
 
 def _resolve_auto() -> tuple[ProviderSpec, str]:
+    _native.shim()  # every provider needs it: its failure once, not once per provider
     avail = probe_all()
     usable = [a for a in avail if a.available and a.spec is not None and a.spec.priority > 0]
     if not usable:
@@ -320,6 +321,7 @@ def resolve(requested: str = "auto") -> tuple[ProviderSpec, str]:
         spec, sentence = _resolve_auto()
         log.info("%s", sentence)
         return spec, sentence
+    _native.shim()  # ShimLoadError: every provider needs it, so it is the one thing to say
     if requested not in entries():
         raise ProviderUnavailable(
             f"provider {requested!r}{origin} is not installed; installed providers:\n" + _listing(probe_all())

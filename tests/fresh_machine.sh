@@ -15,7 +15,7 @@
 #                          to what is left of it, so the script ends within it plus ~40 s)
 #   AFABRIC_FRESH_CA      (a CA bundle pip in the chroot must trust; default $PIP_CERT)
 #   AFABRIC_FRESH_QUICK=1 appends --quick to the command's final `afabric bench p2p`
-#                         (the issue's check; CI uses it to stay within its time)
+#                         (the same sweep as its default; kept for scripts that pass it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$PWD

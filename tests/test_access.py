@@ -17,7 +17,7 @@ import pytest
 import afabric
 from afabric import errors
 
-from .conftest import libfabric_version
+from .conftest import WITH_CMA, libfabric_version
 from .procs import Ctl, Peer
 
 OP_TIMEOUT = 2.0
@@ -137,6 +137,38 @@ async def test_deregistration_revokes_at_once(provider: str, peers: list[Peer]) 
         expect_refusal_reported(provider, seen)
         target.put("changed")
         assert await target.get() == (0, 0), "a write landed after deregistration"
+    target.put("stop")
+    assert await target.result() is True
+
+
+@pytest.mark.parametrize("provider", WITH_CMA)
+async def test_write_to_a_revoked_key_says_so(provider: str, peers: list[Peer]) -> None:
+    """A write with the descriptor of a deregistered region fails with RemoteKeyRejected
+    naming the key and what the initiator can tell (the target refused it: deregistered, or
+    never valid), the provider's own words kept (before, tcp: "Operation canceled: No such
+    file or directory (EIO)"; shm: a dropped write, no key). cma, which reads the target's
+    export table itself, knows for certain and says "no longer registered"."""
+    if provider != "cma" and libfabric_version() >= (2, 0):
+        pytest.skip("libfabric 2.x reports refusals otherwise (docs/limitations.md)")
+    target = Peer(guarded_target, provider)
+    peers.append(target)
+    blob, _ = await target.get()
+    desc = afabric.MrDesc.from_bytes(blob)
+    assert f"key={desc.keys[0]:016x}" in repr(desc)
+    target.put("deregister")
+    assert await target.get() == "revoked"
+    async with afabric.Engine(provider, op_timeout=OP_TIMEOUT) as eng:
+        src = eng.register(np.full(N, 0xEE, dtype=np.uint8))
+        with pytest.raises(errors.RemoteKeyRejected) as refused:
+            await asyncio.wait_for(eng.write(src, desc, 8), OP_TIMEOUT + 15)
+    text = str(refused.value)
+    print(f"\n{provider}: {text}")
+    assert f"remote key {desc.keys[0]:016x}" in text, text
+    if provider == "cma":
+        assert "no longer) registered at the target" in text, text
+    else:
+        assert "its region was deregistered, or the key or range is not valid there" in text, text
+        assert f"[provider={provider}]" in text, text
     target.put("stop")
     assert await target.result() is True
 

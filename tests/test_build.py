@@ -63,11 +63,14 @@ def _copy_checkout(dest: Path) -> Path:
 
 
 def _need_rdma_core_header() -> None:
-    """The comparisons need rdma-core's own header; tests/run.sh installs it (only for them)."""
+    """The comparisons need rdma-core's own header; tests/run.sh --rxe installs it (only for them)."""
     if not (INFINIBAND / "verbs.h").exists():
         if os.environ.get("AFABRIC_REQUIRE_VERBS_ABI") == "1":
             pytest.fail("AFABRIC_REQUIRE_VERBS_ABI=1 but <infiniband/verbs.h> is not installed")
-        pytest.skip("rdma-core's <infiniband/verbs.h> is not installed (apt-get install libibverbs-dev)")
+        pytest.skip(
+            "rdma-core's <infiniband/verbs.h> is not installed "
+            "(apt-get install libibverbs-dev; bash tests/run.sh --rxe installs it)"
+        )
 
 
 def _build_verbs(out: Path, *defines: str) -> bytes:
@@ -239,7 +242,7 @@ _fresh: dict[str, Job] = {}  # the job start_early began
 
 def _fresh_machine(nice: int) -> Job:
     return Job(["bash", str(ROOT / "tests" / "fresh_machine.sh")], nice=nice,
-               env={**os.environ, "AFABRIC_FRESH_QUICK": "1", "AFABRIC_FRESH_DEADLINE": "780"})  # fmt: skip
+               env={**os.environ, "AFABRIC_FRESH_DEADLINE": "780"})  # fmt: skip
 
 
 def start_early(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -255,14 +258,14 @@ def start_early(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 @pytest.mark.timeout(900)
 def test_readme_install_line_on_a_fresh_debian() -> None:
-    """tests/fresh_machine.sh: the README's first command, as written (with --quick added to
-    its benchmark), as root in a chroot of a fresh debootstrap'd bookworm; it must print the
-    benchmark's table. Needs root, Debian's mirror and PyPI: tests/run.sh turns it on with
+    """tests/fresh_machine.sh: the README's first command, as written (its benchmark's default
+    is the quick sweep), as root in a chroot of a fresh debootstrap'd bookworm; it must print the
+    benchmark's table. Needs root, Debian's mirror and PyPI: tests/run.sh --all turns it on with
     AFABRIC_FRESH_MACHINE=1 (2 minutes here with the root cached in ~/.cache/afabric;
     the first run's debootstrap adds about 2 more). Started in the background when
     collection ends (start_early), or here."""
     if os.environ.get("AFABRIC_FRESH_MACHINE") != "1":
-        pytest.skip("AFABRIC_FRESH_MACHINE=1 runs it (root, network; tests/run.sh sets it)")
+        pytest.skip("AFABRIC_FRESH_MACHINE=1 runs it (root, network; bash tests/run.sh --all sets it)")
     job = _fresh.pop("job", None) or _fresh_machine(nice=0)
     proc = job.wait(870)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])

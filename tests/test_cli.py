@@ -17,8 +17,10 @@ subprocess of the venv's ``afabric`` script:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -340,3 +342,114 @@ def test_check_outputs_in_process(tmp_path: Path) -> None:
     harness.check_outputs(argparse.Namespace(json="-", plot=None))
     with pytest.raises(harness.CommandError, match="give a path"):
         harness.check_outputs(argparse.Namespace(json=None, plot="-"))
+
+
+PROGRESS_LINE = re.compile(r"^afabric: (\d+)/(\d+) (.*) \((\d+\.\d) s(, ETA [^)]+)?\)$")
+
+
+@pytest.mark.timeout(400)
+def test_default_p2p_is_quick_with_heartbeat_and_eta(tmp_path: Path) -> None:
+    """`afabric bench p2p` as the README's first command runs it: the quick sweep (before:
+    the full one, 447.7 s on the quiet 2-core machine, its 16-64 MiB rows silent for a
+    minute or more). Progress at least every 10 s, each line with an ETA; the header names
+    the sweep and how to run the full one. Its duration is printed, not judged."""
+    proc, took = _run(["bench", "p2p"], cwd=tmp_path, timeout=380)
+    print(f"\nafabric bench p2p (default): {took:.1f} s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sweep quick, 3 repeats" in proc.stdout and "--full" in proc.stdout, proc.stdout
+    assert re.search(r"^write +64 MiB", proc.stdout, re.M) is None, "a --full row in the default run"
+    lines = [m for ln in proc.stderr.splitlines() if (m := PROGRESS_LINE.match(ln))]
+    assert lines, proc.stderr
+    times = [0.0] + [float(m.group(4)) for m in lines]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) <= 10.0, f"progress silent for {max(gaps):.1f} s: {proc.stderr}"
+    assert all(m.group(5) for m in lines), "a progress line without an ETA"
+
+
+def test_full_sweep_is_the_option() -> None:
+    """--full is the former default (every size, fi_rma_bw's counts, 5 repeats); the default
+    is the quick sweep, its estimated cost a small part of the full one."""
+    parser = _parser()
+    quick = parser.parse_args(["bench", "p2p"])
+    full = parser.parse_args(["bench", "p2p", "--full"])
+    assert p2p.sweep(quick) == "quick" and quick.quick
+    assert p2p.sweep(full) == "full" and not full.quick
+    for ns, repeat in ((quick, 3), (full, 5)):
+        ns.repeat = repeat
+    sizes = {n: (p2p.QUICK_CONTIG, p2p.QUICK_PAGES) if ns.quick else (p2p.CONTIG_SIZES, p2p.PAGE_SIZES)
+             for n, ns in (("quick", quick), ("full", full))}  # fmt: skip
+    cost = {n: sum(p2p.step_costs(ns, *sizes[n])) for n, ns in (("quick", quick), ("full", full))}
+    assert cost["quick"] < cost["full"] / 8, cost
+    with pytest.raises(harness.CommandError, match="--quick and --full"):
+        p2p.sweep(parser.parse_args(["bench", "p2p", "--quick", "--full"]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("args", "usage", "why"),
+    [
+        (["bench", "p2p", "--sizs", "4K"], "afabric bench p2p", "unrecognized arguments: --sizs 4K"),
+        (["bench", "p2p", "--repeat", "0"], "afabric bench p2p", "--repeat: must be at least 1"),
+        (["bench", "p2p", "--sizes", "4K,0"], "afabric bench p2p", "--sizes: sizes must be at least 1 byte"),
+        (["bench", "p2p", "--provider", "foo"], "afabric bench p2p", "no provider 'foo' is installed"),
+        (["bench", "kvcache", "--repeat", "-1"], "afabric bench kvcache", "--repeat: must be at least 1"),
+        (["bench", "trigger", "--iterations", "0"], "afabric bench trigger", "must be at least 1"),
+        (["weights", "plan", "--model", "deepseek-v3", "--bogus"], "afabric weights plan", "--bogus"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_usage_errors_exit_2_with_the_subcommands_usage(args: list[str], usage: str, why: str) -> None:
+    """A bad option exits 2 (README) with the usage of the subcommand it was given to
+    (before: a mistyped option printed the top-level usage; --provider foo exited 1;
+    --repeat 0 and --sizes 0 ran)."""
+    proc, took = _run(args, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"usage: {usage} "), proc.stderr
+    assert f"{usage}: error: " in proc.stderr and why in proc.stderr, proc.stderr
+    assert proc.stdout == "" and took < 30
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["bench", "p2p", "--quick", "--full"], "--quick and --full"),
+        (["bench", "p2p", "--sizes", "256M"], "larger than the target's region"),
+        (["bench", "p2p", "--provider", "efa"], "--provider efa: unavailable here"),
+    ],
+)
+def test_unusable_options_exit_2_before_the_run(args: list[str], why: str) -> None:
+    if why.startswith("--provider") and registry_available("efa"):
+        pytest.skip("efa is usable here")
+    proc, took = _run(args, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("afabric: error: ") and why in proc.stderr, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr and took < 30
+
+
+def registry_available(name: str) -> bool:
+    from afabric import registry
+
+    return name in registry.names() and registry.probe(name).available
+
+
+def test_heartbeat_shows_a_long_step_again() -> None:
+    """A step that lasts (a 64 MiB row of --full: a minute and more) is shown again every
+    `heartbeat` seconds by the bar's own thread, each time with the ETA."""
+    import io
+
+    from afabric.bench import progress
+
+    out = io.StringIO()
+    bar = progress.Progress(2, stream=out, weights=[1.0, 1.0], heartbeat=0.2)
+    bar.step("long row")
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3, lines
+    assert all(ln.startswith("afabric: 0/2 long row (") and ", ETA " in ln for ln in lines), lines
+    n = len(lines)
+    time.sleep(0.5)
+    assert len(out.getvalue().splitlines()) == n, "the heartbeat went on after close()"

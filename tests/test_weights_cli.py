@@ -45,6 +45,7 @@ def test_weights_plan_unknown_model() -> None:
 @pytest.mark.timeout(240)
 def test_bench_weights_quick(tmp_path: Path) -> None:
     """Shards as LocalShard tensors (the path --device cuda takes), tcp between processes."""
+    pytest.importorskip("torch", reason="torch is not installed (bash tests/run.sh --all installs it)")
     out = tmp_path / "bench.json"
     proc = _afabric("bench", "weights", "--quick", "--trainers", "2", "--inference", "1", "--repeat", "1",
                     "--provider", "tcp", "--shards", "local", "--json", str(out), timeout=220)  # fmt: skip

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,8 @@ from afabric import errors
 from afabric import weights as aw
 from afabric.weights.meta import chunk_range
 from afabric.weights.quant import dequantize_blocks, quantize_blocks
+
+torch = pytest.importorskip("torch", reason="torch is not installed (bash tests/run.sh --all installs it)")
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

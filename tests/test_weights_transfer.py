@@ -12,6 +12,8 @@ import pytest
 from .procs import Peer
 from .weights_procs import free_port, member
 
+pytest.importorskip("torch", reason="torch is not installed (bash tests/run.sh --all installs it)")
+
 MODEL = {"layers": 2, "hidden": 384, "experts": 4, "moe_intermediate": 256, "vocab": 1000}
 
 

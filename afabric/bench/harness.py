@@ -84,11 +84,33 @@ def parse_size(text: str) -> int:
 
 
 def size_list(text: str) -> list[int]:
-    """``"8,4K,1M"`` -> sizes in bytes (an argparse type)."""
+    """``"8,4K,1M"`` -> sizes in bytes, each at least 1 (an argparse type)."""
     sizes = [parse_size(t) for t in text.split(",") if t.strip()]
     if not sizes:
         raise argparse.ArgumentTypeError("no sizes given")
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be at least 1 byte: {text!r}")
     return sizes
+
+
+def _int_at_least(lowest: int, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"must be at least {lowest}: {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1 (an argparse type: repeats, iterations, processes)."""
+    return _int_at_least(1, text)
+
+
+def nonnegative_int(text: str) -> int:
+    """A whole number >= 0 (an argparse type: where 0 means "none" or "the default")."""
+    return _int_at_least(0, text)
 
 
 def count_list(text: str) -> list[int]:
@@ -102,9 +124,38 @@ def count_list(text: str) -> list[int]:
     return counts
 
 
+def provider_name(text: str) -> str:
+    """``--provider``: ``auto`` or the name of an installed provider (an argparse type, so a
+    typo is a usage error of the subcommand, exit status 2). Reads installed metadata only;
+    whether the provider is usable here is checked before the run (:func:`check_provider`)."""
+    from .. import registry
+
+    if text == "auto":
+        return text
+    names = registry.names()
+    if text not in names:
+        raise argparse.ArgumentTypeError(
+            f"no provider {text!r} is installed (installed: {', '.join(names) or 'none'}; or auto)"
+        )
+    return text
+
+
+def check_provider(ns: argparse.Namespace) -> None:
+    """Before a benchmark runs: raise :class:`CommandError` if the provider named with
+    ``--provider`` cannot be used on this machine (saying why)."""
+    from .. import registry
+
+    name = getattr(ns, "provider", None)
+    if not name or name == "auto":
+        return
+    a = registry.probe(name)
+    if not a.available:
+        raise CommandError(f"--provider {name}: unavailable here: {a.reason}")
+
+
 def add_run_arguments(p: argparse.ArgumentParser, quick: str) -> None:
     """The options every measuring benchmark takes: provider, outputs, a smoke-run switch."""
-    p.add_argument("--provider", default="auto", help=PROVIDER_HELP)
+    p.add_argument("--provider", default="auto", type=provider_name, help=PROVIDER_HELP)
     p.add_argument("--json", metavar="PATH", default=None, help=JSON_HELP)
     p.add_argument("--plot", metavar="PATH", default=None, help=PLOT_HELP)
     p.add_argument("--quick", action="store_true", help=quick)
@@ -230,15 +281,27 @@ PIPE = object()  # stands for the child's end of its pipe in Child's argument li
 
 
 def _child_main(err: Connection, target: Callable[..., object], args: Sequence[Any]) -> None:
-    """Runs in the child: the target, and on failure its error sent to the parent first."""
-    try:
-        target(*args)
-    except BaseException as e:
-        with contextlib.suppress(Exception):
-            err.send(f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        err.close()
+    """Runs in the child: the target, and on failure its error sent to the parent first.
+    SIGINT, SIGTERM and SIGHUP (Ctrl-C and ``timeout`` signal the whole process group)
+    stop it as they stop the command (:mod:`.interrupt`): its engines closed, then a quiet
+    exit with 128 + the signal's number, no traceback (the command prints the one line)."""
+    from . import interrupt
+
+    with interrupt.handled():
+        try:
+            target(*args)
+        except BaseException as e:
+            signum = interrupt.received()
+            if signum is None and isinstance(e, KeyboardInterrupt):
+                signum = signal.SIGINT
+            if signum is not None:
+                err.close()
+                sys.exit(interrupt.exit_status(signum))
+            with contextlib.suppress(Exception):
+                err.send(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            err.close()
 
 
 class Child:

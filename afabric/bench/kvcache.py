@@ -91,8 +91,9 @@ class Row:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    count = harness.positive_int  # an argparse type: a whole number >= 1
     p.add_argument(
-        "--provider", default="auto",
+        "--provider", default="auto", type=harness.provider_name,
         help=harness.PROVIDER_HELP + "; with --device cuda, 'auto' is nvlink (GPU memory on both sides)",
     )  # fmt: skip
     p.add_argument(
@@ -103,18 +104,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tokens", default=None, metavar="LIST", help="prompt lengths (default 4K,32K,128K; quick 1K,4K)"
     )
     p.add_argument(
-        "--layers", type=int, default=None, metavar="N", help="model layers (default: 4 CPU, 8 GPU)"
+        "--layers", type=count, default=None, metavar="N", help="model layers (default: 4 CPU, 8 GPU)"
     )
     p.add_argument(
-        "--hidden", type=int, default=None, metavar="N", help="model width (default: 256 CPU, 4096 GPU)"
+        "--hidden", type=count, default=None, metavar="N", help="model width (default: 256 CPU, 4096 GPU)"
     )
     p.add_argument(
-        "--max-write", type=int, default=None, metavar="BYTES",
+        "--max-write", type=count, default=None, metavar="BYTES",
         help="largest write the decoder asks for: runs of pages up to this many bytes per head "
         "(default: 2 MiB on CPU; 32 KiB, one page per write, with --device cuda)",
     )  # fmt: skip
     p.add_argument(
-        "--repeat", type=int, default=None, metavar="N", help="runs per length and mode (default 3)"
+        "--repeat", type=count, default=None, metavar="N", help="runs per length and mode (default 3)"
     )
     p.add_argument(
         "--quick", action="store_true", help="1K and 4K tokens, 2 layers, one run each (smoke run)"

@@ -53,6 +53,7 @@ _NO_MULTICAST = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    count, count0 = harness.positive_int, harness.nonnegative_int  # argparse types: >= 1, >= 0
     p.add_argument(
         "--path",
         choices=("nvlink", "proxy"),
@@ -60,15 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="NVLink (CUDA IPC) between the GPUs, or every GPU its own node behind the host proxy",
     )
     p.add_argument("--workload", choices=("decode", "prefill", "both"), default="both")
-    p.add_argument("--iters", type=int, default=10_000, help="timed calls per workload and implementation")
-    p.add_argument("--warmup", type=int, default=300)
-    p.add_argument("--world", type=int, default=0, help="ranks (GPUs); 0: every GPU")
+    p.add_argument("--iters", type=count, default=10_000, help="timed calls per workload and implementation")
+    p.add_argument("--warmup", type=count0, default=300)
+    p.add_argument("--world", type=count0, default=0, help="ranks (GPUs); 0: every GPU")
     p.add_argument(
-        "--provider", default="auto", help="engine provider of the proxy path; " + harness.PROVIDER_HELP
+        "--provider", default="auto", type=harness.provider_name,
+        help="engine provider of the proxy path; " + harness.PROVIDER_HELP,
     )
     p.add_argument("--no-baseline", action="store_true", help="skip the NCCL baseline")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph runs (NVLink path)")
-    p.add_argument("--baseline-iters", type=int, default=0, help="timed NCCL calls (0: as --iters)")
+    p.add_argument("--baseline-iters", type=count0, default=0, help="timed NCCL calls (0: as --iters)")
     p.add_argument("--json", metavar="PATH", help=harness.JSON_HELP)
     p.add_argument("--quick", action="store_true", help="1,000 calls (a smoke run, not a measurement)")
 

@@ -340,9 +340,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated peer counts (default: 8,16,32,64)")
     p.add_argument("--size", type=harness.parse_size, default=None, metavar="BYTES",
                    help="bytes written to each peer per scatter (default: 64)")
-    p.add_argument("--iterations", type=int, default=None, metavar="N",
+    p.add_argument("--iterations", type=harness.positive_int, default=None, metavar="N",
                    help="scatters per peer count (default: 20000 for 8 peers down to 2500 for 64)")
-    p.add_argument("--procs", type=int, default=None, metavar="N",
+    p.add_argument("--procs", type=harness.positive_int, default=None, metavar="N",
                    help="target processes hosting the peer engines (default: 2)")  # fmt: skip
     harness.add_loop_arguments(p, "initiator's worker")
 

@@ -1,5 +1,10 @@
 """`afabric bench p2p`: bandwidth and operation rate between two processes on this machine.
 
+By default a quick sweep (a few sizes, fewer operations, 3 repeats: a table within about a
+minute on a 2-core machine); ``--full`` runs every size at fi_rma_bw's own operation counts
+and 5 repeats (7-8 minutes there). Progress goes to stderr at least every
+:data:`~afabric.bench.progress.HEARTBEAT_S` seconds, with an ETA.
+
 A target process registers memory and publishes its descriptor; this process writes to it
 through the Python API (W coroutines each awaiting its writes, the idiomatic way to keep W
 in flight) and through the shim's raw C loop (same submit path, no Python per operation);
@@ -27,7 +32,7 @@ import numpy as np
 from .. import Engine, MemoryRegion, MrDesc, Pages, host_buffer
 from . import fabtests, harness, report
 from .loops import run as run_on_loop
-from .progress import Progress
+from .progress import HEARTBEAT_S, Progress
 from .raw import RawLoop, shim_path
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -38,6 +43,10 @@ QUICK_PAGES = [1 * KiB, 32 * KiB]
 READ_SIZES = [8, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]  # read rows (one-sided READ, remote -> local)
 QUICK_READ = [4 * KiB, 1 * MiB]
 REGION = 128 * MiB
+# The ETA's cost model (seconds; the pace of the finished rows rescales it): an operation
+# costs about OP_S plus its bytes at BYTES_PER_S (2-core machine, shm, quick sweep).
+OP_S = 10e-6
+BYTES_PER_S = 4e9
 PAGES_PER_OP = 64
 MANY_SIZE = 4 * KiB  # write_many row: writes of this size, WRITES_PER_CALL per call
 WRITES_PER_CALL = 64
@@ -177,6 +186,25 @@ async def _py_batches(
     return (time.perf_counter() - t0) / (calls * window)
 
 
+def step_costs(args: argparse.Namespace, sizes: list[int], pages: list[int]) -> list[float]:
+    """Each progress step's estimated seconds, in _measure's order (write rows, the
+    write_many row, read rows, paged rows, latency): for the ETA only."""
+
+    def ops(n: int, nbytes: int) -> float:
+        return n * (OP_S + nbytes / BYTES_PER_S)
+
+    r = args.repeat
+    out = [r * 3 * ops(fabtests.rma_iters(s, args.quick), s) for s in sizes]  # py, batch, raw
+    out.append(r * 2 * ops(_iters_for(MANY_SIZE, args.quick), MANY_SIZE))
+    out += [r * 2 * ops(fabtests.rma_iters(s, args.quick), s) for s in _read_sizes(args)]
+    for page in pages:
+        iters = max(16, _iters_for(page * PAGES_PER_OP, args.quick))
+        out.append(r * 2 * ops(iters * PAGES_PER_OP, page))
+    n = 2000 if args.quick else 20000
+    out.append(ops(2 * n + 200, 8) * 2)  # awaited one at a time: a round trip each
+    return out
+
+
 def _read_sizes(args: argparse.Namespace) -> list[int]:
     """Read rows: the contiguous sizes asked for (--sizes), else their own list."""
     return list(args.sizes or (QUICK_READ if args.quick else READ_SIZES))
@@ -287,7 +315,9 @@ async def _measure(args: argparse.Namespace, desc_blob: bytes) -> tuple[list[Row
     eng = Engine(args.provider, polling=args.polling)
     sizes = args.sizes or (QUICK_CONTIG if args.quick else CONTIG_SIZES)
     pages = QUICK_PAGES if args.quick else PAGE_SIZES
-    bar = Progress(len(sizes) + len(_read_sizes(args)) + len(pages) + 2)  # on stderr, when it is a terminal
+    # on stderr: a bar on a terminal, else lines; shown at least every HEARTBEAT_S, with an ETA
+    bar = Progress(len(sizes) + len(_read_sizes(args)) + len(pages) + 2,
+                   weights=step_costs(args, sizes, pages), heartbeat=HEARTBEAT_S)  # fmt: skip
     try:
         desc = MrDesc.from_bytes(desc_blob)
         src = np.random.default_rng(0).integers(0, 256, REGION, dtype=np.uint8)
@@ -480,12 +510,17 @@ HELP = "point-to-point write/send bandwidth and latency between two processes"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    harness.add_run_arguments(p, "fewer sizes and iterations (smoke run)")
+    harness.add_run_arguments(p, "the default: a few sizes, fewer operations, 3 repeats")
+    p.add_argument("--full", action="store_true",
+                   help="every size (writes 8 B-64 MiB, reads 8 B-16 MiB, pages 1-64 KiB) at "
+                        "fi_rma_bw's operation counts, 5 repeats: 7-8 minutes on a 2-core machine, "
+                        "where the default takes under a minute")  # fmt: skip
     p.add_argument(
         "--sizes", type=harness.size_list, default=None, metavar="LIST",
-        help="comma-separated message sizes, e.g. 8,4K,64K,1M (default: the benchmark's own list)",
+        help=f"comma-separated message sizes, 1 B to {REGION // MiB} MiB, e.g. 8,4K,64K,1M "
+        "(default: the benchmark's own list)",
     )  # fmt: skip
-    p.add_argument("--repeat", type=int, default=None, metavar="N",
+    p.add_argument("--repeat", type=harness.positive_int, default=None, metavar="N",
                    help="repetitions per measurement (default: the benchmark's own)")  # fmt: skip
     p.add_argument("--fabtests", metavar="DIR", default=None,
                    help="also run libfabric's fi_rma_bw/fi_rdm_pingpong from DIR, alternately with "
@@ -508,8 +543,30 @@ def _copied(dst: np.ndarray, src: np.ndarray) -> np.ndarray:
     return dst
 
 
+def sweep(args: argparse.Namespace) -> str:
+    """Settle quick (the default) against ``--full`` in ``args.quick``: "quick" or "full".
+    Raises CommandError for both at once, or a size the target's region cannot hold."""
+    full = bool(getattr(args, "full", False))
+    if full and getattr(args, "quick", False):
+        raise harness.CommandError("--quick and --full: give one (the default is --quick)")
+    too_big = [s for s in getattr(args, "sizes", None) or [] if s > REGION]
+    if too_big:
+        raise harness.CommandError(
+            f"--sizes {_fmt_size(too_big[0])}: larger than the target's region ({REGION // MiB} MiB)"
+        )
+    args.quick = not full
+    return "full" if full else "quick"
+
+
+SWEEPS = {
+    "quick": "the default (a few sizes, fewer operations); --full: every size, 7-8 minutes on 2 cores",
+    "full": "every size at fi_rma_bw's operation counts",
+}
+
+
 def main(args: argparse.Namespace) -> int:
     # (`--provider nvlink` runs afabric.bench.p2p_nvlink instead, which builds on this module.)
+    args.sweep = sweep(args)
     args.repeat = max(1, int(getattr(args, "repeat", None) or (3 if args.quick else 5)))
     report.check_outputs(args)  # a --plot that cannot be drawn fails before the run, not after it
     args.fabtests = getattr(args, "fabtests", None)
@@ -549,7 +606,8 @@ def main(args: argparse.Namespace) -> int:
     header = (
         f"afabric bench p2p — provider {args.provider} ({fabric}), loop {loop}, polling {args.polling}, "
         f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}\n"
-        f"pattern {args.pattern}: {PATTERNS[args.pattern]}"
+        f"pattern {args.pattern}: {PATTERNS[args.pattern]}\n"
+        f"sweep {args.sweep}, {args.repeat} repeats: {SWEEPS[args.sweep]}"
         + ("\nhuge pages: both regions from afabric.host_buffer (fi_rma_bw's buffers as they are)"
            if args.hugepages else "")
     )  # fmt: skip
@@ -566,6 +624,8 @@ def main(args: argparse.Namespace) -> int:
             "loop": loop,
             "polling": args.polling,
             "pattern": args.pattern,
+            "sweep": args.sweep,
+            "repeat": args.repeat,
             "hugepages": args.hugepages,
             "cpus": os.cpu_count(),
             "host": platform.node(),

@@ -214,6 +214,9 @@ def render(rows: list[Row], lat: Latency, header: str) -> str:
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         raise harness.CommandError("afabric bench p2p --provider nvlink writes --json only (no --plot)")
+    if getattr(args, "full", False) and getattr(args, "quick", False):
+        raise harness.CommandError("--quick and --full: give one (the default is --quick)")
+    args.quick = not getattr(args, "full", False)  # quick unless --full, as the host rows
     args.repeat = max(1, int(getattr(args, "repeat", None) or 3))
     args.polling = getattr(args, "polling", None) or "adaptive"
     args.sizes = getattr(args, "sizes", None)

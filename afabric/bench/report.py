@@ -137,6 +137,8 @@ def _reconstructed_command(doc: Doc) -> str:
         sizes = sorted({int(r["size"]) for r in doc.get("rows", []) if r.get("kind") == "write"})
         if sizes:
             argv += ["--sizes", ",".join(map(str, sizes))]
+        if doc.get("sweep") == "full":
+            argv.append("--full")
     for key in ("loop", "polling", "pattern"):
         if doc.get(key):
             argv += [f"--{key}", str(doc[key])]

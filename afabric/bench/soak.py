@@ -40,8 +40,8 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="how long to run (default 10)")
-    p.add_argument("--provider", default="auto", help=harness.PROVIDER_HELP)
-    p.add_argument("--peers", type=int, default=3, help="target processes (default 3)")
+    p.add_argument("--provider", default="auto", type=harness.provider_name, help=harness.PROVIDER_HELP)
+    p.add_argument("--peers", type=harness.positive_int, default=3, help="target processes (default 3)")
     p.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--json", metavar="PATH", help=harness.JSON_HELP)
     p.add_argument(
@@ -106,7 +106,7 @@ def _target(conn: Connection, provider: str) -> None:
                 buf[:] = 0
                 conn.send(bad)
 
-    asyncio.run(run())
+    loops.run(run(), "asyncio")  # a stopping signal cancels it (bench.interrupt)
 
 
 async def _round(

@@ -369,7 +369,7 @@ HELP = "latency from a watcher change to the write it releases: triggered vs Pyt
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     harness.add_run_arguments(p, "300 iterations per mode (smoke run)")
-    p.add_argument("--iterations", type=int, default=None, metavar="N",
+    p.add_argument("--iterations", type=harness.positive_int, default=None, metavar="N",
                    help="iterations per mode (default: 2000, or 300 with --quick)")  # fmt: skip
     harness.add_loop_arguments(p, "worker")
 

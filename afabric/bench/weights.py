@@ -31,16 +31,17 @@ HELP = "RL weight update: N trainers -> M inference processes, point-to-point vs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trainers", type=int, default=8, help="training processes (default 8)")
-    p.add_argument("--inference", type=int, default=4, help="inference processes (default 4)")
+    count, count0 = harness.positive_int, harness.nonnegative_int  # argparse types: >= 1, >= 0
+    p.add_argument("--trainers", type=count, default=8, help="training processes (default 8)")
+    p.add_argument("--inference", type=count, default=4, help="inference processes (default 4)")
     p.add_argument(
         "--inference-tp",
-        type=int,
+        type=count,
         default=None,
         metavar="N",
         help="inference ranks per replica (default: all of them, one replica)",
     )
-    p.add_argument("--provider", default="auto", help=harness.PROVIDER_HELP)
+    p.add_argument("--provider", default="auto", type=harness.provider_name, help=harness.PROVIDER_HELP)
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -59,21 +60,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --device cuda: shards stay in host memory; slices are copied to the GPU",
     )
-    p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
-    p.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
-    p.add_argument("--experts", type=int, default=16, help="routed experts per layer (default 16)")
-    p.add_argument("--moe-intermediate", type=int, default=1024, help="expert MLP width (default 1024)")
-    p.add_argument("--heads", type=int, default=16, help="attention heads of 128 (default 16)")
-    p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
-    p.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
+    p.add_argument("--layers", type=count, default=4, help="transformer layers (default 4)")
+    p.add_argument("--hidden", type=count, default=2048, help="hidden size (default 2048)")
+    p.add_argument("--experts", type=count0, default=16, help="routed experts per layer (default 16)")
+    p.add_argument("--moe-intermediate", type=count, default=1024, help="expert MLP width (default 1024)")
+    p.add_argument("--heads", type=count, default=16, help="attention heads of 128 (default 16)")
+    p.add_argument("--kv-heads", type=count, default=4, help="key/value heads (default 4)")
+    p.add_argument("--vocab", type=count, default=32000, help="vocabulary (default 32000)")
     p.add_argument(
         "--fp8", action="store_true", help="inference holds fp8 linear layers (128x128 tile scales)"
     )
     p.add_argument(
-        "--staging-mib", type=int, default=64, help="each trainer's staging buffer (default 64 MiB)"
+        "--staging-mib", type=count, default=64, help="each trainer's staging buffer (default 64 MiB)"
     )
     p.add_argument(
-        "--repeat", type=int, default=None, help="timed updates per method (default 5, 2 with --quick)"
+        "--repeat", type=count, default=None, help="timed updates per method (default 5, 2 with --quick)"
     )
     p.add_argument("--quick", action="store_true", help="a small model and 2 updates per method (CI-sized)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any update may take (default 300)")

@@ -9,10 +9,13 @@ import sys
 import time
 from typing import Any
 
+from ..bench import harness
+
 HELP = "RL weight transfer: plan a model's update at scale (afabric weights plan)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    count = harness.positive_int  # an argparse type: a whole number >= 1
     sub = parser.add_subparsers(dest="weights_command", metavar="COMMAND", required=True)
     p = sub.add_parser("plan", help="per-rank bytes and projected update time, P2P vs rank-0")
     p.add_argument(
@@ -21,26 +24,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PRESET",
         help="kimi-k2, deepseek-v3 or qwen3-235b (published shapes)",
     )
-    p.add_argument("--trainers", type=int, default=256, help="training ranks, one NIC each (default 256)")
-    p.add_argument("--inference", type=int, default=128, help="inference ranks, one NIC each (default 128)")
+    p.add_argument("--trainers", type=count, default=256, help="training ranks, one NIC each (default 256)")
+    p.add_argument("--inference", type=count, default=128, help="inference ranks, one NIC each (default 128)")
     p.add_argument("--nic-gbps", type=float, default=400.0, help="NIC speed per rank in Gb/s (default 400)")
     p.add_argument(
         "--inference-tp",
-        type=int,
+        type=count,
         default=None,
         metavar="N",
         help="ranks per inference replica (default: the preset's, 16 or 8)",
     )
     p.add_argument(
         "--shard-group",
-        type=int,
+        type=count,
         default=8,
         metavar="G",
         help="training ranks sharing one shard of the non-expert weights (HSDP; default 8, a node)",
     )
     p.add_argument(
         "--expert-parallel",
-        type=int,
+        type=count,
         default=None,
         metavar="EP",
         help="training ranks the routed experts are spread over (default: gcd(trainers, experts))",
@@ -52,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="intra-node speed for unsharding within a shard group (default 3600 Gb/s)",
     )
     p.add_argument("--bf16", action="store_true", help="inference keeps bf16 (default: fp8 linear layers)")
-    p.add_argument("--layers", type=int, default=None, help="plan only this many layers (quick look)")
+    p.add_argument("--layers", type=count, default=None, help="plan only this many layers (quick look)")
     p.add_argument(
         "--json", metavar="PATH", default=None,
         help="also write the numbers as JSON to PATH ('-': to stdout, and the report to stderr)",

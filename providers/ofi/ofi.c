@@ -46,6 +46,7 @@
 
 #include "afabric_provider.h"
 #include "ofi_lib.h"
+#include "ofi_reap.h"
 #include "ofi_shmfence.h"
 #include "ofi_wake.h"
 
@@ -88,10 +89,14 @@ struct ofi_op {
     uint32_t stolen;         /* emulation: receive being cancelled for an immediate */
     uint32_t stolen_imm;     /* emulation: that immediate */
     uint32_t dropped;        /* 1.17 shm: released as dropped by its target (check_dropped) */
+    uint32_t rma;            /* OFI_RMA_WRITE or OFI_RMA_READ (one-sided), else 0 */
+    uint64_t key;            /* one-sided: the remote key it named (for the error text) */
     uint64_t peer;           /* the AV index it went to (writes, reads, sends), else ~0 */
     struct ofi_op *next;     /* free list, or posted-receive list (emulation) */
     struct ofi_op *prev;     /* posted-receive list (emulation) */
 };
+
+enum { OFI_RMA_WRITE = 1, OFI_RMA_READ = 2 };
 
 struct inproc;
 
@@ -149,6 +154,7 @@ struct afp_domain {
     bool shm117;      /* libfabric 1.17's shm: a dead peer's region is fenced (ofi_shmfence.c) */
     unsigned prov_ver; /* FI_MAJOR(prov_version): libfabric major * 100 + minor (117, 205) */
     char *self_path;  /* shm117: our own region's /dev/shm file */
+    int hold_fd[2];   /* shm117: shared locks on that file and the wake file (ofi_reap.c) */
     /* shm117: dead peers' region files, from the watch thread (peer_exited) to the worker
      * (take_dead), which marks them in shm_peers and releases their response slots. */
     pthread_mutex_t dead_mu;
@@ -266,6 +272,8 @@ static struct ofi_op *op_get(afp_domain *d, uint32_t kind, uint64_t user_ctx)
     op->kind = kind;
     op->stolen = 0;
     op->dropped = 0;
+    op->rma = 0;
+    op->key = 0;
     op->peer = UINT64_MAX;
     op->next = op->prev = NULL;
     return op;
@@ -1149,6 +1157,9 @@ static void close_objects(afp_domain *d)
         d->lib->freeinfo(d->info_list);
     shm_peers_free(d);
     ofi_wake_close(&d->wake);
+    for (int i = 0; i < 2; i++) /* after the files are gone: nothing left to reap */
+        if (d->hold_fd[i] >= 0)
+            (void)close(d->hold_fd[i]);
     free(d->self_path);
     pthread_mutex_destroy(&d->dead_mu);
     free(d->imm_q);
@@ -1287,6 +1298,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     }
     d->lib = lib;
     d->wait_fd = -1;
+    d->hold_fd[0] = d->hold_fd[1] = -1;
     d->wake.fd = d->wake.send_fd = -1;
     pthread_mutex_init(&d->dead_mu, NULL);
     d->rx_posted.next = d->rx_posted.prev = &d->rx_posted;
@@ -1355,6 +1367,7 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     if (rc)
         goto out_close;
     if (d->shm117) {
+        ofi_reap_dead(); /* files of killed processes' endpoints */
         rc = unique_shm_name(d);
         if (rc)
             goto out_close;
@@ -1416,6 +1429,8 @@ static int ofi_open(const afp_open_args *a, afp_domain **out, char *err, size_t 
     if (d->shm117) {
         d->self_path = shm_path(name, name_len); /* NULL: the self-unwedge is skipped */
         (void)ofi_wake_open(&d->wake, d->self_path); /* failing: naps on timers, as before */
+        d->hold_fd[0] = ofi_reap_hold(d->self_path);
+        d->hold_fd[1] = ofi_reap_hold(d->wake.path);
     }
     if (d->source)
         trust_sources(d, name);
@@ -1679,6 +1694,8 @@ static int post_rma(afp_domain *d, const afp_write *wr, uint32_t n, uint32_t *po
             break;
         }
         op_to(d, op, w->peer);
+        op->rma = read ? OFI_RMA_READ : OFI_RMA_WRITE;
+        op->key = w->remote_key;
         iov.iov_base = w->local_addr;
         iov.iov_len = w->length;
         desc = w->local_desc;
@@ -1790,6 +1807,28 @@ static int ofi_post_recv(afp_domain *d, void *buf, uint64_t len, void *desc, uin
 /* ------------------------------------------------------------------------------------ */
 /* Completions                                                                           */
 
+/* Whether an error completion of a one-sided operation is its target's refusal of the key
+ * or range: libfabric's key errors, and tcp;ofi_rxm 1.17's answer to a key its target does
+ * not know (FI_ECANCELED with ENOENT, where a reset connection gives ECONNRESET & co). */
+static bool key_refused(const struct ofi_op *op, int err, int prov_errno)
+{
+    if (!op || !op->rma)
+        return false;
+    return err == FI_EKEYREJECTED || err == FI_ENOKEY || err == FI_EACCES ||
+           (err == FI_ECANCELED && prov_errno == ENOENT);
+}
+
+/* The text of a refused one-sided operation: what the initiator can know (the target
+ * refused this key: deregistered there, or never valid) and what the provider said. */
+static void refused_text(const struct ofi_op *op, afp_event *ev, const char *why)
+{
+    bool rd = op->rma == OFI_RMA_READ;
+    snprintf(ev->errtext, sizeof ev->errtext,
+             "the target refused the %s %s remote key %016llx: its region was deregistered, or "
+             "the key or range is not valid there (%.110s)",
+             rd ? "read" : "write", rd ? "from" : "to", (unsigned long long)op->key, why);
+}
+
 /* One CQ entry -> at most one event; returns whether *ev was filled. */
 static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event *ev)
 {
@@ -1835,11 +1874,10 @@ static bool on_entry(afp_domain *d, const struct fi_cq_data_entry *e, afp_event 
         ev->op = op->kind;
         ev->kind = AFP_EV_ERROR;
         ev->status = op->dropped ? AFP_EKEY : AFP_EPEER;
-        snprintf(ev->errtext, sizeof ev->errtext, "%s (%s)",
-                 op->dropped ? "the target dropped the write without an answer (libfabric "
-                               "1.17 shm does so with a key or range it refuses)"
-                             : "peer process exited",
-                 d->prov_name);
+        if (op->dropped)
+            refused_text(op, ev, "shm: no answer; libfabric 1.17's shm drops what it refuses");
+        else
+            snprintf(ev->errtext, sizeof ev->errtext, "peer process exited (%s)", d->prov_name);
     }
     bool was_stolen = op->stolen;
     emu_rx_done(d, op);
@@ -1891,8 +1929,16 @@ static int on_error(afp_domain *d, struct fid_cq *cq, afp_event *ev)
     char prov_text[AFP_ERRTEXT_LEN];
     const char *pt = fi_cq_strerror(cq, ee.prov_errno, ee.err_data, prov_text,
                                     sizeof prov_text);
-    snprintf(ev->errtext, sizeof ev->errtext, "%s: %s: %s", d->prov_name,
-             d->lib->strerror(ee.err), pt ? pt : "");
+    if (key_refused(op, ee.err, pe)) {
+        char said[AFP_ERRTEXT_LEN / 2];
+        snprintf(said, sizeof said, "%.24s said: %.40s: %.40s", d->prov_name,
+                 d->lib->strerror(ee.err), pt ? pt : "");
+        ev->status = AFP_EKEY;
+        refused_text(op, ev, said);
+    } else {
+        snprintf(ev->errtext, sizeof ev->errtext, "%s: %s: %s", d->prov_name,
+                 d->lib->strerror(ee.err), pt ? pt : "");
+    }
     if (op) {
         bool was_stolen = op->stolen;
         emu_rx_done(d, op);

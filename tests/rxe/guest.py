@@ -84,7 +84,7 @@ def available() -> tuple[bool, str]:
     """Whether the host has what building and booting the guest needs."""
     missing = [t for t in HOST_TOOLS if shutil.which(t) is None]
     if missing:
-        return False, f"missing host tools: {', '.join(missing)} (tests/run.sh installs them)"
+        return False, f"missing host tools: {', '.join(missing)} (bash tests/run.sh --rxe installs them)"
     if not Path("/usr/lib/x86_64-linux-gnu/libibverbs.so.1").exists():
         return False, "libibverbs1 is not installed (the guest uses the host's /)"
     return True, ""
