@@ -770,6 +770,7 @@ int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **
 int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation); /* AFS_ESTALE */
 int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
                              uint32_t blob_len, uint64_t *peer_id); /* no allow-list check */
+/* ---- identity.c: which incarnation lives at a NIC address ---- */
 /* A frame proved that `p`'s incarnation lives at its NIC addresses (keepalive.c, worker
  * thread, lock-free): older incarnations there are superseded from now on. */
 void afs_peer_proven(afs_engine *eng, afs_peer_entry *p);
