@@ -399,7 +399,7 @@ def test_full_sweep_is_the_option() -> None:
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
 def test_usage_errors_exit_2_with_the_subcommands_usage(args: list[str], usage: str, why: str) -> None:
-    """A bad option exits 2 (README) with the usage of the subcommand it was given to
+    """A bad option exits 2 (docs/api/cli.md) with the usage of the subcommand it was given to
     (before: a mistyped option printed the top-level usage; --provider foo exited 1;
     --repeat 0 and --sizes 0 ran)."""
     proc, took = _run(args, timeout=60)
