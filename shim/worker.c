@@ -1530,6 +1530,14 @@ static bool refuse_down_peer(afs_engine *eng, afs_xfer *x)
             eng->down_peers[i] = eng->down_peers[--eng->n_down];
             continue;
         }
+        int32_t down = atomic_load(&p->down);
+        if (goes_to(eng, x, p) && (down == AFS_PEER_EXITED || down == AFS_PEER_CLOSED) &&
+            afs_peer_later_claim(eng, p)) {
+            /* a later incarnation lives at its NIC addresses (a restart not proven yet):
+             * what goes there is the new one's (the old one's are refused in api.c) */
+            eng->down_peers[i] = eng->down_peers[--eng->n_down];
+            continue;
+        }
         if (goes_to(eng, x, p)) {
             char msg[96];
             snprintf(msg, sizeof(msg), "peer %016llx: its process %s",
