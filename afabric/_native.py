@@ -82,6 +82,17 @@ _WRITE_FIELDS = struct.Struct("<IQQQQQq")
 _RECORD_HEAD = struct.Struct("<QiIQQII")
 
 
+def copy_to_address(address: int, data: bytes, length: int) -> None:
+    """Copy the first ``length`` bytes of ``data`` to a raw address of this process (the
+    compatibility layers' byte-buffer calls, which name memory by address)."""
+    ctypes.memmove(address, data, length)
+
+
+def bytes_at(address: int, length: int) -> bytes:
+    """``length`` bytes read from a raw address of this process."""
+    return ctypes.string_at(address, length)
+
+
 def _check_layouts() -> None:
     """The packed forms above against the generated structures (a header change that moved
     a field must fail here, not write the wrong word)."""

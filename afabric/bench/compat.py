@@ -20,7 +20,6 @@ of 64 x 2 x 100 block descriptors (a row of its own). Nothing here asserts speed
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import importlib
 import os
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import compat_nixl, harness
+from . import compat_nixl, harness, raw
 
 HELP = (
     "one batch-write workload through Mooncake's and NIXL's own libraries and afabric.compat "
@@ -93,7 +92,7 @@ def mooncake_target(conn: Connection, params: dict[str, Any]) -> None:
         if msg == "stop":
             break
         if isinstance(msg, tuple) and msg[0] == "sha":
-            conn.send(("sha", hashlib.sha256(ctypes.string_at(addr, msg[1])).hexdigest()))
+            conn.send(("sha", hashlib.sha256(raw.bytes_at(addr, msg[1])).hexdigest()))
 
 
 def mooncake_initiator(conn: Connection, params: dict[str, Any], target: Any) -> None:
@@ -107,7 +106,7 @@ def mooncake_initiator(conn: Connection, params: dict[str, Any], target: Any) ->
     if not src:
         raise RuntimeError(f"{params['module']}: allocate_managed_buffer failed")
     data = _pattern(total)[:total]
-    ctypes.memmove(src, data, total)
+    raw.copy_to_address(src, data, total)
     times: dict[int, list[float]] = {}
     for size in params["sizes"]:
         n = max(1, total // size)

@@ -87,3 +87,13 @@ def watcher_store(eng: Engine, watcher: UvmWatcher) -> Callable[[int], int]:
 def shim_path() -> str:
     """The path of the shim library this process loaded (recorded with every result)."""
     return _native.shim().path
+
+
+def copy_to_address(address: int, data: bytes, length: int) -> None:
+    """Copy bytes to a raw address of this process (the compat bench's managed buffers)."""
+    _native.copy_to_address(address, data, length)
+
+
+def bytes_at(address: int, length: int) -> bytes:
+    """Bytes read from a raw address of this process."""
+    return _native.bytes_at(address, length)

@@ -17,7 +17,6 @@ Importing this module starts no thread and loads no library.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import functools
 import ipaddress
@@ -34,7 +33,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from .. import errors
+from .. import _native, errors
 from . import _core
 
 __all__ = [
@@ -526,13 +525,13 @@ class TransferEngine:
         data = src_ptr.encode() if isinstance(src_ptr, str) else bytes(src_ptr)
         if type(length) is not int or not 0 <= length <= len(data) or not dest_address:
             return ERR_INVALID_ARGUMENT
-        ctypes.memmove(dest_address, data, length)
+        _native.copy_to_address(dest_address, data, length)
         return 0
 
     @staticmethod
     def read_bytes_from_buffer(source_address: int, length: int) -> bytes:
         """``length`` bytes from raw address ``source_address``."""
-        return ctypes.string_at(source_address, length)
+        return _native.bytes_at(source_address, length)
 
     # ---- peers ----
 
