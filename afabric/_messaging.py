@@ -394,10 +394,9 @@ class MessagingMixin:
         # address it claims resolves to the handle the provider names; else a forgery.
         try:
             pid, _ = self._peer(claimed)
-            handle = self._n.peer_handle(pid)
+            if not self._n.peer_source(pid, src):
+                return None
         except errors.AfabricError:
-            return None
-        if handle != src:
             return None
         self._by_handle[src] = claimed
         return claimed, True

@@ -52,6 +52,9 @@ from ._native_decl import (
     OP_WRITE_PAGED,
     POLL_ADAPTIVE,
     POLL_SPIN,
+    REACH_HOST,
+    REACH_NETWORK,
+    REACH_NODE,
     TAKE_NONE,
     TRIG_NONE,
     Completion,
@@ -63,6 +66,8 @@ from ._native_decl import (
     NicStats,
     OpTimingStruct,
     Request,
+    TransportCfg,
+    TransportInfo,
     WorkerStats,
 )
 
@@ -314,6 +319,40 @@ def make_config(
     return cfg
 
 
+REACHES = {"host": REACH_HOST, "node": REACH_NODE, "network": REACH_NETWORK}
+
+
+@dataclass(frozen=True)
+class TransportFacts:
+    """One transport of an engine (afs_engine_transport)."""
+
+    name: str
+    provider: str
+    first_nic: int
+    nics: int
+    caps: int
+    reach: str
+    max_write_size: int
+
+
+TransportRow = tuple[str, str, str, str | None, str | None, str, int]
+TransportArray = ctypes.Array[TransportCfg]
+
+
+def make_transports(transports: Sequence[TransportRow]) -> TransportArray:
+    """The afs_transport_cfg array of a routed engine: (library, name, fabric provider, NIC
+    names or None, bind address or None, reach, NIC count or 0) each, in the order the
+    engine prefers them."""
+    arr = (TransportCfg * len(transports))()
+    for i, (lib, name, fabric, nic, bind, reach, nics) in enumerate(transports):
+        t = arr[i]
+        t.provider_lib, t.provider_name, t.fabric_provider = _cstr(lib), _cstr(name), _cstr(fabric)
+        t.nic, t.bind_addr = _cstr(nic), _cstr(bind)
+        t.nics = nics
+        t.reach = REACHES[reach]
+    return arr
+
+
 def probe(cfg: Config) -> tuple[str, list[NicInfo]]:
     """NICs the provider library sees (raises the provider's error when it sees none)."""
     s = shim()
@@ -386,11 +425,19 @@ class NativeEngine:
     _RECORD_SIZE = ctypes.sizeof(Completion)
     COLUMNS_FROM = 16  # drain(): below this many records, per-record checks cost less than numpy's
 
-    def __init__(self, cfg: Config, provider: str) -> None:
+    def __init__(
+        self, cfg: Config, provider: str, transports: TransportArray | None = None
+    ) -> None:
+        """``transports``: make_transports()'s array for a routed engine, else None."""
         self._s = shim()
         self.provider = provider
         h = EngineHandle()
-        rc = self._s.f.afs_engine_create(ctypes.byref(cfg), ctypes.byref(h))
+        if transports is None:
+            rc = self._s.f.afs_engine_create(ctypes.byref(cfg), ctypes.byref(h))
+        else:
+            rc = self._s.f.afs_engine_create_routed(
+                ctypes.byref(cfg), transports, len(transports), ctypes.byref(h)
+            )
         self._s.check(rc, "creating engine", provider)
         self._h: EngineHandle | None = h
         # Every call has its own result word (ctypes releases the GIL during the call: a
@@ -527,6 +574,33 @@ class NativeEngine:
         rc = self._s.f.afs_peer_handle(self._handle(), peer_id, out)
         self._s.check(rc, "peer handle", self.provider)
         return out.value
+
+    def peer_source(self, peer_id: int, src: int) -> bool:
+        """Whether a RECV event's ``id`` names this peer (on any of its transports)."""
+        out = ctypes.c_uint32()
+        rc = self._s.f.afs_peer_source(self._handle(), peer_id, src, out)
+        self._s.check(rc, "peer source", self.provider)
+        return bool(out.value)
+
+    def peer_route(self, peer_id: int, device: int) -> tuple[int, str]:
+        """(transport index, why faster ones do not reach it) for host (device < 0) or CUDA
+        memory to a resolved peer."""
+        out = ctypes.c_uint32()
+        why = ctypes.create_string_buffer(512)
+        rc = self._s.f.afs_peer_route(self._handle(), peer_id, device, out, why, len(why))
+        self._s.check(rc, "route", self.provider)
+        return int(out.value), why.value.decode(errors="replace")
+
+    def transport(self, index: int) -> TransportFacts:
+        """What transport ``index`` of this engine is."""
+        info = TransportInfo()
+        rc = self._s.f.afs_engine_transport(self._handle(), index, ctypes.byref(info))
+        self._s.check(rc, "transport", self.provider)
+        reach = {v: k for k, v in REACHES.items()}.get(int(info.reach), "network")
+        return TransportFacts(
+            info.name.decode(errors="replace"), info.provider.decode(errors="replace"),
+            int(info.first_nic), int(info.nics), int(info.caps), reach, int(info.max_write_size),
+        )
 
     # ---- the submit path: one afs_request per operation (afs_submit_req) ----
 

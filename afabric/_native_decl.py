@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctypes import _CDataType
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 HEARTBEAT_MISSES = 3
 CFG_FORCE_EFA_MODES = 0x1
 CFG_TIMING = 0x2
@@ -27,6 +27,10 @@ TRIG_IMM = 2
 NO_IMM = -1
 SRC_UNKNOWN = 0xffffffffffffffff
 SRC_UNRESOLVED = 0xfffffffffffffffe
+REACH_HOST = 1
+REACH_NODE = 2
+REACH_NETWORK = 3
+MAX_TRANSPORTS = 4
 ALLOW_ON = 0x1
 ALLOW_UNKNOWN = 0x2
 OP_WRITE = 1
@@ -55,6 +59,7 @@ CAP_VIRT_ADDR = 0x8
 CAP_PROV_KEY = 0x10
 CAP_DELIVERY_COMPLETE = 0x20
 CAP_TARGET_COPIES = 0x40
+CAP_DEVICE_ONLY = 0x80
 MR_REMOTE = 0x1
 MR_DEVICE = 0x2
 MR_REMOTE_READ = 0x4
@@ -117,6 +122,8 @@ class EngineFacts(ctypes.Structure):
     max_msg_size: int
     nics: int
     provider: bytes
+    transports: int
+    reserved: int
     _fields_ = [
         ("event_fd", ctypes.c_int32),
         ("caps", ctypes.c_uint32),
@@ -125,6 +132,8 @@ class EngineFacts(ctypes.Structure):
         ("max_msg_size", ctypes.c_uint32),
         ("nics", ctypes.c_uint32),
         ("provider", ctypes.c_char * 64),
+        ("transports", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
 
 
@@ -257,6 +266,48 @@ class Completion(ctypes.Structure):
     ]
 
 
+class TransportCfg(ctypes.Structure):
+    """`afs_transport_cfg`."""
+
+    provider_lib: bytes | None
+    provider_name: bytes | None
+    fabric_provider: bytes | None
+    nic: bytes | None
+    bind_addr: bytes | None
+    nics: int
+    reach: int
+    _fields_ = [
+        ("provider_lib", ctypes.c_char_p),
+        ("provider_name", ctypes.c_char_p),
+        ("fabric_provider", ctypes.c_char_p),
+        ("nic", ctypes.c_char_p),
+        ("bind_addr", ctypes.c_char_p),
+        ("nics", ctypes.c_uint32),
+        ("reach", ctypes.c_uint32),
+    ]
+
+
+class TransportInfo(ctypes.Structure):
+    """`afs_transport_info`."""
+
+    name: bytes
+    provider: bytes
+    first_nic: int
+    nics: int
+    caps: int
+    reach: int
+    max_write_size: int
+    _fields_ = [
+        ("name", ctypes.c_char * 32),
+        ("provider", ctypes.c_char * 64),
+        ("first_nic", ctypes.c_uint32),
+        ("nics", ctypes.c_uint32),
+        ("caps", ctypes.c_uint32),
+        ("reach", ctypes.c_uint32),
+        ("max_write_size", ctypes.c_uint64),
+    ]
+
+
 class Trigger(ctypes.Structure):
     """`afs_trigger`."""
 
@@ -371,6 +422,16 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
         ],
     ),
     "afs_engine_create": (ctypes.c_int32, [ctypes.POINTER(Config), ctypes.POINTER(EngineHandle)]),
+    "afs_engine_create_routed": (
+        ctypes.c_int32,
+        [
+            ctypes.POINTER(Config),
+            ctypes.POINTER(TransportCfg),
+            ctypes.c_uint32,
+            ctypes.POINTER(EngineHandle),
+        ],
+    ),
+    "afs_engine_transport": (ctypes.c_int32, [EngineHandle, ctypes.c_uint32, ctypes.POINTER(TransportInfo)]),
     "afs_engine_destroy": (ctypes.c_int32, [EngineHandle]),
     "afs_engine_info": (ctypes.c_int32, [EngineHandle, ctypes.POINTER(EngineFacts)]),
     "afs_engine_stats": (ctypes.c_int32, [EngineHandle, ctypes.c_uint32, ctypes.POINTER(NicStats)]),
@@ -429,6 +490,26 @@ FUNCTIONS: dict[str, tuple[type[_CDataType] | None, list[type[_CDataType]]]] = {
         ],
     ),
     "afs_peer_handle": (ctypes.c_int32, [EngineHandle, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
+    "afs_peer_source": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint32),
+        ],
+    ),
+    "afs_peer_route": (
+        ctypes.c_int32,
+        [
+            EngineHandle,
+            ctypes.c_uint64,
+            ctypes.c_int32,
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.c_char_p,
+            ctypes.c_uint32,
+        ],
+    ),
     "afs_allow_peers": (
         ctypes.c_int32,
         [

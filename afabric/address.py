@@ -8,39 +8,57 @@ from collections.abc import Callable
 from . import _native
 
 
-def _owner(blob: bytes) -> tuple[str, int | None, int | None]:
-    """(provider, pid, host id) of a checked address blob (shim/codec.c: "AFA1" u8 nics
-    u8 name_len u16 max_msg u64 incarnation name, then per NIC u16 len + bytes, then an
-    optional "L" u64 host u32 pid u64 start, then u32 crc); pid and host None if absent."""
-    nics, name_len = blob[4], blob[5]
-    provider = blob[16 : 16 + name_len].decode(errors="replace")
-    at = 16 + name_len
+def _skip_nics(blob: bytes, at: int, nics: int) -> int:
     for _ in range(nics):
         at += 2 + struct.unpack_from("<H", blob, at)[0]
+    return at
+
+
+def _owner(blob: bytes) -> tuple[tuple[str, ...], int | None, int | None]:
+    """(transports, pid, host id) of a checked address blob (shim/codec.c). "AFA1": u8 nics
+    u8 name_len u16 max_msg u64 incarnation name, per NIC u16 len + bytes; "AFA2": u8
+    transports u8 0 u16 max_msg u64 incarnation, per transport u8 name_len name u8 nics and
+    its NICs. Then an optional "L" u64 host u32 pid u64 start, then u32 crc; pid and host
+    None if absent."""
+    names: list[str] = []
+    if blob[:4] == b"AFA2":
+        at = 16
+        for _ in range(blob[4]):
+            name_len = blob[at]
+            names.append(blob[at + 1 : at + 1 + name_len].decode(errors="replace"))
+            at += 1 + name_len
+            at = _skip_nics(blob, at + 1, blob[at])
+    else:
+        nics, name_len = blob[4], blob[5]
+        names.append(blob[16 : 16 + name_len].decode(errors="replace"))
+        at = _skip_nics(blob, 16 + name_len, nics)
     if blob[at : at + 1] == b"L" and at + 21 <= len(blob) - 4:
         host, pid = struct.unpack_from("<QI", blob, at + 1)
-        return provider, int(pid), int(host)
-    return provider, None, None
+        return tuple(names), int(pid), int(host)
+    return tuple(names), None, None
 
 
 class Address:
     """An engine's address. ``bytes(a)`` to send it, ``Address.from_bytes(b)`` to take it back
     (checked: a truncated or corrupted blob raises :class:`afabric.errors.BadDescriptor`)."""
 
-    __slots__ = ("_blob", "host", "incarnation", "nics", "pid", "provider")
+    __slots__ = ("_blob", "host", "incarnation", "nics", "pid", "provider", "transports")
 
     def __init__(self, blob: bytes) -> None:
         blob = bytes(blob)
         self.incarnation, self.nics = _native.check_address(blob)
         self._blob = blob
+        self.transports: tuple[str, ...]
+        """The transports of the engine that made it, in the order it prefers them."""
         self.provider: str
-        """The provider of the engine that made it ("tcp")."""
+        """The provider of the engine that made it ("tcp"; "cma+tcp" for a routed engine)."""
         self.pid: int | None
         """Its process id (None: the address does not say)."""
         self.host: int | None
         """Its host (boot id and pid namespace, hashed; None: not said): equal for engines
         that can watch each other's processes."""
-        self.provider, self.pid, self.host = _owner(blob)
+        self.transports, self.pid, self.host = _owner(blob)
+        self.provider = "+".join(self.transports)
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Address:

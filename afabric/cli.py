@@ -96,7 +96,8 @@ class ProviderJson(TypedDict):
 
 
 class AutoJson(TypedDict):
-    provider: str | None
+    provider: str | None  # the transports a default engine opens, "cma+tcp" (None: nothing usable)
+    transports: list[str]
     why: str
 
 
@@ -263,10 +264,11 @@ def collect_info() -> InfoJson:
     providers = registry.probe_all()
     auto: AutoJson
     try:
-        spec, sentence = registry.resolve("auto")
-        auto = {"provider": spec.name, "why": sentence}
+        specs, sentence = registry.routes()
+        names = [s.name for s in specs]
+        auto = {"provider": "+".join(names), "transports": names, "why": sentence}
     except AfabricError as e:
-        auto = {"provider": None, "why": str(e)}
+        auto = {"provider": None, "transports": [], "why": str(e)}
     return {
         "afabric": _version(),
         "python": sys.version.split()[0],
@@ -309,7 +311,11 @@ def _print_info(info: InfoJson) -> None:
     if not shim["loaded"]:
         print("auto: nothing usable: the shim is not loaded (above)")
     else:
-        print(auto["why"] if auto["provider"] else f"auto: nothing usable: {auto['why']}")
+        if auto["provider"]:
+            print(f"a default engine (provider=\"auto\") opens: {', '.join(auto['transports'])}")
+            print(auto["why"])
+        else:
+            print(f"auto: nothing usable: {auto['why']}")
     print()
     print("GPUs:" + ("" if info["gpus"] else " none"))
     for g in info["gpus"]:

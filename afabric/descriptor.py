@@ -7,6 +7,7 @@ import struct
 from collections.abc import Callable
 
 from . import _native
+from .address import Address
 
 
 def _access_text(flags: int) -> str:
@@ -22,6 +23,12 @@ class MrDesc:
     """
 
     __slots__ = ("_blob", "_rid", "access", "base", "device", "incarnation", "length", "nics", "provider")
+
+    @property
+    def owner(self) -> Address:
+        """The address of the engine that registered the region (the descriptor carries it)."""
+        (addr_len,) = struct.unpack_from("<I", self._blob, 4)
+        return Address(self._blob[8 : 8 + addr_len])
 
     def __init__(self, blob: bytes) -> None:
         blob = bytes(blob)

@@ -35,6 +35,7 @@ from .lengths import LengthFrom
 from .memory import BufferSpan, MemoryRegion, span_of
 from .pages import Pages
 from .peers import PEER_CLOSED, PeerEvent, PeerHub, heartbeat_ms, stop_ms
+from .provider import ProviderSpec
 from .stats import EngineStats, NicStats
 from .timing import OpTiming
 from .triggers import Trigger
@@ -347,16 +348,7 @@ class Engine(MessagingMixin):
             raise errors.UsageError("create an Engine inside a running event loop (async def ...)") from None
         self._thread = threading.get_ident()  # the loop's thread: the only one that may call
         self._pid = os.getpid()
-        if polling not in ("adaptive", "spin"):
-            raise errors.InvalidArgument(f"polling must be 'adaptive' or 'spin', got {polling!r}")
-        if not isinstance(provider, str):
-            raise errors.InvalidArgument("provider must be a string")
-        if (
-            isinstance(op_timeout, bool)
-            or not isinstance(op_timeout, (int, float))
-            or not 0 <= op_timeout < 1e9
-        ):
-            raise errors.InvalidArgument("op_timeout must be a number of seconds >= 0 (0 = never)")
+        self._check_modes(provider, polling, op_timeout)
         # checked here: ctypes would silently truncate these into the config's 32-bit fields
         _bounded(spin_us, "spin_us", 0, 10_000_000)
         # While it awaits a few operations the loop looks at the ring itself until spin_us
@@ -369,28 +361,28 @@ class Engine(MessagingMixin):
         # how long _alone's look lasts
         self._take_ns, self._poll_last = min(spin_us * 1000, _TAKE_MAX_NS), 0.0
         self._polled = self._woken = 0  # stats(): loop_polled, loop_woken
-        _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
-        _bounded(rx_depth, "rx_depth", 1, 65535)
-        _bounded(tx_depth, "tx_depth", 1, 65535)
-        # received messages nobody took with recv() yet (beyond: back-pressure), and distinct
-        # immediate values counted (beyond: new values dropped); docs/configuration.md
-        _bounded(max_queued_messages, "max_queued_messages", 0, 1 << 24)
-        _bounded(max_imm_values, "max_imm_values", 1, 1 << 24)
-        _bounded(max_queued_bytes, "max_queued_bytes", 0, 1 << 40)  # large messages held (_messaging)
-        if cpu is not None:
-            _bounded(cpu, "cpu", 0, 1 << 20)
-        spec, why = registry.resolve(provider)
-        self.provider: str = spec.name
-        """afabric's provider name ("tcp")."""
+        self._check_sizes(max_message_size, rx_depth, tx_depth, max_queued_messages, max_imm_values,
+                          max_queued_bytes, cpu)
+        nic_choice = self._nic_choice(nic, nics)
+        named = bind is not None or nic is not None or nics is not None
+        routed = provider == "auto" and registry.env_provider() is None
+        transports: _native.TransportArray | None = None
+        if routed:
+            specs, why = registry.routes()
+            spec, transports = specs[0], self._transport_configs(specs, nic_choice, bind if named else None)
+        else:
+            spec, why = registry.resolve(provider)
+        self.provider: str = "auto" if routed else spec.name
+        """afabric's provider name ("tcp"), or "auto" for an engine that routes per peer."""
         self.provider_choice: str = why
         """Why this provider: with provider="auto", what was picked and what was passed over."""
         cfg = _native.make_config(
             library=spec.library,
-            provider_name=spec.name,
+            provider_name=self.provider,
             fabric_provider=spec.fabric_provider,
-            nics=self._nic_choice(nic, nics),
+            nics=nic_choice,
             # the provider's default bind (tcp: loopback) applies only when no NIC is named
-            bind_addr=bind if bind is not None or nic is not None or nics is not None else spec.bind_addr,
+            bind_addr=bind if named else spec.bind_addr,
             cpu=-1 if cpu is None else cpu,
             spin=polling == "spin",
             spin_us=spin_us,
@@ -407,9 +399,9 @@ class Engine(MessagingMixin):
         self._max_queued = max_queued_messages
         self._init_messages(max_queued_bytes)
         self._max_imm_values = max_imm_values
-        self._n = _native.NativeEngine(cfg, spec.name)
+        self._n = _native.NativeEngine(cfg, self.provider, transports)
         try:
-            self._adopt(spec.name, why, name, op_timeout)
+            self._adopt(self.provider, why, name, op_timeout)
         except BaseException:
             self._n.destroy()
             raise
@@ -434,7 +426,13 @@ class Engine(MessagingMixin):
         # what the loop spends on a future; where the writer copies (cma), shorter
         self._resume_apart = bool(self.caps & _native.CAP_TARGET_COPIES)
         self.nics: int = int(facts.nics)
-        """NICs in this engine's group (contiguous writes are split across them)."""
+        """NICs in this engine's group (contiguous writes are split across them); every
+        transport's together on an engine that routes."""
+        self._transports = [self._n.transport(i) for i in range(int(facts.transports))]
+        self.transports: tuple[str, ...] = tuple(t.name for t in self._transports)
+        """The transports this engine holds, in the order it prefers them ("cma", "tcp")."""
+        self._routed = provider == "auto"
+        self._routes_told: set[bytes] = set()  # peers whose route was logged
         self.address: Address = Address(self._n.address())
         self.op_timeout = op_timeout
         self.name = name or f"{provider}-{self.address.short()}"
@@ -473,6 +471,60 @@ class Engine(MessagingMixin):
         self._stuck: errors.AfabricError | None = None  # why the engine closed itself
         _track(self)
         self.log.info("engine open: provider %s (%s); %s", self.provider, self.fabric_provider, why)
+
+    @staticmethod
+    def _check_modes(provider: Any, polling: Any, op_timeout: Any) -> None:
+        if polling not in ("adaptive", "spin"):
+            raise errors.InvalidArgument(f"polling must be 'adaptive' or 'spin', got {polling!r}")
+        if not isinstance(provider, str):
+            raise errors.InvalidArgument("provider must be a string")
+        if (
+            isinstance(op_timeout, bool)
+            or not isinstance(op_timeout, (int, float))
+            or not 0 <= op_timeout < 1e9
+        ):
+            raise errors.InvalidArgument("op_timeout must be a number of seconds >= 0 (0 = never)")
+
+    @staticmethod
+    def _check_sizes(max_message_size: int, rx_depth: int, tx_depth: int, max_queued_messages: int,
+                     max_imm_values: int, max_queued_bytes: int, cpu: int | None) -> None:
+        _bounded(max_message_size, "max_message_size", 256, 64 << 20)  # room for messages.py's header
+        _bounded(rx_depth, "rx_depth", 1, 65535)
+        _bounded(tx_depth, "tx_depth", 1, 65535)
+        # received messages nobody took with recv() yet (beyond: back-pressure), and distinct
+        # immediate values counted (beyond: new values dropped); docs/configuration.md
+        _bounded(max_queued_messages, "max_queued_messages", 0, 1 << 24)
+        _bounded(max_imm_values, "max_imm_values", 1, 1 << 24)
+        _bounded(max_queued_bytes, "max_queued_bytes", 0, 1 << 40)  # large messages held (_messaging)
+        if cpu is not None:
+            _bounded(cpu, "cpu", 0, 1 << 20)
+
+    @classmethod
+    def _transport_configs(
+        cls, specs: list[ProviderSpec], nic_choice: str | Sequence[str] | int | None, bind: str | None
+    ) -> _native.TransportArray:
+        """A routed engine's transports: the NIC and bind arguments are its network one's."""
+        count = nic_choice if isinstance(nic_choice, int) else 0
+        return _native.make_transports([
+            (
+                s.library, s.name, s.fabric_provider,
+                cls._nic_names(nic_choice) if s.reach == "network" else None,
+                bind if s.reach == "network" and bind is not None else s.bind_addr,
+                s.reach,
+                count if s.reach == "network" else 0,
+            )
+            for s in specs
+        ])
+
+    @staticmethod
+    def _nic_names(choice: str | Sequence[str] | int | None) -> str | None:
+        """NIC names as the shim's configuration takes them (comma-separated)."""
+        if choice is None or isinstance(choice, int):
+            return None
+        names = [choice] if isinstance(choice, str) else list(choice)
+        if not names or any(not n or "," in n for n in names):
+            raise errors.InvalidArgument(f"bad NIC names {names!r}")
+        return ",".join(names)
 
     @staticmethod
     def _nic_choice(nic: str | None, nics: Sequence[str] | int | None) -> str | Sequence[str] | int | None:
@@ -661,9 +713,16 @@ class Engine(MessagingMixin):
             UsageError: called from another thread.
         """
         self._check_open()
+        nics: list[NicStats] = []
+        for t in self._transports:
+            for k in range(t.first_nic, t.first_nic + t.nics):
+                nic = cast(NicStats, self._n.stats(k))
+                nic["transport"] = t.name
+                nics.append(nic)
         return {
             "provider": self.provider,
             "fabric_provider": self.fabric_provider,
+            "transports": list(self.transports),
             "ops_in_flight": len(self._ops),
             "buffers_held": len(self._held),
             **self._message_stats(),
@@ -671,7 +730,7 @@ class Engine(MessagingMixin):
             "loop_polled": self._polled,
             "loop_woken": self._woken,
             "worker_naps": self._n.worker_naps(),
-            "nics": [cast(NicStats, self._n.stats(k)) for k in range(self.nics)],
+            "nics": nics,
         }
 
     def timings(self) -> list[OpTiming]:
@@ -896,7 +955,50 @@ class Engine(MessagingMixin):
             pid = self._n.resolve_peer(blob)
             self._peers[blob] = pid
             self._by_handle[self._n.peer_handle(pid)] = address  # a message's sender (_messaging)
+            if self._routed:
+                self._tell_route(pid, address)
         return pid, address.incarnation
+
+    def _tell_route(self, pid: int, address: Address) -> None:
+        """Logs once per peer which transport carries host memory to it, and why a
+        preferred one does not (never a silent fallback)."""
+        if bytes(address) in self._routes_told:
+            return
+        self._routes_told.add(bytes(address))
+        try:
+            index, refused = self._n.peer_route(pid, -1)
+        except errors.AfabricError as e:
+            self.log.info("route to %r: none for host memory: %s", address, e)
+            return
+        name = self._transports[index].name
+        if refused:
+            self.log.info("route to %r: %s (%s)", address, name, refused)
+        else:
+            self.log.info("route to %r: %s", address, name)
+
+    def route(self, peer: Address | bytes, *, device: int | None = None) -> str:
+        """The transport this engine uses to ``peer``: for host memory, or with ``device``
+        for CUDA memory (a GPU of the peer's process).
+
+        Args:
+            peer: the peer's address.
+            device: None for host memory, else a CUDA device index.
+
+        Returns:
+            The transport's provider name ("cma", "nvlink", "tcp", ...); a single-provider
+            engine names its provider for every peer it reaches.
+
+        Raises:
+            ProviderUnavailable: no transport of this engine reaches the peer (with why).
+            BadDescriptor: the address is malformed.
+            EngineClosed: the engine is closed.
+        """
+        self._check_open()
+        if device is not None:
+            _bounded(device, "device", 0, 1 << 16)
+        pid, _ = self._peer(peer)
+        index, _ = self._n.peer_route(pid, -1 if device is None else device)
+        return self._transports[index].name
 
     def _learn(self, blob: bytes) -> None:
         """An engine that resolved this one said hello (shim/keepalive.c): resolved in turn,

@@ -30,7 +30,12 @@ class ProviderSpec:
     fabric_provider: str
     """Name the native library is given (libfabric's provider name: "tcp", "shm", "efa")."""
     priority: int = 0
-    """Order for ``provider="auto"``: highest available wins; 0 = never picked by auto."""
+    """Order for ``provider="auto"`` among providers of the same reach: the highest available
+    one of each reach is opened; 0 = never opened by auto."""
+    reach: str = "network"
+    """What it can reach: ``"host"`` (processes of this host: same kernel boot and PID
+    namespace), ``"node"`` (GPUs of this node) or ``"network"`` (any host). A default engine
+    opens the best available provider of each and prefers the narrowest that reaches a peer."""
     abi_major: int = PROVIDER_ABI_MAJOR
     """Provider ABI major version the library was built for."""
     bind_addr: str | None = None

@@ -8,9 +8,10 @@ whose library exists) and cached. A broken plugin fails alone, with a
 :class:`~afabric.errors.PluginError` naming its distribution; the same name offered by
 two distributions is an error naming both (never "first one wins").
 
-``resolve("auto")`` picks the highest-priority available provider with priority > 0 and
-says which and why, in one sentence that is also logged on the ``afabric`` logger: there
-is no silent fallback to a slow transport.
+``routes()`` is what a default engine (``provider="auto"``) opens: the best available
+provider of each reach (same host, same node, network), saying which and why in one
+sentence that is also logged on the ``afabric`` logger: there is no silent fallback to a
+slow transport. ``resolve(name)`` is one provider by name.
 """
 
 from __future__ import annotations
@@ -32,14 +33,20 @@ __all__ = [
     "PluginEntry",
     "clear_cache",
     "entries",
+    "env_provider",
     "load",
     "names",
     "probe",
     "probe_all",
     "resolve",
+    "routes",
 ]
 
 GROUP = "afabric.providers"
+# What a provider can reach, narrowest first: a default engine prefers the narrowest
+# transport that reaches a peer (shim/route.c).
+REACHES = ("host", "node", "network")
+_REACH_TEXT = {"host": "this host's processes", "node": "this node's GPUs", "network": "any host"}
 ENV_PROVIDER = "AFABRIC_PROVIDER"
 
 # Providers that outrank the software ones when present; named in auto's explanation when
@@ -184,6 +191,8 @@ def load(name: str) -> ProviderSpec:
             )
         if spec.name != name:
             raise PluginError(f"{where}: its spec is named {spec.name!r}, the entry point {name!r}")
+        if spec.reach not in REACHES:
+            raise PluginError(f"{where}: reach {spec.reach!r} is not one of {', '.join(REACHES)}")
         if not os.path.isabs(spec.library) or not os.path.isfile(spec.library):
             raise PluginError(
                 f"{where}: native library {spec.library!r} does not exist "
@@ -270,15 +279,16 @@ def _scope_note(a: Availability) -> str:
     assert a.spec is not None
     if a.spec.priority <= 0:
         return f"{a.name} is available but never picked by auto — ask for provider={a.name!r}"
-    if a.spec.fabric_provider == "shm" or a.spec.options.get("scope") == "host":
-        return f"{a.name} is faster but only within one host — ask for provider={a.name!r}"
+    if a.spec.reach != "network":
+        return f"{a.name} reaches {_REACH_TEXT[a.spec.reach]} only — ask for provider={a.name!r}"
     return f"{a.name} is also available (lower priority) — ask for provider={a.name!r}"
 
 
 def _resolve_auto() -> tuple[ProviderSpec, str]:
     _native.shim()  # every provider needs it: its failure once, not once per provider
     avail = probe_all()
-    usable = [a for a in avail if a.available and a.spec is not None and a.spec.priority > 0]
+    usable = [a for a in avail if a.available and a.spec is not None and a.spec.priority > 0
+              and a.spec.reach == "network"]
     if not usable:
         raise ProviderUnavailable(
             "provider='auto' found no usable provider (priority > 0 and available):\n" + _listing(avail)
@@ -304,11 +314,67 @@ def _resolve_auto() -> tuple[ProviderSpec, str]:
     return best.spec, sentence
 
 
+def env_provider() -> str | None:
+    """$AFABRIC_PROVIDER when it names a provider (it replaces "auto"), else None."""
+    env = os.environ.get(ENV_PROVIDER, "").strip()
+    return env if env and env != "auto" else None
+
+
+def routes() -> tuple[list[ProviderSpec], str]:
+    """The transports of a default engine and a sentence saying why.
+
+    Per reach (host, node, network), the highest-priority available provider with priority
+    > 0, narrowest reach first (the order the engine prefers them in). Providers passed over
+    (unavailable, outranked, never opened by auto) are named in the sentence, which is
+    logged on the ``afabric`` logger. Raises ProviderUnavailable when no provider of any
+    reach is usable.
+    """
+    _native.shim()
+    avail = probe_all()
+    picked: list[Availability] = []
+    for reach in REACHES:
+        usable = [a for a in avail if a.available and a.spec is not None and a.spec.priority > 0
+                  and a.spec.reach == reach]
+        if usable:
+            picked.append(usable[0])
+    if not picked:
+        raise ProviderUnavailable(
+            "provider='auto' found no usable provider (priority > 0 and available):\n" + _listing(avail)
+        )
+    specs = [a.spec for a in picked if a.spec is not None]
+    opened = ", ".join(
+        f"{a.name} for {_REACH_TEXT[s.reach]} ({_nic_phrase(a)})" for a, s in zip(picked, specs, strict=True)
+    )
+    passed = [
+        f"{a.name} unavailable: {a.reason}"
+        for a in avail
+        if not a.available and (a.spec is None or a.spec.priority > 0)
+    ]
+    installed = set(names())
+    passed += [f"{n} not installed" for n in WELL_KNOWN if n not in installed]
+    others = [
+        f"{a.name} (outranked)" if a.spec.priority > 0 else f"{a.name} (never opened by auto)"
+        for a in avail
+        if a.available and a.spec is not None and a not in picked
+    ]
+    sentence = f"auto opened {opened}"
+    if not any(s.reach == "network" for s in specs):
+        sentence += "; no network provider is available: only this host's peers are reachable"
+    if passed:
+        sentence += "; passed over: " + ", ".join(passed)
+    if others:
+        sentence += "; also available: " + ", ".join(others) + " (ask for one by name)"
+    log.info("%s", sentence)
+    return specs, sentence
+
+
 def resolve(requested: str = "auto") -> tuple[ProviderSpec, str]:
     """The provider to use for ``Engine(provider=requested)`` and a sentence saying why.
 
     ``"auto"`` (which ``$AFABRIC_PROVIDER`` may replace by a name) picks the highest-priority
-    available provider with priority > 0 and logs the sentence on the ``afabric`` logger.
+    available network provider with priority > 0 (the one a default engine holds for peers
+    on other hosts, beside its same-host ones: :func:`routes`) and logs the sentence on the
+    ``afabric`` logger.
     An explicit name that is unknown or unavailable raises ProviderUnavailable listing
     every installed provider and its availability.
     """

@@ -25,6 +25,7 @@ class NicStats(TypedDict):
     ctrl_sent: int  # the shim's own frames posted (hellos, heartbeats, answers, goodbyes): not in sends
     ctrl_received: int  # ... received: not in recvs
     outstanding: int  # work requests still with the provider: the NIC's queue depth
+    transport: str  # the transport (provider) this NIC belongs to
 
 
 class MessageStats(TypedDict):
@@ -52,6 +53,7 @@ class EngineStats(MessageStats):
 
     provider: str
     fabric_provider: str
+    transports: list[str]  # the engine's transports, in the order it prefers them
     ops_in_flight: int
     buffers_held: int
     max_imm_values: int

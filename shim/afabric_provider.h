@@ -132,6 +132,10 @@ typedef struct afp_nic_info {
  * before dereg_mr can keep landing in later polls. The shim then keeps polling after
  * dereg_mr until remote writes have stopped completing (worker.c, settle_deregs). */
 #define AFP_CAP_TARGET_COPIES 0x40u
+/* Only device memory can be a remote target (nvlink): host memory registers as a local
+ * source or destination only. A routed engine registers host regions here local-only and
+ * reaches their owners' host memory through another transport. */
+#define AFP_CAP_DEVICE_ONLY 0x80u
 
 typedef struct afp_caps {
     char provider[AFP_NAME_LEN]; /* e.g. "tcp;ofi_rxm" */

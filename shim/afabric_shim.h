@@ -21,7 +21,7 @@
 
 #include <stdint.h>
 
-#define AFS_ABI_VERSION 11u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
+#define AFS_ABI_VERSION 12u /* 2: afs_nic_stats.imms_dropped, afs_config.max_imm_values, AFS_C_NOTICE;
                               3: reads (afs_read*, afs_gather), afs_desc_info.access,
                               afs_nic_stats.reads/read_bytes;
                               a RECV completion's id is its sender (AFS_SRC_*), afs_peer_handle;
@@ -34,7 +34,9 @@
                               8: afs_submit_take;
                               9: afs_engine_worker_stats;
                               10: afs_bench_write_lat;
-                              11: afs_watcher_store */
+                              11: afs_watcher_store;
+                              12: routed engines (afs_engine_create_routed, afs_engine_transport,
+                              afs_peer_route, afs_peer_source) */
 
 #if defined(__GNUC__)
 #define AFS_API __attribute__((visibility("default")))
@@ -118,6 +120,8 @@ typedef struct afs_engine_facts {
     uint32_t max_msg_size;     /* SEND/RECV limit */
     uint32_t nics;
     char provider[64];         /* provider as the library reports it ("tcp;ofi_rxm") */
+    uint32_t transports;       /* afs_engine_transport's indices: 0 .. transports - 1 */
+    uint32_t reserved;
 } afs_engine_facts;
 
 /* Counters of one NIC (afs_engine_stats): kept by the worker, cheap enough to leave on. */
@@ -254,6 +258,41 @@ AFS_API int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32
                                    uint32_t *count, char *name_out, uint32_t name_len);
 
 AFS_API int32_t afs_engine_create(const afs_config *cfg, afs_engine **out);
+
+/* One transport of a routed engine (afs_engine_create_routed). */
+typedef struct afs_transport_cfg {
+    const char *provider_lib;    /* its provider's native library */
+    const char *provider_name;   /* afabric's name for it ("cma"): peers' addresses match on it */
+    const char *fabric_provider; /* the name the library is given ("tcp") */
+    const char *nic;             /* comma-separated NIC names, or NULL */
+    const char *bind_addr;       /* interface address to bind, or NULL */
+    uint32_t nics;               /* without names: how many NICs (0 = 1) */
+    uint32_t reach;              /* AFS_REACH_*: what it can reach (texts, afabric info) */
+} afs_transport_cfg;
+
+#define AFS_REACH_HOST 1u    /* processes of this host (kernel boot and PID namespace) */
+#define AFS_REACH_NODE 2u    /* GPUs of this node */
+#define AFS_REACH_NETWORK 3u /* any host */
+#define AFS_MAX_TRANSPORTS 4u
+
+/* An engine holding several transports, in the order given (the first that reaches a peer
+ * and holds both regions of an operation carries it). `cfg`'s provider fields are unused
+ * but for provider_name, the engine's name in messages ("auto"). */
+AFS_API int32_t afs_engine_create_routed(const afs_config *cfg, const afs_transport_cfg *transports,
+                                         uint32_t count, afs_engine **out);
+
+/* What one of an engine's transports is (afs_engine_transport). */
+typedef struct afs_transport_info {
+    char name[32];           /* afabric's provider name ("cma") */
+    char provider[64];       /* as its library reports it ("tcp;ofi_rxm") */
+    uint32_t first_nic;      /* its NICs: first_nic .. first_nic + nics - 1 (afs_engine_stats) */
+    uint32_t nics;
+    uint32_t caps;           /* AFP_CAP_* */
+    uint32_t reach;          /* AFS_REACH_* */
+    uint64_t max_write_size; /* its largest single write */
+} afs_transport_info;
+
+AFS_API int32_t afs_engine_transport(afs_engine *eng, uint32_t index, afs_transport_info *out);
 AFS_API int32_t afs_engine_destroy(afs_engine *eng);
 AFS_API int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out);
 AFS_API int32_t afs_engine_stats(afs_engine *eng, uint32_t nic, afs_nic_stats *out);
@@ -276,6 +315,13 @@ AFS_API int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t 
 /* The provider's handle of a resolved peer on the engine's first NIC: what a RECV
  * completion's `id` holds when the provider names the message's sender. */
 AFS_API int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle);
+/* Whether a RECV completion's `id` names peer `peer_id` (on any of its transports). */
+AFS_API int32_t afs_peer_source(afs_engine *eng, uint64_t peer_id, uint64_t src, uint32_t *match);
+/* The transport (afs_engine_transport's index) that carries operations to resolved peer
+ * `peer_id` on host memory (device < 0) or CUDA memory (device >= 0), and in `why` (a
+ * buffer of why_len bytes) the transports that could not reach it and why ("" if none). */
+AFS_API int32_t afs_peer_route(afs_engine *eng, uint64_t peer_id, int32_t device,
+                               uint32_t *transport, char *why, uint32_t why_len);
 /* The allow-list (allow.c): with AFS_ALLOW_ON, only the `count` peers whose addresses are
  * concatenated in `blobs` (lengths in `lens`) may be resolved, written to or sent to, and
  * only their messages and immediates are delivered; a message or immediate whose sender

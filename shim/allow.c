@@ -27,7 +27,7 @@ void afs_allow_free(afs_allow *a)
 {
     if (!a)
         return;
-    for (uint32_t k = 0; k < AFS_MAX_NICS; k++)
+    for (uint32_t k = 0; k < AFS_ENG_NICS; k++)
         free(a->fi_addr[k]);
     for (uint32_t i = 0; a->blob && i < a->n; i++)
         free(a->blob[i]);
@@ -101,11 +101,11 @@ bool afs_allow_refuse_out(afs_engine *eng, afs_xfer *x)
     bool ok = true;
     switch (x->kind) {
     case AFS_REQ_SEND:
-        ok = allowed_on(a, 0, x->send.peer_fi_addr);
+        ok = allowed_on(a, x->send.nic, x->send.peer_fi_addr);
         break;
     case AFS_REQ_WRITE:
     case AFS_REQ_PAGED:
-        for (uint32_t k = 0; k < eng->nnics && ok; k++)
+        for (uint32_t k = x->rma.nic_first; k < x->rma.nic_first + x->rma.nic_count && ok; k++)
             ok = allowed_on(a, k, x->rma.fi_addr[k]);
         break;
     case AFS_REQ_SCATTER:
@@ -132,9 +132,10 @@ int afs_allow_poll(afs_engine *eng, uint32_t nic, afp_event *ev, uint64_t *src, 
     afp_domain *dom = eng->nics[nic].dom;
     /* always with sources where the provider gives them: RECV completions carry the
      * sender (afs_completion.id), which the facade checks messages' own headers against */
-    if (AFP_HAS_OP(eng->ops, poll_from))
-        return eng->ops->poll_from(dom, ev, src, max, n);
-    int rc = eng->ops->poll(dom, ev, max, n);
+    const struct afp_ops *ops = eng->nics[nic].ops;
+    if (AFP_HAS_OP(ops, poll_from))
+        return ops->poll_from(dom, ev, src, max, n);
+    int rc = ops->poll(dom, ev, max, n);
     for (uint32_t i = 0; i < *n; i++)
         src[i] = AFP_SRC_UNKNOWN;
     return rc;

@@ -6,9 +6,13 @@
 
 #include "internal.h"
 
+/* Never a provider's handle, nor a source it reports (AFP_SRC_*). */
+#define AFS_NO_HANDLE 0xfffffffffffffffdull
+
 struct afs_allow {
     uint32_t n;
-    uint64_t *fi_addr[AFS_MAX_NICS]; /* per NIC: the peers' handles, sorted */
+    uint64_t *fi_addr[AFS_ENG_NICS]; /* per NIC: the peers' handles, sorted (AFS_NO_HANDLE:
+                                        a peer its transport does not reach) */
     uint8_t **blob;                  /* the addresses as given (matched exactly) */
     uint32_t *blob_len;
     bool accept_unknown; /* AFS_ALLOW_UNKNOWN: deliver what has no known sender */

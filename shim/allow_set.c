@@ -54,7 +54,8 @@ static int build(afs_engine *eng, const uint8_t *blobs, const uint32_t *lens, ui
         memcpy(a->blob[i], blob, lens[i]);
         a->blob_len[i] = lens[i];
         for (uint32_t k = 0; k < eng->nnics; k++)
-            a->fi_addr[k][i] = p->fi_addr[k];
+            a->fi_addr[k][i] = (p->tp_mask & (1u << eng->nics[k].tp)) ? p->fi_addr[k]
+                                                                        : AFS_NO_HANDLE;
         a->n = i + 1;
     }
     for (uint32_t k = 0; k < eng->nnics; k++)

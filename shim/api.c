@@ -18,7 +18,8 @@
 
 typedef struct mr_copy {
     uint64_t addr, len;
-    void *desc[AFS_MAX_NICS];
+    uint32_t local_mask; /* the transports it is registered with */
+    void *desc[AFS_ENG_NICS];
 } mr_copy;
 
 static int load_mr(afs_engine *eng, uint64_t id, mr_copy *out)
@@ -27,6 +28,7 @@ static int load_mr(afs_engine *eng, uint64_t id, mr_copy *out)
     if (m) {
         out->addr = m->addr;
         out->len = m->len;
+        out->local_mask = m->local_mask;
         memcpy(out->desc, m->desc, sizeof(out->desc));
         if (afs_slots_still(&eng->mrs, id))
             return 0;
@@ -63,6 +65,7 @@ static int load_remote(afs_engine *eng, uint64_t id, afs_remote_entry *out)
         memcpy(out->rbase, r->rbase, sizeof(out->rbase));
         memcpy(out->key, r->key, sizeof(out->key));
         out->access = r->access;
+        out->tp_mask = r->tp_mask;
         if (afs_slots_still(&eng->remotes, id))
             return peer_current(eng, out->peer_id);
     }
@@ -88,11 +91,15 @@ static int check_imm(int64_t imm, bool *has, uint32_t *value)
     return 0;
 }
 
+/* The route's NICs (transport `tp`) and their keys go into x. */
 static void fill_targets(afs_engine *eng, afs_xfer *x, const mr_copy *m,
-                         const afs_remote_entry *r)
+                         const afs_remote_entry *r, uint32_t tp)
 {
+    const afs_transport *t = &eng->tps[tp];
     x->rma.local_addr = m->addr;
-    for (uint32_t k = 0; k < eng->nnics; k++) {
+    x->rma.nic_first = t->first;
+    x->rma.nic_count = t->count;
+    for (uint32_t k = t->first; k < t->first + t->count; k++) {
         x->rma.local_desc[k] = m->desc[k];
         x->rma.fi_addr[k] = r->fi_addr[k];
         x->rma.rbase[k] = r->rbase[k];
@@ -119,18 +126,30 @@ static int check_access(const afs_remote_entry *r, bool read, uint64_t index)
 /* The checks every write (or read) starts with: an open engine, a valid immediate, a live
  * local region and a live remote descriptor (copied, so they cannot change under us) that
  * allows the access. */
+/* The transport an operation between local region `m` and remote `r` takes (route.c),
+ * which must have reads for a read. */
+static int route(afs_engine *eng, uint32_t local_mask, const afs_remote_entry *r, bool read,
+                 uint32_t *tp)
+{
+    int rc = afs_route_pick(eng, local_mask, r->tp_mask, tp);
+    if (rc)
+        return rc;
+    if (read && !AFP_HAS_OP(eng->tps[*tp].ops, post_reads))
+        return afs_fail(AFS_EUNSUPPORTED, "read: provider %s has no one-sided reads",
+                        eng->tps[*tp].name);
+    return 0;
+}
+
 static int load_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, int64_t imm,
                       bool read, bool *has_imm, uint32_t *imm_value, mr_copy *m,
-                      afs_remote_entry *r)
+                      afs_remote_entry *r, uint32_t *tp)
 {
     int rc = afs_engine_check_open(eng);
     if (rc)
         return rc;
-    if (read && !AFP_HAS_OP(eng->ops, post_reads))
-        return afs_fail(AFS_EUNSUPPORTED, "read: provider %s has no one-sided reads",
-                        eng->provider_name ? eng->provider_name : "?");
     if ((rc = check_imm(imm, has_imm, imm_value)) || (rc = load_mr(eng, mr_id, m)) ||
-        (rc = load_remote(eng, remote_id, r)) || (rc = check_access(r, read, UINT64_MAX)))
+        (rc = load_remote(eng, remote_id, r)) || (rc = check_access(r, read, UINT64_MAX)) ||
+        (rc = route(eng, m->local_mask, r, read, tp)))
         return rc;
     return 0;
 }
@@ -148,7 +167,8 @@ static int build_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     uint32_t imm_value = 0;
     mr_copy m;
     afs_remote_entry r;
-    int rc = load_write(eng, mr_id, remote_id, imm, read, &has_imm, &imm_value, &m, &r);
+    uint32_t tp;
+    int rc = load_write(eng, mr_id, remote_id, imm, read, &has_imm, &imm_value, &m, &r, &tp);
     if (rc)
         return rc;
     if (!range_ok(local_offset, length, m.len))
@@ -164,14 +184,14 @@ static int build_contig(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uin
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_WRITE);
     if (!x)
         return afs_fail(AFS_ENOMEM, "%s: out of memory", read ? "read" : "write");
-    fill_targets(eng, x, &m, &r);
+    fill_targets(eng, x, &m, &r, tp);
     x->rma.read = read;
     x->rma.local_addr = m.addr + local_offset;
     x->rma.length = length;
     x->rma.dst_addr = remote_offset;
     x->rma.has_imm = has_imm;
     x->rma.imm = imm_value;
-    uint64_t maxw = eng->nics[0].caps.max_msg_size;
+    uint64_t maxw = eng->tps[tp].max_write;
     x->rma.chunk = (maxw && maxw < MAX_CHUNK) ? maxw : MAX_CHUNK;
     *out = x;
     return 0;
@@ -217,13 +237,14 @@ static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint
     uint32_t imm_value = 0;
     mr_copy m;
     afs_remote_entry r;
-    int rc = load_write(eng, mr_id, remote_id, imm, read, &has_imm, &imm_value, &m, &r);
+    uint32_t tp;
+    int rc = load_write(eng, mr_id, remote_id, imm, read, &has_imm, &imm_value, &m, &r, &tp);
     if (rc)
         return rc;
-    if (page_len > eng->nics[0].caps.max_msg_size)
+    if (page_len > eng->tps[tp].max_write)
         return afs_fail(AFS_ETOOBIG, "page of %llu bytes exceeds the provider's %llu",
                         (unsigned long long)page_len,
-                        (unsigned long long)eng->nics[0].caps.max_msg_size);
+                        (unsigned long long)eng->tps[tp].max_write);
     if (count > (1ull << 31))
         return afs_fail(AFS_EINVAL, "too many pages in one request (%llu)",
                         (unsigned long long)count);
@@ -246,7 +267,7 @@ static int build_paged(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, uint
     }
     memcpy(x->rma.src_idx, src_idx, (size_t)count * sizeof(int64_t));
     memcpy(x->rma.dst_idx, dst_idx, (size_t)count * sizeof(int64_t));
-    fill_targets(eng, x, &m, &r);
+    fill_targets(eng, x, &m, &r, tp);
     x->rma.count = count;
     x->rma.length = page_len;
     x->rma.src_stride = src_stride;
@@ -341,9 +362,6 @@ static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uin
         return afs_fail(AFS_EINVAL, "%s: NULL argument", op);
     if (count > (1u << 24))
         return afs_fail(AFS_EINVAL, "%s: too many targets (%llu)", op, (unsigned long long)count);
-    if (read && !AFP_HAS_OP(eng->ops, post_reads))
-        return afs_fail(AFS_EUNSUPPORTED, "gather: provider %s has no one-sided reads",
-                        eng->provider_name ? eng->provider_name : "?");
     bool has_imm = false;
     uint32_t imm_value = 0;
     if ((rc = check_imm(imm, &has_imm, &imm_value)))
@@ -351,6 +369,7 @@ static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uin
     if (barrier && !has_imm)
         return afs_fail(AFS_EINVAL, "barrier: an immediate is required");
     mr_copy m = {0};
+    m.local_mask = (1u << eng->ntp) - 1u; /* a barrier's zero-length writes need no region */
     if (!barrier && (rc = load_mr(eng, mr_id, &m)))
         return rc;
     afs_xfer *x = afs_xfer_new(eng, AFS_REQ_SCATTER);
@@ -366,11 +385,14 @@ static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uin
     for (uint64_t i = 0; i < count; i++) {
         afs_remote_entry r;
         afs_target *t = &x->rma.targets[i];
-        if ((rc = load_remote(eng, remote_ids[i], &r)) || (rc = check_access(&r, read, i))) {
+        uint32_t tp;
+        if ((rc = load_remote(eng, remote_ids[i], &r)) || (rc = check_access(&r, read, i)) ||
+            (rc = route(eng, m.local_mask, &r, read, &tp))) {
             afs_xfer_free(x);
             return rc;
         }
-        t->nic = (uint32_t)(i % eng->nnics); /* targets spread round-robin over the NICs */
+        /* targets spread round-robin over their route's NICs */
+        t->nic = eng->tps[tp].first + (uint32_t)(i % eng->tps[tp].count);
         t->fi_addr = r.fi_addr[t->nic];
         t->rbase = r.rbase[t->nic];
         t->rkey = r.key[t->nic];
@@ -394,7 +416,7 @@ static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uin
             afs_xfer_free(x); /* after the message: t points into x */
             return rc;
         }
-        if (t->length > eng->nics[0].caps.max_msg_size) {
+        if (t->length > eng->tps[tp].max_write) {
             rc = afs_fail(AFS_ETOOBIG, "%s %s %llu: %llu bytes exceed the provider's "
                           "largest %s", op, read ? "source" : "target", (unsigned long long)i,
                           (unsigned long long)t->length, read ? "read" : "write");
@@ -474,7 +496,8 @@ int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t
         return afs_fail(AFS_ETOOBIG, "message of %llu bytes exceeds the maximum of %u",
                         (unsigned long long)len, eng->cfg.max_msg_size);
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    uint64_t fi_addr = p ? p->fi_addr[0] : 0;
+    uint32_t nic = p ? afs_peer_nic(eng, p) : 0;
+    uint64_t fi_addr = p ? p->fi_addr[nic] : 0;
     if (!p || !afs_slots_still(&eng->peers, peer_id))
         return afs_fail(AFS_ESTALE, "peer handle is not live on this engine");
     if ((rc = peer_current(eng, peer_id)))
@@ -494,6 +517,7 @@ int32_t afs_send(afs_engine *eng, uint64_t peer_id, const uint8_t *buf, uint64_t
         memcpy(x->send.payload, buf, len);
     x->send.length = len;
     x->send.peer_fi_addr = fi_addr;
+    x->send.nic = nic;
     *xfer_id = x->id;
     afs_submit(eng, x);
     return 0;

@@ -16,20 +16,19 @@
 
 static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 
-static int load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
+static int load_provider(const char *path, void **lib, const struct afp_ops **ops)
 {
-    if (!cfg->provider_lib || !cfg->provider_lib[0])
+    if (!path || !path[0])
         return afs_fail(AFS_EPROVIDER, "no provider library path given");
-    void *h = dlopen(cfg->provider_lib, RTLD_NOW | RTLD_LOCAL);
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h)
-        return afs_fail(AFS_EPROVIDER, "cannot load provider library %s: %s", cfg->provider_lib,
-                        dlerror());
+        return afs_fail(AFS_EPROVIDER, "cannot load provider library %s: %s", path, dlerror());
     afp_get_ops_fn get = NULL;
     *(void **)(&get) = dlsym(h, "afp_get_ops");
     if (!get) {
         dlclose(h);
         return afs_fail(AFS_EPROVIDER, "%s does not export afp_get_ops (not a provider library)",
-                        cfg->provider_lib);
+                        path);
     }
     const struct afp_ops *o = get();
     if (!o || o->size < offsetof(struct afp_ops, trywait) || o->major != AFP_ABI_MAJOR) {
@@ -37,7 +36,7 @@ static int load_provider(const afs_config *cfg, void **lib, const struct afp_ops
         dlclose(h);
         return afs_fail(AFS_EPROVIDER,
                         "%s: provider ABI major version %u, this shim speaks %u",
-                        cfg->provider_lib, major, AFP_ABI_MAJOR);
+                        path, major, AFP_ABI_MAJOR);
     }
     if (!AFP_HAS_OP(o, list_nics) || !AFP_HAS_OP(o, open) || !AFP_HAS_OP(o, close) ||
         !AFP_HAS_OP(o, caps) || !AFP_HAS_OP(o, address) || !AFP_HAS_OP(o, reg_mr) ||
@@ -46,7 +45,7 @@ static int load_provider(const afs_config *cfg, void **lib, const struct afp_ops
         !AFP_HAS_OP(o, errbuf)) {
         dlclose(h);
         return afs_fail(AFS_EPROVIDER, "%s: provider table lacks a required operation",
-                        cfg->provider_lib);
+                        path);
     }
     *lib = h;
     *ops = o;
@@ -55,11 +54,11 @@ static int load_provider(const afs_config *cfg, void **lib, const struct afp_ops
 
 /* Loading a provider (and whatever it links) keeps the process's signal dispositions
  * (process.c), as do the two calls that initialise the fabric library under it. */
-int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops)
+int afs_load_provider(const char *path, void **lib, const struct afp_ops **ops)
 {
     afs_sigkeep k;
     afs_sigkeep_begin(&k);
-    int rc = load_provider(cfg, lib, ops);
+    int rc = load_provider(path, lib, ops);
     afs_sigkeep_end(&k);
     return rc;
 }
@@ -84,12 +83,12 @@ static int open_kept(const struct afp_ops *ops, const afp_open_args *a, afp_doma
     return rc;
 }
 
-static void open_args(const afs_config *cfg, afp_open_args *a)
+static void open_args(const afs_config *cfg, const afs_transport *t, afp_open_args *a)
 {
     memset(a, 0, sizeof(*a));
-    a->fabric_provider = cfg->fabric_provider;
-    a->nic = cfg->nic;
-    a->bind_addr = cfg->bind_addr;
+    a->fabric_provider = t ? t->fabric_provider : cfg->fabric_provider;
+    a->nic = t ? t->nic_name : cfg->nic;
+    a->bind_addr = t ? t->bind_addr : cfg->bind_addr;
     a->flags = (cfg->flags & AFS_CFG_FORCE_EFA_MODES) ? AFP_OPEN_FORCE_EFA_MODES : 0;
     a->rx_depth = cfg->rx_depth;
     a->tx_depth = cfg->tx_depth;
@@ -103,11 +102,11 @@ int32_t afs_provider_probe(const afs_config *cfg, void *nics_out, uint32_t max, 
     char err[AFP_ERRTEXT_LEN] = "";
     if (!cfg || !count)
         return afs_fail(AFS_EINVAL, "probe: NULL argument");
-    int rc = afs_load_provider(cfg, &lib, &ops);
+    int rc = afs_load_provider(cfg->provider_lib, &lib, &ops);
     if (rc)
         return rc;
     afp_open_args a;
-    open_args(cfg, &a);
+    open_args(cfg, NULL, &a);
     uint32_t n = 0;
     rc = list_nics_kept(ops, &a, (afp_nic_info *)nics_out, max, &n, err, sizeof(err));
     if (rc) {
@@ -130,6 +129,7 @@ out_close:
 static int setup_pools(afs_engine *eng, uint32_t index)
 {
     afs_nic *n = &eng->nics[index];
+    const struct afp_ops *ops = n->ops;
     uint64_t sz = eng->cfg.max_msg_size;
     uint64_t rx_bytes = sz * eng->cfg.rx_depth, tx_bytes = sz * eng->cfg.tx_depth;
     uint64_t dummy_base;
@@ -142,35 +142,35 @@ static int setup_pools(afs_engine *eng, uint32_t index)
         return afs_fail(AFS_ENOMEM, "cannot allocate message buffers (%llu bytes)",
                         (unsigned long long)(rx_bytes + tx_bytes));
     uint64_t rkey;
-    rc = eng->ops->reg_mr(n->dom, n->rx_buf, rx_bytes, 0, -1,
+    rc = ops->reg_mr(n->dom, n->rx_buf, rx_bytes, 0, -1,
                           afs_mr_key(eng->key_secret, index, UINT64_MAX), &n->rx_mr, &n->rx_desc,
                           &rkey, &dummy_base);
     if (rc)
-        return afs_fail(rc, "registering receive buffers: %s", eng->ops->errbuf(n->dom));
-    rc = eng->ops->reg_mr(n->dom, n->tx_buf, tx_bytes, 0, -1,
+        return afs_fail(rc, "registering receive buffers: %s", ops->errbuf(n->dom));
+    rc = ops->reg_mr(n->dom, n->tx_buf, tx_bytes, 0, -1,
                           afs_mr_key(eng->key_secret, index, UINT64_MAX - 1), &n->tx_mr,
                           &n->tx_desc, &rkey, &dummy_base);
     if (rc)
-        return afs_fail(rc, "registering send buffers: %s", eng->ops->errbuf(n->dom));
+        return afs_fail(rc, "registering send buffers: %s", ops->errbuf(n->dom));
     for (uint32_t i = 0; i < eng->cfg.tx_depth; i++)
         n->tx_free[n->tx_free_len++] = eng->cfg.tx_depth - 1 - i;
     for (uint32_t i = 0; i < eng->cfg.rx_depth; i++) {
         rc = afs_post_rx(eng, index, i);
         if (rc)
-            return afs_fail(rc, "posting receive %u: %s", i, eng->ops->errbuf(n->dom));
+            return afs_fail(rc, "posting receive %u: %s", i, ops->errbuf(n->dom));
     }
     return 0;
 }
 
-static void close_nic(afs_engine *eng, afs_nic *n)
+static void close_nic(afs_nic *n)
 {
     if (!n->dom)
         goto out_free;
     if (n->rx_mr)
-        eng->ops->dereg_mr(n->dom, n->rx_mr);
+        n->ops->dereg_mr(n->dom, n->rx_mr);
     if (n->tx_mr)
-        eng->ops->dereg_mr(n->dom, n->tx_mr);
-    eng->ops->close(n->dom);
+        n->ops->dereg_mr(n->dom, n->tx_mr);
+    n->ops->close(n->dom);
 out_free:
     free(n->rx_buf);
     free(n->tx_buf);
@@ -179,49 +179,56 @@ out_free:
     memset(n, 0, sizeof(*n));
 }
 
-static int open_one_nic(afs_engine *eng, uint32_t index, const char *name)
+static int open_one_nic(afs_engine *eng, afs_transport *t, uint32_t index, const char *name)
 {
     afp_open_args a;
-    open_args(&eng->cfg, &a);
+    open_args(&eng->cfg, t, &a);
     a.nic = name;
     char err[AFP_ERRTEXT_LEN] = "";
+    if (index >= AFS_ENG_NICS)
+        return afs_fail(AFS_EINVAL, "at most %u NICs per engine", AFS_ENG_NICS);
     afs_nic *n = &eng->nics[index];
-    int rc = open_kept(eng->ops, &a, &n->dom, err, sizeof(err));
+    n->ops = t->ops;
+    n->tp = (uint32_t)(t - eng->tps);
+    int rc = open_kept(t->ops, &a, &n->dom, err, sizeof(err));
     if (rc) {
         n->dom = NULL;
-        return afs_fail(rc, "opening %s%s%s: %s", eng->provider_name, name ? " NIC " : "",
+        return afs_fail(rc, "opening %s%s%s: %s", t->name, name ? " NIC " : "",
                         name ? name : "", err);
     }
     eng->nnics = index + 1; /* from here on close_nic releases it */
-    if ((rc = eng->ops->caps(n->dom, &n->caps)))
-        return afs_fail(rc, "provider caps: %s", eng->ops->errbuf(n->dom));
+    t->count = index + 1 - t->first;
+    if ((rc = t->ops->caps(n->dom, &n->caps)))
+        return afs_fail(rc, "provider caps: %s", t->ops->errbuf(n->dom));
     if (n->caps.imm_size < 4)
         return afs_fail(AFS_EUNSUPPORTED, "%s carries %u-byte immediates; 4 are needed",
                         n->caps.provider, n->caps.imm_size);
-    if (index > 0 && n->caps.flags != eng->nics[0].caps.flags)
+    const afs_nic *first = &eng->nics[t->first];
+    if (index > t->first && n->caps.flags != first->caps.flags)
         return afs_fail(AFS_EINVAL, "NIC %s behaves differently from the group's first NIC "
                                     "(capabilities 0x%x vs 0x%x)",
-                        name ? name : "?", n->caps.flags, eng->nics[0].caps.flags);
+                        name ? name : "?", n->caps.flags, first->caps.flags);
     size_t alen = sizeof(n->addr);
-    if ((rc = eng->ops->address(n->dom, n->addr, &alen)))
-        return afs_fail(rc, "provider address: %s", eng->ops->errbuf(n->dom));
+    if ((rc = t->ops->address(n->dom, n->addr, &alen)))
+        return afs_fail(rc, "provider address: %s", t->ops->errbuf(n->dom));
     n->addr_len = (uint32_t)alen;
     return setup_pools(eng, index);
 }
 
-/* The NICs of the engine's domain group: the names given, or the first `nics` usable. */
-static int open_nics(afs_engine *eng)
+/* The NICs of a transport's domain group: the names given, or the first `nics` usable. */
+static int open_nics(afs_engine *eng, afs_transport *t)
 {
     char names[AFS_MAX_NICS][AFP_NAME_LEN];
     uint32_t count = 0;
-    int rc;
-    if (eng->nic_name && eng->nic_name[0]) {
-        const char *p = eng->nic_name;
+    int rc = 0;
+    t->first = eng->nnics;
+    if (t->nic_name && t->nic_name[0]) {
+        const char *p = t->nic_name;
         while (*p) {
             const char *end = strchr(p, ',');
             size_t len = end ? (size_t)(end - p) : strlen(p);
             if (len == 0 || len >= AFP_NAME_LEN)
-                return afs_fail(AFS_EINVAL, "bad NIC name in \"%s\"", eng->nic_name);
+                return afs_fail(AFS_EINVAL, "bad NIC name in \"%s\"", t->nic_name);
             if (count == AFS_MAX_NICS)
                 return afs_fail(AFS_EINVAL, "at most %u NICs per group", AFS_MAX_NICS);
             memcpy(names[count], p, len);
@@ -229,37 +236,41 @@ static int open_nics(afs_engine *eng)
             count++;
             p = end ? end + 1 : p + len;
         }
-    } else if (eng->cfg.nics > 1) {
-        if (eng->cfg.nics > AFS_MAX_NICS)
+    } else if (t->nics_wanted > 1) {
+        if (t->nics_wanted > AFS_MAX_NICS)
             return afs_fail(AFS_EINVAL, "at most %u NICs per group", AFS_MAX_NICS);
         afp_nic_info found[AFS_MAX_NICS];
         uint32_t n = 0;
         char err[AFP_ERRTEXT_LEN] = "";
         afp_open_args a;
-        open_args(&eng->cfg, &a);
-        rc = list_nics_kept(eng->ops, &a, found, AFS_MAX_NICS, &n, err, sizeof(err));
+        open_args(&eng->cfg, t, &a);
+        rc = list_nics_kept(t->ops, &a, found, AFS_MAX_NICS, &n, err, sizeof(err));
         if (rc)
             return afs_fail(rc, "listing NICs: %s", err);
-        if (n < eng->cfg.nics)
-            return afs_fail(AFS_ENODEV, "%u NICs asked for, %s sees %u", eng->cfg.nics,
-                            eng->provider_name, n);
-        for (count = 0; count < eng->cfg.nics; count++)
+        if (n < t->nics_wanted)
+            return afs_fail(AFS_ENODEV, "%u NICs asked for, %s sees %u", t->nics_wanted,
+                            t->name, n);
+        for (count = 0; count < t->nics_wanted; count++)
             snprintf(names[count], AFP_NAME_LEN, "%s", found[count].name);
     }
     if (count == 0)
-        return open_one_nic(eng, 0, NULL);
+        rc = open_one_nic(eng, t, t->first, NULL);
     for (uint32_t i = 0; i < count; i++)
-        if ((rc = open_one_nic(eng, i, names[i])))
+        if ((rc = open_one_nic(eng, t, t->first + i, names[i])))
             return rc;
+    if (rc)
+        return rc;
+    t->caps = eng->nics[t->first].caps.flags;
+    t->max_write = eng->nics[t->first].caps.max_msg_size;
     return 0;
 }
 
-static int check_config(const afs_config *cfg)
+static int check_config(const afs_config *cfg, bool routed)
 {
     if (!cfg || cfg->size != sizeof(afs_config))
         return afs_fail(AFS_EINVAL, "engine config: size mismatch (shim expects %zu bytes)",
                         sizeof(afs_config));
-    if (!cfg->provider_name || !cfg->fabric_provider)
+    if (!cfg->provider_name || (!routed && !cfg->fabric_provider))
         return afs_fail(AFS_EINVAL, "engine config: provider name missing");
     if (strlen(cfg->provider_name) > AFS_MAX_PROVNAME)
         return afs_fail(AFS_EINVAL, "provider name too long");
@@ -279,9 +290,17 @@ static void engine_free(afs_engine *eng)
 {
     afs_live_destroy(eng); /* (a no-op when afs_engine_destroy already stopped it) */
     for (uint32_t i = 0; i < eng->nnics; i++)
-        close_nic(eng, &eng->nics[i]);
-    if (eng->lib)
-        dlclose(eng->lib);
+        close_nic(&eng->nics[i]);
+    for (uint32_t t = 0; t < AFS_MAX_TRANSPORTS; t++) {
+        afs_transport *tp = &eng->tps[t];
+        if (tp->lib)
+            dlclose(tp->lib);
+        free(tp->lib_path);
+        free(tp->name);
+        free(tp->fabric_provider);
+        free(tp->nic_name);
+        free(tp->bind_addr);
+    }
     afs_ring_destroy(&eng->ring);
     free(atomic_exchange(&eng->spare, NULL));
     afs_immtab_destroy(&eng->imm);
@@ -298,19 +317,47 @@ static void engine_free(afs_engine *eng)
     free(eng->down_peers);
     if (eng->wake_fd >= 0)
         close(eng->wake_fd);
-    free(eng->provider_lib);
     free(eng->provider_name);
-    free(eng->fabric_provider);
-    free(eng->nic_name);
-    free(eng->bind_addr);
     free(eng);
 }
 
 static void engine_teardown(afs_engine *eng);
 
-int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
+static bool take_transport(afs_transport *t, const afs_transport_cfg *c)
 {
-    int rc = check_config(cfg);
+    t->lib_path = dup_or_null(c->provider_lib);
+    t->name = dup_or_null(c->provider_name);
+    t->fabric_provider = dup_or_null(c->fabric_provider);
+    t->nic_name = dup_or_null(c->nic);
+    t->bind_addr = dup_or_null(c->bind_addr);
+    t->nics_wanted = c->nics;
+    t->reach = c->reach;
+    return (t->lib_path || !c->provider_lib) && t->name && t->fabric_provider &&
+           (t->nic_name || !c->nic) && (t->bind_addr || !c->bind_addr);
+}
+
+static int check_transports(const afs_transport_cfg *tps, uint32_t count)
+{
+    if (!tps || count == 0 || count > AFS_MAX_TRANSPORTS)
+        return afs_fail(AFS_EINVAL, "routed engine: 1..%u transports, %u given",
+                        AFS_MAX_TRANSPORTS, count);
+    for (uint32_t i = 0; i < count; i++) {
+        if (!tps[i].provider_name || !tps[i].fabric_provider || !tps[i].provider_name[0])
+            return afs_fail(AFS_EINVAL, "routed engine: transport %u has no provider name", i);
+        if (strlen(tps[i].provider_name) > AFS_MAX_PROVNAME)
+            return afs_fail(AFS_EINVAL, "provider name too long");
+        for (uint32_t j = 0; j < i; j++)
+            if (strcmp(tps[i].provider_name, tps[j].provider_name) == 0)
+                return afs_fail(AFS_EINVAL, "routed engine: transport %s given twice",
+                                tps[i].provider_name);
+    }
+    return 0;
+}
+
+static int engine_create(const afs_config *cfg, const afs_transport_cfg *tps, uint32_t ntp,
+                         bool routed, afs_engine **out)
+{
+    int rc = check_config(cfg, routed);
     if (rc)
         return rc;
     if (!out)
@@ -324,16 +371,23 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
     eng->cfg = *cfg;
     if (!eng->cfg.max_imm_values)
         eng->cfg.max_imm_values = AFS_MAX_IMM_VALUES_DEFAULT;
-    eng->provider_lib = dup_or_null(cfg->provider_lib);
     eng->provider_name = dup_or_null(cfg->provider_name);
-    eng->fabric_provider = dup_or_null(cfg->fabric_provider);
-    eng->nic_name = dup_or_null(cfg->nic);
-    eng->bind_addr = dup_or_null(cfg->bind_addr);
-    eng->cfg.provider_lib = eng->provider_lib;
+    eng->routed = routed;
+    eng->ntp = ntp;
+    bool ok = eng->provider_name != NULL;
+    for (uint32_t t = 0; t < ntp; t++)
+        ok = take_transport(&eng->tps[t], &tps[t]) && ok;
+    /* the engine's copies: the caller's strings may go once this returns */
+    eng->cfg.provider_lib = eng->tps[0].lib_path;
     eng->cfg.provider_name = eng->provider_name;
-    eng->cfg.fabric_provider = eng->fabric_provider;
-    eng->cfg.nic = eng->nic_name;
-    eng->cfg.bind_addr = eng->bind_addr;
+    eng->cfg.fabric_provider = eng->tps[0].fabric_provider;
+    eng->cfg.nic = eng->tps[0].nic_name;
+    eng->cfg.bind_addr = eng->tps[0].bind_addr;
+    if (!ok) { /* engine_free frees what was copied */
+        rc = afs_fail(AFS_ENOMEM, "engine: out of memory");
+        engine_free(eng);
+        return rc;
+    }
     afs_raise_fd_limit();
     eng->incarnation = afs_new_incarnation();
     eng->key_secret[0] = afs_random_u64();
@@ -368,22 +422,40 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
         rc = afs_fail(AFS_EIO, "eventfd: %s", strerror(errno));
         goto out_free;
     }
-    if ((rc = afs_load_provider(&eng->cfg, &eng->lib, &eng->ops)))
-        goto out_free;
-
-    if ((rc = open_nics(eng)))
-        goto out_free;
+    for (uint32_t t = 0; t < ntp; t++) {
+        afs_transport *tp = &eng->tps[t];
+        if ((rc = afs_load_provider(tp->lib_path, &tp->lib, &tp->ops)))
+            goto out_free;
+        if ((rc = open_nics(eng, tp)))
+            goto out_free;
+    }
     eng->look_yields = afs_target_copies(eng) && afs_few_cpus();
-    snprintf(eng->provider_full, sizeof(eng->provider_full), "%s", eng->nics[0].caps.provider);
-    const uint8_t *addrs[AFS_MAX_NICS];
-    uint32_t lens[AFS_MAX_NICS];
+    if (!routed)
+        snprintf(eng->provider_full, sizeof(eng->provider_full), "%s",
+                 eng->nics[0].caps.provider);
+    else
+        for (uint32_t t = 0, at = 0; t < ntp; t++) {
+            int n = snprintf(eng->provider_full + at, sizeof(eng->provider_full) - at, "%s%s",
+                             t ? "+" : "", eng->nics[eng->tps[t].first].caps.provider);
+            if (n < 0 || (uint32_t)n >= sizeof(eng->provider_full) - at)
+                break;
+            at += (uint32_t)n;
+        }
+    const uint8_t *addrs[AFS_ENG_NICS];
+    uint32_t lens[AFS_ENG_NICS];
+    const char *names[AFS_MAX_TRANSPORTS];
+    uint32_t tp_nics[AFS_MAX_TRANSPORTS];
     for (uint32_t i = 0; i < eng->nnics; i++) {
         addrs[i] = eng->nics[i].addr;
         lens[i] = eng->nics[i].addr_len;
     }
-    if ((rc = afs_addr_encode(eng->provider_name, eng->incarnation, eng->nnics,
-                              eng->cfg.max_msg_size, addrs, lens,
-                              eng->address, sizeof(eng->address), &eng->address_len)))
+    for (uint32_t t = 0; t < ntp; t++) {
+        names[t] = eng->tps[t].name;
+        tp_nics[t] = eng->tps[t].count;
+    }
+    if ((rc = afs_addr_encode(routed, ntp, names, tp_nics, eng->incarnation,
+                              eng->cfg.max_msg_size, addrs, lens, eng->address,
+                              sizeof(eng->address), &eng->address_len)))
         goto out_free;
 
     if ((rc = afs_live_start(eng))) { /* peers.c: watches same-host peers and the worker */
@@ -400,6 +472,24 @@ int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
 out_free:
     engine_free(eng);
     return rc;
+}
+
+int32_t afs_engine_create(const afs_config *cfg, afs_engine **out)
+{
+    if (!cfg || cfg->size != sizeof(afs_config))
+        return check_config(cfg, false);
+    afs_transport_cfg one = {cfg->provider_lib, cfg->provider_name, cfg->fabric_provider,
+                             cfg->nic, cfg->bind_addr, cfg->nics, AFS_REACH_NETWORK};
+    if (cfg->provider_name && strlen(cfg->provider_name) > AFS_MAX_PROVNAME)
+        return afs_fail(AFS_EINVAL, "provider name too long");
+    return engine_create(cfg, &one, 1, false, out);
+}
+
+int32_t afs_engine_create_routed(const afs_config *cfg, const afs_transport_cfg *transports,
+                                 uint32_t count, afs_engine **out)
+{
+    int rc = check_transports(transports, count);
+    return rc ? rc : engine_create(cfg, transports, count, true, out);
 }
 
 /* How long closing waits for the worker to stop before giving up on it. */
@@ -480,7 +570,7 @@ static void engine_teardown(afs_engine *eng)
             continue;
         for (uint32_t k = 0; k < eng->nnics; k++)
             if (m->mr[k])
-                eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
+                eng->nics[k].ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
     }
     engine_free(eng);
 }
@@ -491,12 +581,35 @@ int32_t afs_engine_info(afs_engine *eng, afs_engine_facts *out)
         return afs_fail(AFS_EINVAL, "NULL argument");
     memset(out, 0, sizeof(*out));
     out->event_fd = eng->ring.event_fd;
-    out->caps = eng->nics[0].caps.flags;
     out->incarnation = eng->incarnation;
-    out->max_write_size = eng->nics[0].caps.max_msg_size;
+    /* a routed engine: what any of its transports does, and the largest write all take */
+    for (uint32_t t = 0; t < eng->ntp; t++) {
+        out->caps |= eng->tps[t].caps;
+        if (!out->max_write_size || eng->tps[t].max_write < out->max_write_size)
+            out->max_write_size = eng->tps[t].max_write;
+    }
     out->max_msg_size = eng->cfg.max_msg_size;
     out->nics = eng->nnics;
+    out->transports = eng->ntp;
     snprintf(out->provider, sizeof(out->provider), "%s", eng->provider_full);
+    return 0;
+}
+
+int32_t afs_engine_transport(afs_engine *eng, uint32_t index, afs_transport_info *out)
+{
+    if (!eng || !out)
+        return afs_fail(AFS_EINVAL, "NULL argument");
+    if (index >= eng->ntp)
+        return afs_fail(AFS_EINVAL, "transport %u of %u", index, eng->ntp);
+    const afs_transport *t = &eng->tps[index];
+    memset(out, 0, sizeof(*out));
+    snprintf(out->name, sizeof(out->name), "%s", t->name);
+    snprintf(out->provider, sizeof(out->provider), "%s", eng->nics[t->first].caps.provider);
+    out->first_nic = t->first;
+    out->nics = t->count;
+    out->caps = t->caps;
+    out->reach = t->reach;
+    out->max_write_size = t->max_write;
     return 0;
 }
 
@@ -583,7 +696,8 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
         return afs_fail(AFS_EINVAL, "register: unknown flags 0x%x", flags);
     /* A provider from before reads would register a readable region without read access
      * (it ignores the flag): refuse rather than hand out a descriptor that says "r". */
-    if ((flags & AFP_MR_REMOTE_READ) && !AFP_HAS_OP(eng->ops, post_reads))
+    if (!eng->routed && (flags & AFP_MR_REMOTE_READ) &&
+        !AFP_HAS_OP(eng->tps[0].ops, post_reads))
         return afs_fail(AFS_EUNSUPPORTED, "register: provider %s has no reads (remote=\"r\")",
                         eng->provider_name ? eng->provider_name : "?");
     if ((flags & AFP_MR_DEVICE) && device < 0)
@@ -613,7 +727,8 @@ int32_t afs_mr_register(afs_engine *eng, uint64_t addr, uint64_t len, uint32_t f
     if (flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ)) {
         rc = afs_desc_encode(eng->address, eng->address_len, addr, len, m->device,
                              flags & (AFP_MR_REMOTE | AFP_MR_REMOTE_READ), eng->nnics,
-                             m->rbase, m->rkey, desc, cap, desc_len);
+                             m->rbase, m->rkey, eng->routed, m->remote_mask, desc, cap,
+                             desc_len);
         if (rc) {
             afs_xfer *d = afs_xfer_new(eng, AFS_REQ_CTRL);
             if (d) {
@@ -693,16 +808,77 @@ int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation)
                     (unsigned long long)old_incarnation, (unsigned long long)new_incarnation);
 }
 
+/* Appends "name: why" to a peer's refusals (routed engines say why a transport was not
+ * taken), or just "name" to a list when `why` is NULL. */
+static void refuse_tp(char *buf, size_t len, const char *name, const char *why)
+{
+    size_t at = strlen(buf);
+    if (at < len)
+        snprintf(buf + at, len - at, "%s%s%s%s", at ? (why ? "; " : ", ") : "", name,
+                 why ? ": " : "", why ? why : "");
+}
+
+/* Which of this engine's transports may reach the peer of address `v` (each must be named
+ * in it, with as many NICs as ours; a same-host or same-node transport only to a process
+ * of this host), and the peer's NIC addresses for each, by this engine's NIC. */
+static int match_transports(afs_engine *eng, const afs_addr_view *v, afs_xfer *x,
+                            uint32_t peer_tp[AFS_MAX_TRANSPORTS])
+{
+    afs_proc_id me = {0};
+    (void)afs_proc_self(&me);
+    for (uint32_t t = 0; t < eng->ntp; t++) {
+        const afs_transport *tp = &eng->tps[t];
+        uint32_t j = 0;
+        while (j < v->ntp && strcmp(v->tp[j].name, tp->name) != 0)
+            j++;
+        if (j == v->ntp) {
+            if (eng->routed)
+                refuse_tp(x->ctrl.refused, sizeof x->ctrl.refused, tp->name,
+                          "the peer has no such transport");
+            continue;
+        }
+        if (v->tp[j].nics != tp->count) {
+            if (!eng->routed)
+                return afs_fail(AFS_EINVAL, "peer has %u NICs per group, this engine %u",
+                                v->tp[j].nics, tp->count);
+            char why[96];
+            snprintf(why, sizeof why, "the peer has %u NICs in its group, this engine %u",
+                     v->tp[j].nics, tp->count);
+            refuse_tp(x->ctrl.refused, sizeof x->ctrl.refused, tp->name, why);
+            continue;
+        }
+        if (eng->routed && tp->reach != AFS_REACH_NETWORK && v->proc.host && me.host &&
+            v->proc.host != me.host) {
+            refuse_tp(x->ctrl.refused, sizeof x->ctrl.refused, tp->name,
+                      "the peer is on another host (kernel boot or PID namespace)");
+            continue;
+        }
+        x->ctrl.tp_want |= 1u << t;
+        peer_tp[t] = j;
+        for (uint32_t i = 0; i < tp->count; i++) {
+            x->ctrl.addr[tp->first + i] = v->nic_addr[v->tp[j].first + i];
+            x->ctrl.addr_len[tp->first + i] = v->nic_addr_len[v->tp[j].first + i];
+        }
+    }
+    if (!x->ctrl.tp_want) {
+        char ours[96], theirs[96] = "";
+        afs_tp_names(eng, (1u << eng->ntp) - 1u, ours, sizeof ours);
+        for (uint32_t j = 0; j < v->ntp; j++)
+            refuse_tp(theirs, sizeof theirs, v->tp[j].name, NULL);
+        if (!eng->routed && v->ntp == 1)
+            return afs_fail(AFS_EWRONGPROV, "peer uses provider %s, this engine %s",
+                            v->provider, eng->provider_name);
+        return afs_fail(AFS_EWRONGPROV, "no transport reaches the peer: this engine has %s, "
+                                        "the peer %s%s%s",
+                        ours, theirs, x->ctrl.refused[0] ? "; " : "", x->ctrl.refused);
+    }
+    return 0;
+}
+
 int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
                              uint32_t blob_len, uint64_t *peer_id)
 {
     int rc = 0;
-    if (strcmp(v->provider, eng->provider_name) != 0)
-        return afs_fail(AFS_EWRONGPROV, "peer uses provider %s, this engine %s", v->provider,
-                        eng->provider_name);
-    if (v->nics != eng->nnics)
-        return afs_fail(AFS_EINVAL, "peer has %u NICs per group, this engine %u", v->nics,
-                        eng->nnics);
     if (blob_len > sizeof(((afs_peer_entry *)0)->addr))
         return afs_fail(AFS_EBADDESC, "peer address too long (%u bytes)", blob_len);
     if ((rc = incarnation_plausible(v->incarnation)))
@@ -742,24 +918,27 @@ int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint
         goto out_unlock;
     }
     x->ctrl.op = AFS_CTRL_RESOLVE;
-    for (uint32_t k = 0; k < v->nics; k++) {
-        x->ctrl.addr[k] = v->nic_addr[k];
-        x->ctrl.addr_len[k] = v->nic_addr_len[k];
-    }
-    rc = afs_ctrl_call(eng, x);
+    uint32_t peer_tp[AFS_MAX_TRANSPORTS] = {0};
+    if ((rc = match_transports(eng, v, x, peer_tp)) == 0)
+        rc = afs_ctrl_call(eng, x);
     if (rc == 0) {
         memcpy(p->fi_addr, x->ctrl.fi_addr, sizeof(p->fi_addr));
+        p->tp_mask = x->ctrl.tp_got;
+        memcpy(p->peer_tp, peer_tp, sizeof(p->peer_tp));
+        memcpy(p->refused, x->ctrl.refused, sizeof(p->refused));
         p->incarnation = v->incarnation;
         p->max_msg = v->max_msg;
         p->pid = v->proc.pid;
         p->start = v->proc.start;
         p->addr_len = blob_len;
         memcpy(p->addr, blob, blob_len);
-        for (uint32_t k = 0; k < v->nics; k++) { /* v was parsed from blob: they point in it */
-            uintptr_t at = (uintptr_t)v->nic_addr[k], from = (uintptr_t)blob;
-            bool inside = at >= from && at - from + v->nic_addr_len[k] <= blob_len;
+        for (uint32_t k = 0; k < eng->nnics; k++) { /* v was parsed from blob: in it */
+            if (!(p->tp_mask & (1u << eng->nics[k].tp)))
+                continue;
+            uintptr_t at = (uintptr_t)x->ctrl.addr[k], from = (uintptr_t)blob;
+            bool inside = at >= from && at - from + x->ctrl.addr_len[k] <= blob_len;
             p->nic_off[k] = inside ? (uint16_t)(at - from) : 0;
-            p->nic_len[k] = inside ? (uint16_t)v->nic_addr_len[k] : 0;
+            p->nic_len[k] = inside ? (uint16_t)x->ctrl.addr_len[k] : 0;
         }
         *peer_id = afs_slots_publish(&eng->peers, index);
         afs_live_watch(eng, *peer_id, &v->proc); /* peers.c: reported up; watched if local */
@@ -796,7 +975,57 @@ int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle)
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
     if (!p)
         return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
-    *handle = p->fi_addr[0];
+    *handle = afs_peer_src(eng, p, afs_peer_nic(eng, p));
+    return 0;
+}
+
+int32_t afs_peer_source(afs_engine *eng, uint64_t peer_id, uint64_t src, uint32_t *match)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!match)
+        return afs_fail(AFS_EINVAL, "peer source: NULL output");
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p)
+        return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
+    *match = 0;
+    for (uint32_t t = 0; t < eng->ntp; t++)
+        if ((p->tp_mask & (1u << t)) && afs_peer_src(eng, p, eng->tps[t].first) == src)
+            *match = 1;
+    return 0;
+}
+
+int32_t afs_peer_route(afs_engine *eng, uint64_t peer_id, int32_t device, uint32_t *transport,
+                       char *why, uint32_t why_len)
+{
+    int rc = afs_engine_check_open(eng);
+    if (rc)
+        return rc;
+    if (!transport || (!why && why_len))
+        return afs_fail(AFS_EINVAL, "route: NULL output");
+    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
+    if (!p)
+        return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
+    char refused[sizeof p->refused];
+    memcpy(refused, p->refused, sizeof refused);
+    uint32_t mask = p->tp_mask;
+    if (!afs_slots_still(&eng->peers, peer_id))
+        return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
+    /* what a region of that kind registers with (afs_reg_flags), as a mask */
+    uint32_t holds = 0;
+    afs_mr_entry probe = {0};
+    probe.flags = AFP_MR_REMOTE | (device >= 0 ? AFP_MR_DEVICE : 0u);
+    probe.device = device;
+    for (uint32_t t = 0; t < eng->ntp; t++) {
+        uint32_t f = afs_reg_flags(eng, &eng->tps[t], &probe);
+        if (f != UINT32_MAX && (f & AFP_MR_REMOTE))
+            holds |= 1u << t;
+    }
+    if ((rc = afs_route_pick(eng, holds, mask, transport)))
+        return rc;
+    if (why_len)
+        snprintf(why, why_len, "%s", refused);
     return 0;
 }
 
@@ -824,9 +1053,32 @@ int32_t afs_remote_import(afs_engine *eng, const uint8_t *desc, uint32_t len, ui
     r->peer_id = peer_id;
     memcpy(r->fi_addr, p->fi_addr, sizeof(r->fi_addr));
     r->length = d.length;
-    memcpy(r->rbase, d.remote_base, sizeof(r->rbase));
-    memcpy(r->key, d.key, sizeof(r->key));
     r->access = d.access;
+    /* the keys by this engine's NIC, on the transports that reach the owner and hold it */
+    for (uint32_t t = 0; t < eng->ntp; t++) {
+        const afs_transport *tp = &eng->tps[t];
+        uint32_t j = p->peer_tp[t];
+        if (!(p->tp_mask & (1u << t)) || !(d.tp_mask & (1u << j)))
+            continue;
+        for (uint32_t i = 0; i < tp->count; i++) {
+            r->rbase[tp->first + i] = d.remote_base[d.owner.tp[j].first + i];
+            r->key[tp->first + i] = d.key[d.owner.tp[j].first + i];
+        }
+        r->tp_mask |= 1u << t;
+    }
+    if (!r->tp_mask) {
+        char held[96] = "";
+        for (uint32_t j = 0; j < d.owner.ntp; j++)
+            if (d.tp_mask & (1u << j))
+                refuse_tp(held, sizeof held, d.owner.tp[j].name, NULL);
+        char reach[96];
+        afs_tp_names(eng, p->tp_mask, reach, sizeof reach);
+        afs_slots_release(&eng->remotes, index);
+        return afs_fail(AFS_EUNSUPPORTED, "descriptor of a %s region that its owner holds on "
+                                          "%s, and this engine reaches the owner through %s "
+                                          "only",
+                        d.device >= 0 ? "CUDA" : "host", held, reach);
+    }
     *remote_id = afs_slots_publish(&eng->remotes, index);
     return 0;
 }

@@ -8,17 +8,24 @@
 
 #include "internal.h"
 
-/* Whether two live entries name the same NIC addresses (their address blobs' NIC parts). */
-static bool same_nic_addrs(const afs_peer_entry *a, const afs_peer_entry *b)
+/* Whether two live entries name the same NIC addresses (their address blobs' NIC parts) on
+ * the network transports: a same-host transport's address names the engine, not a place a
+ * restarted one takes again (cma's segment is new each time). */
+static bool same_nic_addrs(const afs_engine *eng, const afs_peer_entry *a,
+                           const afs_peer_entry *b)
 {
-    for (uint32_t k = 0; k < AFS_MAX_NICS; k++) {
+    bool any = false;
+    for (uint32_t k = 0; k < eng->nnics; k++) {
+        if (eng->tps[eng->nics[k].tp].reach != AFS_REACH_NETWORK)
+            continue;
         if (a->nic_len[k] != b->nic_len[k])
             return false;
         if (a->nic_len[k] &&
             memcmp(a->addr + a->nic_off[k], b->addr + b->nic_off[k], a->nic_len[k]) != 0)
             return false;
+        any |= a->nic_len[k] != 0;
     }
-    return a->nic_len[0] != 0;
+    return any;
 }
 
 /* Peer slots handed out so far (the slot table's own lock, held for a read). */
@@ -39,7 +46,7 @@ void afs_peer_proven(afs_engine *eng, afs_peer_entry *p)
     for (uint32_t i = 0; i < n; i++) {
         afs_peer_entry *q = afs_slots_at(&eng->peers, i);
         uint32_t gen = q ? atomic_load_explicit(&q->hdr.gen, memory_order_acquire) : 0;
-        if (!(gen & 1u) || q == p || q->incarnation == p->incarnation || !same_nic_addrs(p, q))
+        if (!(gen & 1u) || q == p || q->incarnation == p->incarnation || !same_nic_addrs(eng, p, q))
             continue;
         afs_peer_entry *older = q->incarnation < p->incarnation ? q : p;
         afs_peer_entry *later = older == q ? p : q;
@@ -60,7 +67,7 @@ uint64_t afs_peer_later_claim(afs_engine *eng, const afs_peer_entry *p)
         afs_peer_entry *q = afs_slots_at(&eng->peers, i);
         uint32_t gen = q ? atomic_load_explicit(&q->hdr.gen, memory_order_acquire) : 0;
         if ((gen & 1u) && q->incarnation > p->incarnation && q->incarnation > later &&
-            same_nic_addrs(p, q))
+            same_nic_addrs(eng, p, q))
             later = q->incarnation;
     }
     return later;

@@ -13,10 +13,13 @@
 #include "afabric_provider.h"
 #include "afabric_shim.h"
 
-#define AFS_MAX_NICS 8u
-#define AFS_ADDR_MAGIC "AFA1"
+#define AFS_MAX_NICS 8u       /* NICs of one transport (a domain group) */
+#define AFS_ENG_NICS 16u      /* NICs of one engine, every transport's together */
+#define AFS_ADDR_MAGIC "AFA1"  /* one transport (a single-provider engine) */
+#define AFS_ADDR_MAGIC2 "AFA2" /* several transports (a routed engine) */
 #define AFS_DESC_MAGIC "AFD1"  /* before reads: no access field (still decoded) */
 #define AFS_DESC_MAGIC2 "AFD2" /* with the region's access (AFP_MR_REMOTE | AFP_MR_REMOTE_READ) */
+#define AFS_DESC_MAGIC3 "AFD3" /* and which of the owner's transports hold the region */
 #define AFS_MAX_PROVNAME 31u
 /* Work requests posted for one transfer per progress round: the paper's release posts
  * at most 32 per round because EFA's small-message rate collapses otherwise. */
@@ -169,14 +172,23 @@ void afs_live_sweep(afs_engine *eng);
 void afs_live_destroy(afs_engine *eng);
 
 /* ---- codec.c: address and descriptor blobs ---- */
+/* One transport an address lists: its provider's name and its NICs in nic_addr[]. */
+typedef struct afs_addr_tp {
+    char name[AFS_MAX_PROVNAME + 1];
+    uint32_t first, nics;
+} afs_addr_tp;
+
 typedef struct afs_addr_view {
     uint64_t incarnation;
-    uint32_t nics;
+    uint32_t nics;    /* every transport's together */
     uint32_t max_msg; /* largest message the engine receives (rounded down), 0 = unknown */
     afs_proc_id proc; /* the owner process, zeroed when the address does not say */
-    char provider[AFS_MAX_PROVNAME + 1];
-    const uint8_t *nic_addr[AFS_MAX_NICS];
-    uint32_t nic_addr_len[AFS_MAX_NICS];
+    char provider[AFS_MAX_PROVNAME + 1]; /* the first transport's name (messages) */
+    uint32_t ntp;
+    bool routed; /* AFA2 */
+    afs_addr_tp tp[AFS_MAX_TRANSPORTS];
+    const uint8_t *nic_addr[AFS_ENG_NICS];
+    uint32_t nic_addr_len[AFS_ENG_NICS];
 } afs_addr_view;
 
 typedef struct afs_desc_view {
@@ -186,22 +198,39 @@ typedef struct afs_desc_view {
     uint64_t base;
     uint64_t length;
     int32_t device;
-    uint64_t remote_base[AFS_MAX_NICS];
-    uint64_t key[AFS_MAX_NICS];
-    uint32_t access; /* AFP_MR_REMOTE | AFP_MR_REMOTE_READ; 0: not stated (AFD1) */
+    uint64_t remote_base[AFS_ENG_NICS];
+    uint64_t key[AFS_ENG_NICS];
+    uint32_t access;  /* AFP_MR_REMOTE | AFP_MR_REMOTE_READ; 0: not stated (AFD1) */
+    uint32_t tp_mask; /* the owner's transports (bit = index in its address) holding keys */
 } afs_desc_view;
 
-int afs_addr_encode(const char *provider, uint64_t incarnation, uint32_t nics, uint32_t max_msg,
-                    const uint8_t *const *addrs, const uint32_t *lens, uint8_t *out,
-                    uint32_t cap, uint32_t *len);
+/* AFA1 when ntp is 1 and !routed, else AFA2 listing each transport (names[t], tp_nics[t]). */
+int afs_addr_encode(bool routed, uint32_t ntp, const char *const *names, const uint32_t *tp_nics,
+                    uint64_t incarnation, uint32_t max_msg, const uint8_t *const *addrs,
+                    const uint32_t *lens, uint8_t *out, uint32_t cap, uint32_t *len);
 int afs_addr_parse(const uint8_t *buf, uint32_t len, afs_addr_view *out);
+/* AFD2, or AFD3 with `tp_mask` when `routed` (keys of transports outside it are 0). */
 int afs_desc_encode(const uint8_t *addr_blob, uint32_t addr_len, uint64_t base, uint64_t length,
                     int32_t device, uint32_t access, uint32_t nics, const uint64_t *remote_base,
-                    const uint64_t *key, uint8_t *out, uint32_t cap, uint32_t *len);
+                    const uint64_t *key, bool routed, uint32_t tp_mask, uint8_t *out,
+                    uint32_t cap, uint32_t *len);
 int afs_desc_parse(const uint8_t *buf, uint32_t len, afs_desc_view *out);
 
 /* ---- engine objects ---- */
+/* One transport of an engine: a provider and its NICs (a domain group). */
+typedef struct afs_transport {
+    char *lib_path, *name, *fabric_provider, *nic_name, *bind_addr;
+    uint32_t nics_wanted, reach;
+    void *lib;
+    const struct afp_ops *ops;
+    uint32_t first, count; /* its NICs in afs_engine.nics */
+    uint32_t caps;         /* its first NIC's AFP_CAP_* */
+    uint64_t max_write;    /* its first NIC's max_msg_size */
+} afs_transport;
+
 typedef struct afs_nic {
+    const struct afp_ops *ops; /* its transport's provider */
+    uint32_t tp;               /* its transport (afs_engine.tps) */
     afp_domain *dom;
     afp_caps caps;
     uint8_t addr[AFP_MAX_ADDR_LEN];
@@ -228,15 +257,20 @@ typedef struct afs_mr_entry {
     uint64_t addr, len;
     uint32_t flags;
     int32_t device;
-    afp_mr *mr[AFS_MAX_NICS];
-    void *desc[AFS_MAX_NICS];
-    uint64_t rkey[AFS_MAX_NICS];
-    uint64_t rbase[AFS_MAX_NICS];
+    uint32_t local_mask;  /* transports it is registered with (bit = transport index) */
+    uint32_t remote_mask; /* ... of which peers may reach it through these */
+    afp_mr *mr[AFS_ENG_NICS];
+    void *desc[AFS_ENG_NICS];
+    uint64_t rkey[AFS_ENG_NICS];
+    uint64_t rbase[AFS_ENG_NICS];
 } afs_mr_entry;
 
 typedef struct afs_peer_entry {
     afs_slot_hdr hdr;
-    uint64_t fi_addr[AFS_MAX_NICS];
+    uint64_t fi_addr[AFS_ENG_NICS]; /* by this engine's NIC, on the transports in tp_mask */
+    uint32_t tp_mask;               /* this engine's transports that reach it */
+    uint32_t peer_tp[AFS_MAX_TRANSPORTS]; /* ... and the index of each in its address */
+    char refused[256]; /* transports that did not reach it, and why ("" if none) */
     uint64_t incarnation;
     _Atomic uint64_t superseded_by; /* a later incarnation at the same NIC addresses, or 0 */
     _Atomic int32_t down;           /* peers.c: AFS_PEER_*, else 0 */
@@ -245,8 +279,9 @@ typedef struct afs_peer_entry {
     uint64_t start;                 /* ... and that process's start time */
     uint32_t max_msg;               /* largest message it receives, 0 = unknown */
     uint32_t addr_len;
-    uint8_t addr[512];
-    uint16_t nic_off[AFS_MAX_NICS], nic_len[AFS_MAX_NICS]; /* each NIC's address in `addr` */
+    uint8_t addr[1024];
+    /* each of its NICs' address in `addr`, by this engine's NIC (keepalive.c) */
+    uint16_t nic_off[AFS_ENG_NICS], nic_len[AFS_ENG_NICS];
 } afs_peer_entry;
 
 #define AFS_KA_USED 1u     /* an operation went to it (api.c): heartbeats go to it */
@@ -305,14 +340,16 @@ static inline const char *afs_peer_down_text(int32_t why)
                                     : "its process has exited";
 }
 
+/* An imported descriptor, its keys by this engine's NIC, on the transports in tp_mask. */
 typedef struct afs_remote_entry {
     afs_slot_hdr hdr;
     uint64_t peer_id;
-    uint64_t fi_addr[AFS_MAX_NICS];
+    uint64_t fi_addr[AFS_ENG_NICS];
     uint64_t length;
-    uint64_t rbase[AFS_MAX_NICS];
-    uint64_t key[AFS_MAX_NICS];
-    uint32_t access; /* as the descriptor states it (0: not stated) */
+    uint64_t rbase[AFS_ENG_NICS];
+    uint64_t key[AFS_ENG_NICS];
+    uint32_t access;  /* as the descriptor states it (0: not stated) */
+    uint32_t tp_mask; /* transports that reach its owner and hold its keys */
 } afs_remote_entry;
 
 /* Request kinds travelling through the submit queue. */
@@ -415,12 +452,15 @@ typedef struct afs_xfer {
                           side (rbase + dst_*, targets' dst_offset) the source; never an imm */
             uint32_t imm;
 
+            /* the route's NICs: eng->nics[nic_first .. nic_first + nic_count - 1] (a
+             * scatter's targets have their own); the arrays are by the engine's NIC */
+            uint32_t nic_first, nic_count;
             /* write / paged */
             uint64_t local_addr;
-            void *local_desc[AFS_MAX_NICS];
-            uint64_t fi_addr[AFS_MAX_NICS];
-            uint64_t rbase[AFS_MAX_NICS];
-            uint64_t rkey[AFS_MAX_NICS];
+            void *local_desc[AFS_ENG_NICS];
+            uint64_t fi_addr[AFS_ENG_NICS];
+            uint64_t rbase[AFS_ENG_NICS];
+            uint64_t rkey[AFS_ENG_NICS];
             uint64_t length;   /* contiguous: bytes; paged: page length */
             uint64_t dst_addr; /* contiguous: remote offset already added to rbase */
             uint64_t chunk;
@@ -450,6 +490,7 @@ typedef struct afs_xfer {
 
         /* AFS_REQ_SEND */
         struct afs_xfer_send {
+            uint32_t nic; /* the first NIC of the peer's route */
             uint64_t peer_fi_addr;
             uint8_t *payload; /* a copy, owned */
             uint64_t length;
@@ -494,9 +535,13 @@ typedef struct afs_xfer {
             char err[AFP_ERRTEXT_LEN];
             sem_t done;
             afs_mr_entry *mr;
-            const uint8_t *addr[AFS_MAX_NICS];
-            uint32_t addr_len[AFS_MAX_NICS];
-            uint64_t fi_addr[AFS_MAX_NICS];
+            /* AFS_CTRL_RESOLVE: the peer's NIC addresses by this engine's NIC, on the
+             * transports in tp_want; the worker sets tp_got and `refused` */
+            const uint8_t *addr[AFS_ENG_NICS];
+            uint32_t addr_len[AFS_ENG_NICS];
+            uint64_t fi_addr[AFS_ENG_NICS];
+            uint32_t tp_want, tp_got;
+            char refused[256];
             afs_allow *allow; /* AFS_CTRL_ALLOW: the worker's new list (NULL: every peer) */
             /* AFS_CTRL_DEREG: remote writes seen, and since when */
             uint64_t settle_seen, settle_since;
@@ -524,11 +569,12 @@ struct afs_engine {
      * looks for completions (afs_pending_wait, the benchmark's wait) yields between looks,
      * or it takes the CPU that worker, or ours, needs (set once the NICs are open). */
     bool look_yields;
-    char *provider_lib, *provider_name, *fabric_provider, *nic_name, *bind_addr;
-    void *lib;
-    const struct afp_ops *ops;
+    char *provider_name; /* afabric's name ("tcp"; "auto" for a routed engine) */
+    afs_transport tps[AFS_MAX_TRANSPORTS];
+    uint32_t ntp;
+    bool routed; /* afs_engine_create_routed: AFA2 addresses, AFD3 descriptors */
     uint32_t nnics;
-    afs_nic nics[AFS_MAX_NICS];
+    afs_nic nics[AFS_ENG_NICS];
     uint64_t incarnation;
     uint64_t key_secret[2]; /* remote keys derive from it (keys.c); never leaves the engine */
     uint8_t address[1024];
@@ -766,10 +812,40 @@ static inline int afs_engine_check_open(afs_engine *eng)
         return afs_fail(AFS_ESTUCK, "%s", eng->stuck_text);
     return 0;
 }
-int afs_load_provider(const afs_config *cfg, void **lib, const struct afp_ops **ops);
+int afs_load_provider(const char *path, void **lib, const struct afp_ops **ops);
 int afs_restarted_error(uint64_t old_incarnation, uint64_t new_incarnation); /* AFS_ESTALE */
 int afs_find_or_resolve_peer(afs_engine *eng, const afs_addr_view *v, const uint8_t *blob,
                              uint32_t blob_len, uint64_t *peer_id); /* no allow-list check */
+/* ---- route.c: which transport carries what ---- */
+/* A RECV completion's `id` for sender handle `src` on NIC `nic`: the handle itself on a
+ * single-provider engine; on a routed one with the NIC in the top byte (handles of two
+ * transports may be equal). */
+static inline uint64_t afs_src_id(const afs_engine *eng, uint32_t nic, uint64_t src)
+{
+    if (!eng->routed || src == AFS_SRC_UNKNOWN || src == AFS_SRC_UNRESOLVED)
+        return src;
+    return (src & ((1ull << 56) - 1u)) | (uint64_t)nic << 56;
+}
+static inline uint64_t afs_peer_src(const afs_engine *eng, const afs_peer_entry *p,
+                                    uint32_t nic)
+{
+    return afs_src_id(eng, nic, p->fi_addr[nic]);
+}
+/* The first (preferred) transport of a non-empty mask. */
+static inline uint32_t afs_tp_first(uint32_t mask) { return (uint32_t)__builtin_ctz(mask); }
+/* The NIC that messages and control frames to peer `p` leave from: its preferred
+ * transport's first NIC. */
+uint32_t afs_peer_nic(const afs_engine *eng, const afs_peer_entry *p);
+/* The transport an operation from local region transports `local_mask` to remote region
+ * transports `remote_mask` takes (AFS_EUNSUPPORTED, saying why, when none holds both). */
+int afs_route_pick(afs_engine *eng, uint32_t local_mask, uint32_t remote_mask, uint32_t *tp);
+/* Writes "name, name" of the transports in `mask` into buf. */
+void afs_tp_names(const afs_engine *eng, uint32_t mask, char *buf, size_t len);
+/* The flags region `m` registers with on transport `t`, or UINT32_MAX for none (routed
+ * engines: CUDA memory only where the provider takes it, host memory local-only on a
+ * provider that writes device memory only). */
+uint32_t afs_reg_flags(const afs_engine *eng, const afs_transport *t, const afs_mr_entry *m);
+
 /* ---- identity.c: which incarnation lives at a NIC address ---- */
 /* A frame proved that `p`'s incarnation lives at its NIC addresses (keepalive.c, worker
  * thread, lock-free): older incarnations there are superseded from now on. */

@@ -144,12 +144,12 @@ static afs_peer_entry *peer_at(afs_engine *eng, uint32_t i, uint64_t *id)
     return p;
 }
 
-/* Posts one frame to `fi_addr` on the first NIC; false if it could not (best effort). */
-static bool ka_send(afs_engine *eng, uint64_t fi_addr, uint32_t index, uint8_t kind,
-                    uint32_t peer_max)
+/* Posts one frame to `fi_addr` on NIC `nic`; false if it could not (best effort). */
+static bool ka_send(afs_engine *eng, uint32_t nic, uint64_t fi_addr, uint32_t index,
+                    uint8_t kind, uint32_t peer_max)
 {
     struct afs_ka *ka = ka_of(eng);
-    afs_nic *n = &eng->nics[0];
+    afs_nic *n = &eng->nics[nic];
     uint32_t max_out = eng->cfg.tx_depth / 8 ? eng->cfg.tx_depth / 8 : 1;
     if (!ka || n->tx_free_len == 0 || (kind != KA_BYE && ka->out >= max_out))
         return false;
@@ -170,8 +170,8 @@ static bool ka_send(afs_engine *eng, uint64_t fi_addr, uint32_t index, uint8_t k
         buf[8 + b] = (uint8_t)(eng->incarnation >> (8 * b));
     memcpy(buf + KA_HDR, eng->address, alen);
     uint64_t tag = kind == KA_PING ? KA_TAG_PING : kind == KA_BYE ? KA_TAG_BYE : KA_TAG_PONG;
-    uint64_t ctx = ((uint64_t)slot << 40) | ((uint64_t)index << 8) | tag;
-    int rc = eng->ops->post_send(n->dom, fi_addr, buf, KA_HDR + alen, n->tx_desc, ctx);
+    uint64_t ctx = ((uint64_t)nic << 56) | ((uint64_t)slot << 40) | ((uint64_t)index << 8) | tag;
+    int rc = n->ops->post_send(n->dom, fi_addr, buf, KA_HDR + alen, n->tx_desc, ctx);
     if (rc) {
         afs_clear_error();
         return false;
@@ -187,7 +187,8 @@ static bool ka_send(afs_engine *eng, uint64_t fi_addr, uint32_t index, uint8_t k
 void afs_ka_sent(afs_engine *eng, const afp_event *ev)
 {
     struct afs_ka *ka = eng->ka;
-    afs_nic *n = &eng->nics[0];
+    uint32_t nic = (uint32_t)(ev->ctx >> 56);
+    afs_nic *n = &eng->nics[nic < eng->nnics ? nic : 0];
     uint32_t slot = (uint32_t)((ev->ctx >> 40) & 0xffffu);
     uint32_t index = (uint32_t)((ev->ctx >> 8) & 0xffffffffu);
     if (n->tx_free_len < eng->cfg.tx_depth)
@@ -214,7 +215,9 @@ static afs_peer_entry *sender_of(afs_engine *eng, uint32_t nic, uint64_t src, ui
     uint32_t n = peers_alloc(eng);
     for (uint32_t i = 0; i < n; i++) {
         afs_peer_entry *p = peer_at(eng, i, id);
-        if (p && p->incarnation == inc && (!*verified || p->fi_addr[nic] == src)) {
+        if (p && p->incarnation == inc &&
+            (!*verified ||
+             ((p->tp_mask & (1u << eng->nics[nic].tp)) && p->fi_addr[nic] == src))) {
             *index = i;
             return p;
         }
@@ -245,17 +248,26 @@ static bool claim_matches_sender(afs_engine *eng, uint32_t nic, uint64_t src, co
     if (src == AFP_SRC_UNKNOWN || src == AFP_SRC_UNRESOLVED)
         return true;
     afs_addr_view v;
-    if (afs_addr_parse(blob, len, &v) != 0 || nic >= v.nics)
+    if (afs_addr_parse(blob, len, &v) != 0)
         return false;
+    /* the claimed address's NIC that corresponds to ours: same transport, same place */
+    const afs_transport *tp = &eng->tps[eng->nics[nic].tp];
+    uint32_t j = 0;
+    while (j < v.ntp && strcmp(v.tp[j].name, tp->name) != 0)
+        j++;
+    if (j == v.ntp || nic - tp->first >= v.tp[j].nics)
+        return false;
+    const uint32_t at = v.tp[j].first + (nic - tp->first);
     uint32_t n = peers_alloc(eng);
     for (uint32_t i = 0; i < n; i++) {
         uint64_t id;
         afs_peer_entry *q = peer_at(eng, i, &id);
-        if (!q || q->fi_addr[nic] != src || !q->nic_len[nic])
+        if (!q || !(q->tp_mask & (1u << (tp - eng->tps))) || q->fi_addr[nic] != src ||
+            !q->nic_len[nic])
             continue;
         /* the provider names a peer known here: the claim must be of its NIC address */
-        return q->nic_len[nic] == v.nic_addr_len[nic] &&
-               memcmp(q->addr + q->nic_off[nic], v.nic_addr[nic], v.nic_addr_len[nic]) == 0;
+        return q->nic_len[nic] == v.nic_addr_len[at] &&
+               memcmp(q->addr + q->nic_off[nic], v.nic_addr[at], v.nic_addr_len[at]) == 0;
     }
     return true; /* a handle this engine did not resolve (another engine's): unproven */
 }
@@ -304,10 +316,11 @@ bool afs_ka_recv(afs_engine *eng, uint32_t nic, const uint8_t *buf, uint64_t len
         if (p) {
             atomic_fetch_or(&p->ka, AFS_KA_KNOWS_US); /* claimed: at worst one goodbye more */
             heard(eng, id, index, now, hook);
-            (void)ka_send(eng, p->fi_addr[0], index, KA_PONG, p->max_msg);
-        } else if (nic == 0 && src != AFP_SRC_UNKNOWN && src != AFP_SRC_UNRESOLVED) {
-            (void)ka_send(eng, src, UINT32_MAX, KA_PONG, 0); /* a handle of ours, by another
-                                                              incarnation: answer it there */
+            uint32_t out = afs_peer_nic(eng, p);
+            (void)ka_send(eng, out, p->fi_addr[out], index, KA_PONG, p->max_msg);
+        } else if (src != AFP_SRC_UNKNOWN && src != AFP_SRC_UNRESOLVED) {
+            (void)ka_send(eng, nic, src, UINT32_MAX, KA_PONG, 0); /* a handle of ours, by another
+                                                                   incarnation: answer it there */
         }
         if (!p && !atomic_load(&eng->stop) && claim_matches_sender(eng, nic, src, buf + KA_HDR, alen))
             learn(eng, inc, buf + KA_HDR, alen, hook);
@@ -348,7 +361,7 @@ void afs_ka_peer(afs_engine *eng, uint64_t peer_id, int32_t status)
     ka_peer *s = ka ? state_of(ka, index, peer_id, now) : NULL;
     if (!s || s->hello_until)
         return;
-    s->ping_out = ka_send(eng, p->fi_addr[0], index, KA_PING, p->max_msg);
+    s->ping_out = ka_send(eng, afs_peer_nic(eng, p), p->fi_addr[afs_peer_nic(eng, p)], index, KA_PING, p->max_msg);
     if (!s->ping_out) { /* again from afs_ka_tick */
         s->hello_until = now + HELLO_TRY_NS;
         ka->hellos_due++;
@@ -364,7 +377,7 @@ static void retry_hellos(afs_engine *eng, struct afs_ka *ka, uint64_t now)
             continue;
         afs_peer_entry *p = afs_slots_lookup(&eng->peers, s->id);
         bool sent = p && !atomic_load(&p->down) &&
-                    (s->ping_out || (s->ping_out = ka_send(eng, p->fi_addr[0], i, KA_PING,
+                    (s->ping_out || (s->ping_out = ka_send(eng, afs_peer_nic(eng, p), p->fi_addr[afs_peer_nic(eng, p)], i, KA_PING,
                                                            p->max_msg)));
         if (sent || !p || atomic_load(&p->down) || now > s->hello_until) {
             s->hello_until = 0;
@@ -427,7 +440,7 @@ void afs_ka_tick(afs_engine *eng, uint64_t now, afs_ka_hook hook)
             hook(eng, AFS_KA_SILENT, id, NULL, 0);
         }
         if (!s->ping_out)
-            s->ping_out = ka_send(eng, p->fi_addr[0], i, KA_PING, p->max_msg);
+            s->ping_out = ka_send(eng, afs_peer_nic(eng, p), p->fi_addr[afs_peer_nic(eng, p)], i, KA_PING, p->max_msg);
     }
 }
 
@@ -449,7 +462,7 @@ bool afs_ka_goodbye(afs_engine *eng)
         ka_peer *s = state_of(ka, i, id, now);
         if (!s || s->bye_sent || down == AFS_PEER_EXITED || down == AFS_PEER_CLOSED)
             continue;
-        s->bye_sent = ka_send(eng, p->fi_addr[0], i, KA_BYE, p->max_msg);
+        s->bye_sent = ka_send(eng, afs_peer_nic(eng, p), p->fi_addr[afs_peer_nic(eng, p)], i, KA_BYE, p->max_msg);
         unsent += s->bye_sent ? 0u : 1u;
     }
     return unsent || ka->bye_out;

@@ -137,10 +137,12 @@ static void check_stopped(afs_engine *eng, afs_live *l, uint64_t now)
 static void tell_provider(afs_engine *eng, uint64_t peer_id, uint32_t pid)
 {
     afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    if (!p || !AFP_HAS_OP(eng->ops, peer_exited))
+    if (!p)
         return;
     for (uint32_t k = 0; k < eng->nnics; k++)
-        eng->ops->peer_exited(eng->nics[k].dom, p->addr + p->nic_off[k], p->nic_len[k], pid);
+        if ((p->tp_mask & (1u << eng->nics[k].tp)) && AFP_HAS_OP(eng->nics[k].ops, peer_exited))
+            eng->nics[k].ops->peer_exited(eng->nics[k].dom, p->addr + p->nic_off[k],
+                                          p->nic_len[k], pid);
 }
 
 #define WORKER_CHECK_MS 1000

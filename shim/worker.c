@@ -406,20 +406,22 @@ static uint64_t n_data_wrs(const afs_xfer *x)
 }
 
 /* How a contiguous write is cut: shards over the NICs, then chunks of at most `chunk`. */
-static void plan_shards(afs_engine *eng, afs_xfer *x)
+static void plan_shards(afs_xfer *x)
 {
     x->rma.shards = 1;
     x->rma.shard_len = x->rma.length ? x->rma.length : 1;
-    if (eng->nnics > 1 && x->rma.length >= SHARD_MIN) {
-        uint64_t per = (x->rma.length + eng->nnics - 1) / eng->nnics;
+    const uint32_t nics = x->rma.nic_count;
+    if (nics > 1 && x->rma.length >= SHARD_MIN) {
+        uint64_t per = (x->rma.length + nics - 1) / nics;
         per = (per + SHARD_ALIGN - 1) / SHARD_ALIGN * SHARD_ALIGN;
         x->rma.shard_len = per;
         x->rma.shards = (uint32_t)((x->rma.length + per - 1) / per);
     }
 }
 
-static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w, uint32_t *nic_out)
+static void gen_wr(const afs_xfer *x, uint64_t k, afp_write *w, uint32_t *nic_out)
 {
+    const uint32_t first = x->rma.nic_first, nics = x->rma.nic_count;
     memset(w, 0, sizeof(*w));
     w->ctx = (uint64_t)(uintptr_t)x;
     uint32_t nic;
@@ -438,7 +440,7 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
         return;
     }
     if (x->kind == AFS_REQ_PAGED) {
-        nic = (uint32_t)((x->rma.nic0 + k) % eng->nnics);
+        nic = first + (uint32_t)((x->rma.nic0 + k) % nics);
         uint64_t s = x->rma.src_offset + (uint64_t)x->rma.src_idx[k] * x->rma.src_stride;
         uint64_t d = x->rma.dst_offset + (uint64_t)x->rma.dst_idx[k] * x->rma.dst_stride;
         w->local_addr = (void *)(uintptr_t)(x->rma.local_addr + s);
@@ -449,7 +451,7 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
     } else {
         uint64_t ndata = n_data_wrs(x);
         if (k >= ndata) { /* the deferred immediate: zero bytes, valid remote iov (EFA) */
-            nic = x->rma.nic0 % eng->nnics;
+            nic = first + x->rma.nic0 % nics;
             w->local_addr = (void *)(uintptr_t)x->rma.local_addr;
             w->remote_addr = x->rma.rbase[nic] + x->rma.dst_addr;
             w->has_imm = 1;
@@ -462,7 +464,7 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
                 k -= chunks;
                 shard++;
             }
-            nic = (uint32_t)((x->rma.nic0 + shard) % eng->nnics);
+            nic = first + (uint32_t)((x->rma.nic0 + shard) % nics);
             uint64_t off = (uint64_t)shard * x->rma.shard_len + k * x->rma.chunk;
             uint64_t left = shard_bytes(x, shard) - k * x->rma.chunk;
             w->local_addr = (void *)(uintptr_t)(x->rma.local_addr + off);
@@ -484,20 +486,21 @@ static void gen_wr(afs_engine *eng, const afs_xfer *x, uint64_t k, afp_write *w,
  * request for the whole write, one completion. */
 static int post_whole(afs_engine *eng, afs_xfer *x)
 {
-    afs_nic *n = &eng->nics[0];
     const struct afs_xfer_rma *r = &x->rma;
-    afp_paged p = {(void *)(uintptr_t)r->local_addr, r->local_desc[0], r->fi_addr[0],
-                   r->rbase[0], r->rkey[0], r->length, r->count, r->src_idx, r->src_stride,
+    const uint32_t k = r->nic_first;
+    afs_nic *n = &eng->nics[k];
+    afp_paged p = {(void *)(uintptr_t)r->local_addr, r->local_desc[k], r->fi_addr[k],
+                   r->rbase[k], r->rkey[k], r->length, r->count, r->src_idx, r->src_stride,
                    r->src_offset, r->dst_idx, r->dst_stride, r->dst_offset,
                    (uint64_t)(uintptr_t)x, r->imm, r->has_imm ? 1u : 0u};
     uint64_t t_post = afs_now_ns();
-    int rc = eng->ops->post_paged(n->dom, &p);
+    int rc = n->ops->post_paged(n->dom, &p);
     if (rc == AFS_EAGAIN) {
         afs_count(&n->st_retries, 1);
         return AFS_EAGAIN;
     }
     if (rc) {
-        fail_op(eng, x, rc, "posting paged write: %s", eng->ops->errbuf(n->dom));
+        fail_op(eng, x, rc, "posting paged write: %s", n->ops->errbuf(n->dom));
         x->total_wr = x->posted_wr;
         return 0;
     }
@@ -520,7 +523,7 @@ static int post_round(afs_engine *eng, afs_xfer *x)
     uint32_t nic_of[AFS_POST_ROUND];
     uint32_t n = 0;
     while (n < AFS_POST_ROUND && x->posted_wr + n < x->total_wr) {
-        gen_wr(eng, x, x->posted_wr + n, &wr[n], &nic_of[n]);
+        gen_wr(x, x->posted_wr + n, &wr[n], &nic_of[n]);
         n++;
     }
     uint32_t at = 0;
@@ -533,8 +536,8 @@ static int post_round(afs_engine *eng, afs_xfer *x)
         /* stamped as posting starts (one clock read per operation; the loop's `now` may
          * predate a nap), so "posting" covers every provider call of the operation */
         uint64_t t_post = x->posted_wr == 0 ? afs_now_ns() : 0;
-        int rc = x->rma.read ? eng->ops->post_reads(n->dom, &wr[at], run, &posted)
-                         : eng->ops->post_writes(n->dom, &wr[at], run, &posted);
+        int rc = x->rma.read ? n->ops->post_reads(n->dom, &wr[at], run, &posted)
+                             : n->ops->post_writes(n->dom, &wr[at], run, &posted);
         if (posted && x->posted_wr == 0)
             x->t_first_post = t_post;
         x->posted_wr += posted;
@@ -551,7 +554,7 @@ static int post_round(afs_engine *eng, afs_xfer *x)
         }
         if (rc) {
             fail_op(eng, x, rc, x->rma.read ? "posting read: %s" : "posting write: %s",
-                    eng->ops->errbuf(eng->nics[nic].dom));
+                    n->ops->errbuf(n->dom));
             x->total_wr = x->posted_wr; /* nothing more will be posted */
             x->rma.imm_pending = false;
             return 0;
@@ -563,21 +566,21 @@ static int post_round(afs_engine *eng, afs_xfer *x)
 
 static int post_send(afs_engine *eng, afs_xfer *x)
 {
-    afs_nic *n = &eng->nics[0]; /* SEND/RECV uses the first NIC of the group */
+    afs_nic *n = &eng->nics[x->send.nic]; /* the first NIC of the peer's route */
     if (n->tx_free_len == 0)
         return AFS_EAGAIN;
     uint32_t slot = n->tx_free[n->tx_free_len - 1];
     uint64_t t_post = afs_now_ns();
     uint8_t *buf = n->tx_buf + (uint64_t)slot * eng->cfg.max_msg_size;
     memcpy(buf, x->send.payload, x->send.length);
-    int rc = eng->ops->post_send(n->dom, x->send.peer_fi_addr, buf, x->send.length, n->tx_desc,
-                                 (uint64_t)(uintptr_t)x);
+    int rc = n->ops->post_send(n->dom, x->send.peer_fi_addr, buf, x->send.length, n->tx_desc,
+                               (uint64_t)(uintptr_t)x);
     if (rc == AFS_EAGAIN) {
         afs_count(&n->st_retries, 1);
         return AFS_EAGAIN;
     }
     if (rc) {
-        fail_op(eng, x, rc, "posting send: %s", eng->ops->errbuf(n->dom));
+        fail_op(eng, x, rc, "posting send: %s", n->ops->errbuf(n->dom));
         x->total_wr = x->posted_wr;
         return 0;
     }
@@ -605,9 +608,9 @@ static int post_send(afs_engine *eng, afs_xfer *x)
 static uint64_t post_dest(const afs_xfer *x)
 {
     if (x->kind == AFS_REQ_SEND)
-        return x->send.peer_fi_addr + 1;
+        return (x->send.peer_fi_addr | (uint64_t)x->send.nic << 56) + 1;
     if (afs_xfer_is_rma(x) && !x->rma.targets)
-        return x->rma.fi_addr[0] + 1;
+        return (x->rma.fi_addr[x->rma.nic_first] | (uint64_t)x->rma.nic_first << 56) + 1;
     return 0;
 }
 
@@ -701,7 +704,7 @@ static void start(afs_engine *eng, afs_xfer *x, uint64_t now)
     /* a write of afs_write_dynlen: its length is read now (dynlen.c), and the write cut again */
     if (x->kind == AFS_REQ_WRITE && x->rma.dyn_len) {
         afs_dynlen_resolve(x);
-        plan_shards(eng, x);
+        plan_shards(x);
         x->total_wr = n_data_wrs(x);
         x->rma.imm_pending = x->rma.has_imm && x->total_wr > 1;
     }
@@ -1017,28 +1020,48 @@ static void cancel_waiting(afs_engine *eng, uint64_t id)
 
 /* ---- control requests ---- */
 
+/* Registers region `m` with every transport that takes its kind of memory (afs_reg_flags),
+ * all or nothing. */
 static void ctrl_reg(afs_engine *eng, afs_xfer *x)
 {
     afs_mr_entry *m = x->ctrl.mr;
+    const uint32_t remote = AFP_MR_REMOTE | AFP_MR_REMOTE_READ;
     uint32_t k;
+    m->local_mask = m->remote_mask = 0;
     for (k = 0; k < eng->nnics; k++) {
         afs_nic *n = &eng->nics[k];
+        uint32_t flags = afs_reg_flags(eng, &eng->tps[n->tp], m);
+        if (flags == UINT32_MAX)
+            continue;
         uint64_t key = afs_mr_key(eng->key_secret, k, ++n->key_counter);
-        int rc = eng->ops->reg_mr(n->dom, (void *)(uintptr_t)m->addr, m->len, m->flags, m->device,
-                                  key, &m->mr[k], &m->desc[k], &m->rkey[k], &m->rbase[k]);
+        int rc = n->ops->reg_mr(n->dom, (void *)(uintptr_t)m->addr, m->len, flags, m->device,
+                                key, &m->mr[k], &m->desc[k], &m->rkey[k], &m->rbase[k]);
         if (rc) {
             x->ctrl.rc = rc;
             snprintf(x->ctrl.err, sizeof(x->ctrl.err), "registering %llu bytes on %s: %s",
-                     (unsigned long long)m->len, n->caps.provider, eng->ops->errbuf(n->dom));
+                     (unsigned long long)m->len, n->caps.provider, n->ops->errbuf(n->dom));
             goto out_undo;
         }
+        m->local_mask |= 1u << n->tp;
+        if (flags & remote)
+            m->remote_mask |= 1u << n->tp;
+    }
+    if (!m->local_mask || ((m->flags & remote) && !m->remote_mask)) {
+        x->ctrl.rc = AFS_EUNSUPPORTED;
+        snprintf(x->ctrl.err, sizeof(x->ctrl.err),
+                 "no transport of this engine (%s) %s %s memory", eng->provider_full,
+                 m->local_mask ? "lets peers reach" : "registers",
+                 (m->flags & AFP_MR_DEVICE) ? "CUDA device" : "host");
+        goto out_undo;
     }
     return;
 out_undo:
     while (k-- > 0) {
-        eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
+        if (m->mr[k])
+            eng->nics[k].ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
         m->mr[k] = NULL;
     }
+    m->local_mask = m->remote_mask = 0;
 }
 
 /* Remote writes and immediates this engine has seen land, over all NICs. */
@@ -1113,27 +1136,56 @@ static void ctrl_dereg(afs_engine *eng, afs_xfer *x)
     for (uint32_t k = 0; k < eng->nnics; k++) {
         if (!m->mr[k])
             continue;
-        int rc = eng->ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
+        int rc = eng->nics[k].ops->dereg_mr(eng->nics[k].dom, m->mr[k]);
         m->mr[k] = NULL;
         if (rc && !x->ctrl.rc) {
             x->ctrl.rc = rc;
             snprintf(x->ctrl.err, sizeof(x->ctrl.err), "deregistering: %s",
-                     eng->ops->errbuf(eng->nics[k].dom));
+                     eng->nics[k].ops->errbuf(eng->nics[k].dom));
         }
     }
 }
 
+/* Resolves the peer on each transport engine.c matched (tp_want). A single-provider
+ * engine fails on the first refusal; a routed one notes it (x->ctrl.refused), lets go of
+ * that transport's NICs resolved so far, and fails only if no transport resolved it. */
 static void ctrl_resolve(afs_engine *eng, afs_xfer *x)
 {
-    for (uint32_t k = 0; k < eng->nnics; k++) {
-        int rc = eng->ops->resolve(eng->nics[k].dom, x->ctrl.addr[k], x->ctrl.addr_len[k],
-                                   &x->ctrl.fi_addr[k]);
-        if (rc) {
+    for (uint32_t t = 0; t < eng->ntp; t++) {
+        const afs_transport *tp = &eng->tps[t];
+        if (!(x->ctrl.tp_want & (1u << t)))
+            continue;
+        uint32_t i;
+        int rc = 0;
+        for (i = 0; i < tp->count && !rc; i++) {
+            afs_nic *n = &eng->nics[tp->first + i];
+            rc = tp->ops->resolve(n->dom, x->ctrl.addr[tp->first + i],
+                                  x->ctrl.addr_len[tp->first + i],
+                                  &x->ctrl.fi_addr[tp->first + i]);
+        }
+        if (!rc) {
+            x->ctrl.tp_got |= 1u << t;
+            continue;
+        }
+        const char *text = tp->ops->errbuf(eng->nics[tp->first + i - 1].dom);
+        if (!eng->routed) {
             x->ctrl.rc = rc;
-            snprintf(x->ctrl.err, sizeof(x->ctrl.err), "resolving peer address: %s",
-                     eng->ops->errbuf(eng->nics[k].dom));
+            snprintf(x->ctrl.err, sizeof(x->ctrl.err), "resolving peer address: %s", text);
             return;
         }
+        size_t at = strlen(x->ctrl.refused);
+        if (at < sizeof(x->ctrl.refused))
+            snprintf(x->ctrl.refused + at, sizeof(x->ctrl.refused) - at, "%s%s: %s",
+                     at ? "; " : "", tp->name, text);
+        for (uint32_t j = 0; j + 1 < i; j++) /* the NICs it did resolve */
+            if (AFP_HAS_OP(tp->ops, forget))
+                (void)tp->ops->forget(eng->nics[tp->first + j].dom,
+                                      x->ctrl.fi_addr[tp->first + j]);
+    }
+    if (!x->ctrl.tp_got && !x->ctrl.rc) {
+        x->ctrl.rc = AFS_EPEER;
+        snprintf(x->ctrl.err, sizeof(x->ctrl.err), "no transport reaches the peer: %.200s",
+                 x->ctrl.refused);
     }
 }
 
@@ -1230,11 +1282,11 @@ static bool take_requests(afs_engine *eng, uint64_t now)
         case AFS_REQ_WRITE:
         case AFS_REQ_PAGED:
         case AFS_REQ_SCATTER:
-            x->rma.nic0 = eng->rr++ % eng->nnics;
+            x->rma.nic0 = eng->rr++ % (x->rma.nic_count ? x->rma.nic_count : 1);
             if (x->kind == AFS_REQ_WRITE)
-                plan_shards(eng, x);
-            x->rma.whole = x->kind == AFS_REQ_PAGED && eng->nnics == 1 && !x->rma.read &&
-                           AFP_HAS_OP(eng->ops, post_paged);
+                plan_shards(x);
+            x->rma.whole = x->kind == AFS_REQ_PAGED && x->rma.nic_count == 1 && !x->rma.read &&
+                           AFP_HAS_OP(eng->nics[x->rma.nic_first].ops, post_paged);
             x->total_wr = x->rma.whole ? (x->rma.count ? 1 : 0) : n_data_wrs(x);
             x->rma.imm_pending = x->kind == AFS_REQ_WRITE && x->rma.has_imm && x->total_wr > 1;
             if (x->rma.trig_kind != AFS_TRIG_NONE)
@@ -1300,7 +1352,7 @@ static void on_op_done(afs_engine *eng, const afp_event *ev, uint64_t now)
     if (ev->status == 0)
         made_progress(eng, x, now);
     if (x->kind == AFS_REQ_SEND && x->posted_wr) {
-        afs_nic *n = &eng->nics[0];
+        afs_nic *n = &eng->nics[x->send.nic];
         n->tx_free[n->tx_free_len++] = x->send.tx_slot;
     }
     /* The shim never cancels a write or send, so a provider's "canceled" means it gave up
@@ -1325,7 +1377,7 @@ static void on_recv(afs_engine *eng, uint32_t nic, const afp_event *ev, uint64_t
     }
     afs_completion c = {0};
     c.kind = AFS_C_RECV;
-    c.id = src; /* AFP_SRC_* and AFS_SRC_* have the same values (afabric_shim.h) */
+    c.id = afs_src_id(eng, nic, src); /* AFP_SRC_* and AFS_SRC_* have the same values */
     c.data = (uint64_t)(uintptr_t)(eng->nics[nic].rx_buf + (uint64_t)slot * eng->cfg.max_msg_size);
     c.len = ev->len;
     c.slot = nic * eng->cfg.rx_depth + slot;
@@ -1452,13 +1504,17 @@ static bool goes_to(const afs_engine *eng, const afs_xfer *x, const afs_peer_ent
 {
     switch (x->kind) {
     case AFS_REQ_WRITE:
-    case AFS_REQ_PAGED:
-        return x->rma.fi_addr[0] == p->fi_addr[0];
+    case AFS_REQ_PAGED: {
+        const uint32_t k = x->rma.nic_first;
+        return (p->tp_mask & (1u << eng->nics[k].tp)) && x->rma.fi_addr[k] == p->fi_addr[k];
+    }
     case AFS_REQ_SEND:
-        return x->send.peer_fi_addr == p->fi_addr[0];
+        return (p->tp_mask & (1u << eng->nics[x->send.nic].tp)) &&
+               x->send.peer_fi_addr == p->fi_addr[x->send.nic];
     case AFS_REQ_SCATTER:
         for (uint64_t i = 0; i < x->rma.count; i++)
             if (x->rma.targets[i].nic < eng->nnics &&
+                (p->tp_mask & (1u << eng->nics[x->rma.targets[i].nic].tp)) &&
                 x->rma.targets[i].fi_addr == p->fi_addr[x->rma.targets[i].nic])
                 return true;
         return false;
@@ -1648,7 +1704,7 @@ static bool worker_sleep(afs_engine *eng, uint64_t *sleep_ns, bool timers_only)
         atomic_store(&eng->worker_sleeping, 0);
         return false;
     }
-    struct pollfd fds[1 + AFS_MAX_NICS];
+    struct pollfd fds[1 + AFS_ENG_NICS];
     nfds_t nfds = 0;
     fds[nfds].fd = eng->wake_fd;
     fds[nfds].events = POLLIN;
@@ -1656,8 +1712,7 @@ static bool worker_sleep(afs_engine *eng, uint64_t *sleep_ns, bool timers_only)
     bool all_fds = !timers_only;
     for (uint32_t k = 0; all_fds && k < eng->nnics; k++) {
         afs_nic *n = &eng->nics[k];
-        if (n->caps.wait_fd < 0 || !AFP_HAS_OP(eng->ops, trywait) ||
-            eng->ops->trywait(n->dom) != 0) {
+        if (n->caps.wait_fd < 0 || !AFP_HAS_OP(n->ops, trywait) || n->ops->trywait(n->dom) != 0) {
             all_fds = false;
             break;
         }
@@ -1874,6 +1929,6 @@ int afs_post_rx(afs_engine *eng, uint32_t nic, uint32_t slot)
 {
     afs_nic *n = &eng->nics[nic];
     uint64_t sz = eng->cfg.max_msg_size;
-    return eng->ops->post_recv(n->dom, n->rx_buf + (uint64_t)slot * sz, sz, n->rx_desc,
-                               rx_ctx(nic, slot));
+    return n->ops->post_recv(n->dom, n->rx_buf + (uint64_t)slot * sz, sz, n->rx_desc,
+                             rx_ctx(nic, slot));
 }

@@ -46,6 +46,8 @@ from afabric._native_decl import (
     NicStats,
     OpTimingStruct,
     Request,
+    TransportCfg,
+    TransportInfo,
     WorkerStats,
 )
 
@@ -96,6 +98,20 @@ class ShimLib:
     @staticmethod
     def afs_engine_create(cfg: _Ref[Config], out: _Ref[EngineHandle]) -> int:
         """int32_t afs_engine_create(const afs_config *cfg, afs_engine **out);"""
+
+    @staticmethod
+    def afs_engine_create_routed(
+        cfg: _Ref[Config],
+        transports: _Ref[TransportCfg],
+        count: int,
+        out: _Ref[EngineHandle],
+    ) -> int:
+        """int32_t afs_engine_create_routed(const afs_config *cfg, const afs_transport_cfg *transports,
+            uint32_t count, afs_engine **out);"""
+
+    @staticmethod
+    def afs_engine_transport(eng: EngineHandle, index: int, out: _Ref[TransportInfo]) -> int:
+        """int32_t afs_engine_transport(afs_engine *eng, uint32_t index, afs_transport_info *out);"""
 
     @staticmethod
     def afs_engine_destroy(eng: EngineHandle) -> int:
@@ -161,6 +177,22 @@ class ShimLib:
     @staticmethod
     def afs_peer_handle(eng: EngineHandle, peer_id: int, handle: _Ref[c_uint64]) -> int:
         """int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle);"""
+
+    @staticmethod
+    def afs_peer_source(eng: EngineHandle, peer_id: int, src: int, match: _Ref[c_uint32]) -> int:
+        """int32_t afs_peer_source(afs_engine *eng, uint64_t peer_id, uint64_t src, uint32_t *match);"""
+
+    @staticmethod
+    def afs_peer_route(
+        eng: EngineHandle,
+        peer_id: int,
+        device: int,
+        transport: _Ref[c_uint32],
+        why: Array[c_char],
+        why_len: int,
+    ) -> int:
+        """int32_t afs_peer_route(afs_engine *eng, uint64_t peer_id, int32_t device, uint32_t *transport,
+            char *why, uint32_t why_len);"""
 
     @staticmethod
     def afs_allow_peers(eng: EngineHandle, blobs: bytes, lens: _Ref[c_uint32], count: int, flags: int) -> int:

@@ -213,11 +213,13 @@ def default_loop() -> str:
 
 
 def resolve_provider(requested: str | None) -> tuple[str, str]:
-    """``(provider name, sentence saying why)`` for ``--provider`` (None or ``"auto"``:
-    what ``Engine(provider="auto")`` would pick here, ``$AFABRIC_PROVIDER`` included).
+    """``(provider name, sentence saying why)`` for ``--provider`` (None or ``"auto"``: a
+    default engine, which routes per peer, unless ``$AFABRIC_PROVIDER`` names one).
     Resolved once, in the parent, so that every process of a benchmark uses the same one."""
     from .. import registry
 
+    if (requested or "auto") == "auto" and registry.env_provider() is None:
+        return "auto", registry.routes()[1]
     spec, why = registry.resolve(requested or "auto")
     return spec.name, why
 

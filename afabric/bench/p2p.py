@@ -306,6 +306,12 @@ async def _many_row(
     return row
 
 
+def _route_fabric(fabric: str, route: str) -> str:
+    """The library's provider of a routed engine's transport `route`: "tcp;ofi_rxm" of
+    "cma;process_vm_writev+tcp;ofi_rxm" for "tcp"."""
+    return next((p for p in fabric.split("+") if p.split(";", 1)[0] == route), "")
+
+
 def _raw(elapsed_ns: int, count: int) -> float:
     """Seconds per operation from a raw C loop's elapsed nanoseconds."""
     return elapsed_ns / 1e9 / count
@@ -584,7 +590,6 @@ def main(args: argparse.Namespace) -> int:
         # resolve the provider here first so "auto" is decided once, for both processes
         probe = Engine(args.provider)
         provider, fabric, why = probe.provider, probe.fabric_provider, probe.provider_choice
-        await probe.aclose()
         target = harness.Child(
             "the benchmark's target process", _target,
             (harness.PIPE, provider, args.polling, loop, args.hugepages),
@@ -592,13 +597,20 @@ def main(args: argparse.Namespace) -> int:
         try:
             async with harness.watch(target):  # a target that dies fails the run at once
                 desc_blob = await target.arecv(60)
-                args.provider, args.fabric = provider, fabtests.reference_fabric(provider, fabric)
-                if args.fabtests and not fabric:
+                # a default engine routes: the transport it takes to the target, said in the
+                # header (and fabtests' reference is that transport's libfabric provider)
+                route = probe.route(MrDesc.from_bytes(desc_blob).owner)
+                await probe.aclose()
+                why = f"route to the target: {route}\n{why}"
+                route_fabric = _route_fabric(fabric, route) if provider == "auto" else fabric
+                args.provider, args.fabric = provider, fabtests.reference_fabric(route, route_fabric)
+                if args.fabtests and not route_fabric:
                     raise RuntimeError(f"--fabtests: provider {provider} is not a libfabric one")
                 rows, lat, eng = await _measure(args, desc_blob)
                 await eng.aclose()
             return rows, lat, fabric, why
         finally:
+            await probe.aclose()
             target.stop("stop")
             await asyncio.get_running_loop().run_in_executor(None, target.close, 30.0)
 

@@ -701,6 +701,23 @@ static int cma_resolve(afp_domain *d, const void *addr, size_t len, uint64_t *pe
         return DERR(d, AFP_EPEER, "peer process %d is in another PID namespace: cma copies "
                                   "need both in one [cma]", (int)pid);
     }
+    /* Whether the kernel lets us into it (its uid, its dumpable flag, Yama, seccomp): one
+     * byte read from where it maps its own segment, so that a refusal is known here, at
+     * resolve (a routed engine then takes another transport), not at the first write. */
+    char byte = 0;
+    struct iovec l = {&byte, 1}, r = {(void *)(uintptr_t)p->seg.hdr->owner_va, 1};
+    if (process_vm_readv(p->pid, &l, 1, &r, 1, 0) != 1) {
+        int e = errno;
+        int32_t pid = p->pid;
+        (void)afn_forget(&d->c, *peer);
+        if (e == EPERM)
+            return DERR(d, AFP_EPEER, "cross-memory attach into process %d is not allowed "
+                                      "(EPERM): it must have our uid and be dumpable, and "
+                                      "Yama ptrace_scope and seccomp must allow it [cma]",
+                        (int)pid);
+        return DERR(d, AFP_EPEER, "cross-memory attach into process %d failed: %s [cma]",
+                    (int)pid, strerror(e));
+    }
     return 0;
 }
 

@@ -132,6 +132,7 @@ int mb_create(mb_seg *s, const mb_kind *k, uint64_t token, char *err, size_t err
     h->exports_off = exports_off();
     h->ring_off = ring_off();
     h->pidns = s->pidns;
+    h->owner_va = (uint64_t)(uintptr_t)h;
     atomic_store(&h->lock, 0);
     atomic_store(&h->head, 0);
     atomic_store(&h->tail, 0);
@@ -511,7 +512,8 @@ bool mb_repair(mb_seg *s)
     bool bad = h->magic != s->kind->magic || h->version != MB_VERSION || h->pid != s->pid ||
                h->token != s->token || h->nexports != MB_EXPORTS ||
                h->ring_bytes != MB_RING_BYTES || h->exports_off != exports_off() ||
-               h->ring_off != ring_off() || h->pidns != s->pidns;
+               h->ring_off != ring_off() || h->pidns != s->pidns ||
+               h->owner_va != (uint64_t)(uintptr_t)h;
     if (bad) {
         h->version = MB_VERSION;
         h->pid = s->pid;
@@ -521,6 +523,7 @@ bool mb_repair(mb_seg *s)
         h->exports_off = exports_off();
         h->ring_off = ring_off();
         h->pidns = s->pidns;
+        h->owner_va = (uint64_t)(uintptr_t)h;
         atomic_thread_fence(memory_order_release);
         h->magic = s->kind->magic;
     }

@@ -56,7 +56,8 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-#define MB_VERSION 2u /* 2: the ring's lock is a token word, its positions atomics */
+#define MB_VERSION 3u /* 2: the ring's lock is a token word, its positions atomics;
+                         3: owner_va */
 #define MB_HANDLE_BYTES 64u
 #define MB_EXPORTS 16384u
 #define MB_RING_BYTES (8u << 20) /* a power of two */
@@ -124,6 +125,8 @@ typedef struct mb_header {
                                   monotonically increasing, a multiple of 16) */
     _Atomic uint64_t tail;     /* producer position, published after the record is whole */
     _Atomic uint64_t resets;   /* times the owner found its ring corrupt and reset it */
+    uint64_t owner_va; /* where the owner maps this header: a byte a peer may read with
+                          process_vm_readv to learn whether the kernel lets it in (cma) */
 } mb_header;
 
 /* A mapped segment: ours (owner) or a peer's. Everything below hdr is this process's own

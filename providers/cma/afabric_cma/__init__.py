@@ -33,14 +33,15 @@ def library_path() -> str:
 def cma() -> ProviderSpec:
     """Cross-memory attach between the processes of one node: the writer copies.
 
-    Priority 0: ``provider="auto"`` never picks it (it reaches one node only, and needs
-    ptrace access between the processes); ``Engine("cma")`` asks for it.
+    Reach "host": a default engine opens it beside its network provider and writes to the
+    processes of its own host through it (host memory); ``Engine("cma")`` uses it alone.
     """
     return ProviderSpec(
         name="cma",
         library=library_path(),
         fabric_provider="cma",
-        priority=0,
+        priority=50,
+        reach="host",
         abi_major=PROVIDER_ABI_MAJOR,
         hint="needs process_vm_writev between the processes: same uid, dumpable processes, "
         "Yama ptrace_scope 0 or 1 (2 with CAP_SYS_PTRACE), a seccomp profile that allows it",

@@ -35,14 +35,15 @@ def nvlink() -> ProviderSpec:
     """CUDA IPC between processes of one node, on one GPU or between GPUs with peer access:
     writes are GPU copies (over NVLink between GPUs).
 
-    Priority 0: ``provider="auto"`` never picks it (it cannot write into host memory nor
-    reach another node); ``Engine("nvlink")`` asks for it.
+    Reach "node": a default engine opens it where a GPU is, and writes CUDA memory of the
+    processes of its node through it; ``Engine("nvlink")`` uses it alone.
     """
     return ProviderSpec(
         name="nvlink",
         library=library_path(),
         fabric_provider="nvlink",
-        priority=0,
+        priority=50,
+        reach="node",
         abi_major=PROVIDER_ABI_MAJOR,
         hint="needs a CUDA GPU (peers on another GPU need peer access to it: NVLink or PCIe "
         "P2P) and the CUDA driver (libcuda.so.1, 12.0 or newer)",

@@ -67,14 +67,15 @@ def tcp() -> ProviderSpec:
 def shm() -> ProviderSpec:
     """libfabric's shm provider: shared memory, within one host only.
 
-    Ranked below tcp on purpose: ``provider="auto"`` must give something that also
-    reaches other hosts; ask for ``"shm"`` explicitly for same-host speed.
+    Reach "host", ranked below cma: a default engine opens it for its own host's processes
+    only where cma is unavailable (ptrace scope, seccomp); ``Engine("shm")`` uses it alone.
     """
     return ProviderSpec(
         name="shm",
         library=library_path(),
         fabric_provider="shm",
         priority=5,
+        reach="host",
         abi_major=PROVIDER_ABI_MAJOR,
         hint=_LIBFABRIC_HINT,
         description="libfabric shm (shared memory; processes on one host only)",
