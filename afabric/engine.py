@@ -422,13 +422,14 @@ class Engine(MessagingMixin):
         self.max_message_size: int = int(facts.max_msg_size)
         self.max_write_size: int = int(facts.max_write_size)
         self.caps: int = int(facts.caps)
+        self._transports = [self._n.transport(i) for i in range(int(facts.transports))]
         # _resume: where the target's worker must copy a write, its round trip is longer than
-        # what the loop spends on a future; where the writer copies (cma), shorter
-        self._resume_apart = bool(self.caps & _native.CAP_TARGET_COPIES)
+        # what the loop spends on a future; where the writer copies (cma), shorter. A routed
+        # engine goes by its preferred transport, which carries its same-host traffic.
+        self._resume_apart = bool(self._transports[0].caps & _native.CAP_TARGET_COPIES)
         self.nics: int = int(facts.nics)
         """NICs in this engine's group (contiguous writes are split across them); every
         transport's together on an engine that routes."""
-        self._transports = [self._n.transport(i) for i in range(int(facts.transports))]
         self.transports: tuple[str, ...] = tuple(t.name for t in self._transports)
         """The transports this engine holds, in the order it prefers them ("cma", "tcp")."""
         self._routed = provider == "auto"

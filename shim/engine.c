@@ -429,7 +429,9 @@ static int engine_create(const afs_config *cfg, const afs_transport_cfg *tps, ui
         if ((rc = open_nics(eng, tp)))
             goto out_free;
     }
-    eng->look_yields = afs_target_copies(eng) && afs_few_cpus();
+    /* by the preferred transport's kind: on a routed engine it carries the same-host
+     * traffic, whose round trips are the short ones a yield would stretch */
+    eng->look_yields = (eng->tps[0].caps & AFP_CAP_TARGET_COPIES) && afs_few_cpus();
     if (!routed)
         snprintf(eng->provider_full, sizeof(eng->provider_full), "%s",
                  eng->nics[0].caps.provider);

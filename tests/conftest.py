@@ -24,6 +24,9 @@ PROVIDERS = ["tcp", "shm"]
 # The few most informative provider-matrix tests also run on the first-party cma provider
 # (same host, process_vm_writev): @pytest.mark.parametrize("provider", WITH_CMA).
 WITH_CMA = [*PROVIDERS, "cma"]
+# The fault, peer, access and bad-input suites also run on the default engine, which routes
+# (cma to this host's processes, tcp otherwise): those modules override `provider` with it.
+WITH_ROUTED = [*PROVIDERS, "auto"]
 
 
 @functools.cache

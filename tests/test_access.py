@@ -17,8 +17,15 @@ import pytest
 import afabric
 from afabric import errors
 
-from .conftest import WITH_CMA, libfabric_version
+from .conftest import WITH_CMA, WITH_ROUTED, libfabric_version
 from .procs import Ctl, Peer
+
+
+@pytest.fixture(params=WITH_ROUTED)
+def provider(request: pytest.FixtureRequest) -> str:
+    """These tests run on the default engine too, which routes (cma here, tcp elsewhere)."""
+    return str(request.param)
+
 
 OP_TIMEOUT = 2.0
 N = 1 << 16

@@ -15,7 +15,13 @@ import pytest
 import afabric
 from afabric import errors
 
-from .conftest import WITH_CMA, libfabric_version
+from .conftest import WITH_CMA, WITH_ROUTED, libfabric_version
+
+
+@pytest.fixture(params=WITH_ROUTED)
+def provider(request: pytest.FixtureRequest) -> str:
+    """These tests run on the default engine too, which routes (cma here, tcp elsewhere)."""
+    return str(request.param)
 
 
 @pytest.fixture

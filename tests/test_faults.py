@@ -25,9 +25,16 @@ import afabric
 from afabric import errors
 from afabric.bench.raw import RawLoop
 
-from .conftest import libfabric_version
+from .conftest import WITH_ROUTED, libfabric_version
 from .faults import Held, bystander, held, imm_sender, noop, pattern, victim_target
 from .procs import Peer, stop_process
+
+
+@pytest.fixture(params=WITH_ROUTED)
+def provider(request: pytest.FixtureRequest) -> str:
+    """These tests run on the default engine too, which routes (cma here, tcp elsewhere)."""
+    return str(request.param)
+
 
 OP_TIMEOUT = 2.0  # the engine's bound for writes and sends in these tests
 SLACK = 15.0  # what a loaded 2-core CI machine may add to it

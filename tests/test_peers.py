@@ -22,9 +22,16 @@ import pytest
 import afabric
 from afabric import errors
 
-from .conftest import libfabric_version
+from .conftest import WITH_ROUTED, libfabric_version
 from .faults import victim_target
 from .procs import Ctl, Peer
+
+
+@pytest.fixture(params=WITH_ROUTED)
+def provider(request: pytest.FixtureRequest) -> str:
+    """These tests run on the default engine too, which routes (cma here, tcp elsewhere)."""
+    return str(request.param)
+
 
 OP_TIMEOUT = 20.0  # far above every bound asserted here: a timeout cannot pass for a fast failure
 DOWN_WITHIN = 1.0  # s from the peer's exit to every operation failed and the event seen

@@ -65,7 +65,9 @@ def _pattern() -> np.ndarray:
     return (np.arange(REGION, dtype=np.uint64) % 251).astype(np.uint8)
 
 
-async def _start(peers: list[Peer], provider: str = "auto", **kw: bool) -> tuple[Peer, afabric.MrDesc, afabric.Address]:
+async def _start(
+    peers: list[Peer], provider: str = "auto", **kw: bool
+) -> tuple[Peer, afabric.MrDesc, afabric.Address]:
     p = Peer(target, provider, *kw.values())
     peers.append(p)
     desc_b, addr_b, _ = await p.get()
@@ -88,7 +90,7 @@ async def test_default_engine_opens_cma_and_tcp_and_says_so(caplog: pytest.LogCa
     assert any("auto opened cma" in r.getMessage() for r in caplog.records)
 
 
-async def test_every_operation_to_a_same_host_peer_goes_over_cma(
+async def test_every_operation_to_a_same_host_peer_goes_over_cma(  # noqa: PLR0915
     peers: list[Peer], caplog: pytest.LogCaptureFixture
 ) -> None:
     """write, write_many, write_paged, scatter, barrier, read, read_paged, gather, immediates,
@@ -110,9 +112,13 @@ async def test_every_operation_to_a_same_host_peer_goes_over_cma(
         # write_many, write_paged, scatter: each writes a part back over a zeroed region
         b.put("zero")
         await b.get()
-        await eng.write_many(mr, desc, [PAGE] * 4, [0, PAGE, 2 * PAGE, 3 * PAGE], [0, PAGE, 2 * PAGE, 3 * PAGE])
+        await eng.write_many(
+            mr, desc, [PAGE] * 4, [0, PAGE, 2 * PAGE, 3 * PAGE], [0, PAGE, 2 * PAGE, 3 * PAGE]
+        )
         idx = np.arange(4, 8, dtype=np.int64)
-        await eng.write_paged(mr, desc, page_len=PAGE, src_pages=afabric.Pages(idx, PAGE), dst_pages=afabric.Pages(idx, PAGE))
+        await eng.write_paged(
+            mr, desc, page_len=PAGE, src_pages=afabric.Pages(idx, PAGE), dst_pages=afabric.Pages(idx, PAGE)
+        )
         await eng.scatter(mr, [afabric.ScatterTarget(desc, PAGE, 8 * PAGE, 8 * PAGE)])
         await eng.barrier([desc], 12)
         got = await _peer_bytes(b)
@@ -137,7 +143,9 @@ async def test_every_operation_to_a_same_host_peer_goes_over_cma(
         await eng.read(dmr, desc, REGION)
         assert np.array_equal(dst, pat)
         dst[:] = 0
-        await eng.read_paged(dmr, desc, page_len=PAGE, src_pages=afabric.Pages(idx, PAGE), dst_pages=afabric.Pages(idx, PAGE))
+        await eng.read_paged(
+            dmr, desc, page_len=PAGE, src_pages=afabric.Pages(idx, PAGE), dst_pages=afabric.Pages(idx, PAGE)
+        )
         await eng.gather(dmr, [afabric.GatherSource(desc, PAGE, 0, 0)])
         assert np.array_equal(dst[:PAGE], pat[:PAGE])
         assert np.array_equal(dst[4 * PAGE : 8 * PAGE], pat[4 * PAGE : 8 * PAGE])
@@ -152,7 +160,11 @@ async def test_every_operation_to_a_same_host_peer_goes_over_cma(
         assert nics["tcp"]["writes"] == nics["tcp"]["reads"] == nics["tcp"]["sends"] == 0
         b.put("stop")
         assert await b.result() == "stopped"
-    told = [r.getMessage() for r in caplog.records if "route to" in r.getMessage() and repr(addr) in r.getMessage()]
+    told = [
+        r.getMessage()
+        for r in caplog.records
+        if "route to" in r.getMessage() and repr(addr) in r.getMessage()
+    ]
     assert len(told) == 1 and told[0].endswith(": cma"), told
 
 
@@ -183,7 +195,11 @@ def _drop_ptrace_capability() -> None:
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
 
     libc = ctypes.CDLL(None, use_errno=True)
     hdr, data = Header(0x20080522, 0), (Data * 2)()

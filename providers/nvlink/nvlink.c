@@ -1078,7 +1078,7 @@ static int nvl_caps(afp_domain *d, afp_caps *out)
     memset(out, 0, sizeof *out);
     snprintf(out->provider, sizeof out->provider, "nvlink;cuda-ipc");
     out->flags = AFP_CAP_DEVICE_MEM | AFP_CAP_VIRT_ADDR | AFP_CAP_PROV_KEY |
-                 AFP_CAP_DELIVERY_COMPLETE | AFP_CAP_MR_LOCAL;
+                 AFP_CAP_DELIVERY_COMPLETE | AFP_CAP_MR_LOCAL | AFP_CAP_DEVICE_ONLY;
     out->imm_size = 4;
     out->max_msg_size = NVL_MAX_WRITE;
     out->inject_size = 0;
