@@ -310,12 +310,11 @@ def _print_info(info: InfoJson) -> None:
     auto = info["auto"]
     if not shim["loaded"]:
         print("auto: nothing usable: the shim is not loaded (above)")
+    elif auto["provider"]:
+        print(f"a default engine (provider=\"auto\") opens: {', '.join(auto['transports'])}")
+        print(auto["why"])
     else:
-        if auto["provider"]:
-            print(f"a default engine (provider=\"auto\") opens: {', '.join(auto['transports'])}")
-            print(auto["why"])
-        else:
-            print(f"auto: nothing usable: {auto['why']}")
+        print(f"auto: nothing usable: {auto['why']}")
     print()
     print("GPUs:" + ("" if info["gpus"] else " none"))
     for g in info["gpus"]:

@@ -250,24 +250,30 @@ def _track(eng: Engine) -> None:
 
 
 class Engine(MessagingMixin):
-    """One endpoint: a provider, its NIC domain(s), a worker thread and a completion ring.
+    """One endpoint: its transports' NIC domains, a worker thread and a completion ring.
 
-    Create it inside a running event loop and close it with ``await eng.aclose()`` or
-    ``async with``:
+    The default engine holds one transport per reach (cma for this host, nvlink for this
+    node's GPUs, the best network provider for other hosts) and takes, per operation, the
+    narrowest that reaches the peer and holds both regions (:meth:`route`); a provider's name
+    opens that provider alone. Create it inside a running event loop and close it with
+    ``await eng.aclose()`` or ``async with``:
 
-        async with afabric.Engine(provider="auto") as eng:
+        async with afabric.Engine() as eng:
             mr = eng.register(buf)
             ...
 
     Args:
-        provider: ``"auto"`` (the best provider that sees a usable NIC, saying why in
-            :attr:`provider_choice`), or a provider's name: ``"tcp"``, ``"shm"``, ``"efa"``,
-            ``"verbs"``, ``"cma"``, ``"nvlink"`` or a plugin's. ``$AFABRIC_PROVIDER`` replaces
-            ``"auto"``.
-        nic: one NIC by name (``"efa0"``, ``"mlx5_0:1"``, ``"cuda0"``, ``"lo"``).
+        provider: ``"auto"`` (route: the best available provider of each reach, saying why
+            in :attr:`provider_choice`), or a provider's name, opened alone: ``"tcp"``,
+            ``"shm"``, ``"efa"``, ``"verbs"``, ``"cma"``, ``"nvlink"`` or a plugin's.
+            ``$AFABRIC_PROVIDER`` replaces ``"auto"``.
+        nic: one NIC by name (``"efa0"``, ``"mlx5_0:1"``, ``"cuda0"``, ``"lo"``); with
+            ``"auto"``, the network transport's.
         nics: the NICs of a domain group (names, or how many of the first usable ones);
-            large writes are split across them. Every peer must use as many.
-        bind: the interface address to bind (tcp binds 127.0.0.1 unless given this or a NIC).
+            large writes are split across them. Every peer must use as many. With
+            ``"auto"``, the network transport's.
+        bind: the interface address to bind (tcp binds 127.0.0.1 unless given this or a NIC);
+            with ``"auto"``, the network transport's.
         cpu: the core the worker thread is pinned to (default: one near the NIC).
         polling: ``"adaptive"`` (spin ``spin_us`` after activity, then sleep) or ``"spin"``
             (never sleep; a core per engine).
@@ -296,10 +302,12 @@ class Engine(MessagingMixin):
     Attributes:
         address: this engine's :class:`afabric.Address`; ``bytes(eng.address)`` is what
             peers need to send to it.
-        provider: afabric's provider name (``"tcp"``).
-        fabric_provider: the provider as the native library reports it (``"tcp;ofi_rxm"``).
-        provider_choice: why this provider (with ``"auto"``: what was picked and passed over).
-        nics: NICs in this engine's group.
+        provider: afabric's provider name (``"tcp"``), or ``"auto"`` for an engine that routes.
+        transports: the providers this engine holds, in the order it prefers them.
+        fabric_provider: the provider as the native library reports it (``"tcp;ofi_rxm"``;
+            joined by ``+`` for an engine that routes).
+        provider_choice: why this provider (with ``"auto"``: what was opened and passed over).
+        nics: NICs in this engine's group (every transport's together).
         max_message_size: bytes of one receive buffer.
         max_write_size: the largest single write (``write_many`` does not split writes).
         queue_overflow: ``"backpressure"`` or ``"drop"``: what a message meets when
@@ -741,8 +749,8 @@ class Engine(MessagingMixin):
         (a warning is logged when older ones were dropped).
 
         Returns:
-            One :class:`afabric.OpTiming` per operation: its enqueue, worker pickup, first and
-            last post and completion times.
+            One record per operation, an :class:`afabric.OpTiming` (its enqueue, worker
+                pickup, first and last post and completion times).
 
         Raises:
             EngineClosed: the engine is closed.
@@ -987,12 +995,16 @@ class Engine(MessagingMixin):
 
         Returns:
             The transport's provider name ("cma", "nvlink", "tcp", ...); a single-provider
-            engine names its provider for every peer it reaches.
+                engine names its provider for every peer it reaches.
 
         Raises:
-            ProviderUnavailable: no transport of this engine reaches the peer (with why).
+            WrongProvider: no transport of this engine matches the peer's (with why).
+            PeerUnreachable: every transport that matches refused the peer (with why).
+            Unsupported: none that reaches the peer holds memory of that kind.
+            InvalidArgument: ``peer`` is not an address, or ``device`` not a device index.
             BadDescriptor: the address is malformed.
             EngineClosed: the engine is closed.
+            UsageError: called from another thread.
         """
         self._check_open()
         if device is not None:
