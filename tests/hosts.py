@@ -190,7 +190,8 @@ def host_b_entry(
     sys.exit(os.waitstatus_to_exitcode(status))
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The child processes of `pid`'s main thread (a B peer's process is its parent's)."""
     with contextlib.suppress(OSError):
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     return []
@@ -210,7 +211,7 @@ class HostBPeer(Peer):
         when the peer was gone, as :meth:`Peer.kill`. Falls back to killing the parent, which
         takes the peer with it (parent-death signal), if there is no peer yet."""
         pid = self.proc.pid
-        inner = _children(pid) if pid is not None and self.proc.is_alive() else []
+        inner = children(pid) if pid is not None and self.proc.is_alive() else []
         if len(inner) != 1:
             return super().kill()
         try:
@@ -271,7 +272,7 @@ class TwoHosts(TwoRails):
             if unshare.poll() is not None:
                 err = unshare.stderr.read().decode(errors="replace") if unshare.stderr else ""
                 raise NetnsError(f"host B's init exited ({unshare.returncode}): {err.strip()}")
-            for pid in _children(unshare.pid):
+            for pid in children(unshare.pid):
                 with contextlib.suppress(OSError):
                     ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
                     if ns != mine and Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":

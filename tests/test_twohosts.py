@@ -48,9 +48,9 @@ def nspid(pid: int) -> list[int]:
 def only_child(p: Peer) -> int:
     """A B peer's process (the only child of the spawned process outside B)."""
     assert p.proc.pid is not None
-    children = hosts._children(p.proc.pid)
-    assert len(children) == 1, children
-    return children[0]
+    kids = hosts.children(p.proc.pid)
+    assert len(kids) == 1, kids
+    return kids[0]
 
 
 # ---- child processes (module-level: pickled under spawn) ----
