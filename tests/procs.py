@@ -70,9 +70,10 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def _child(
+def run_child(
     fn: Callable[..., Awaitable[Any]], conn: Connection, loop_kind: str, args: tuple[Any, ...]
 ) -> None:
+    """A Peer process's body: run ``fn(ctl, *args)`` on a new loop and report its outcome."""
     ctl = Ctl(conn)
     loop = _new_loop(loop_kind)
     try:
@@ -85,12 +86,20 @@ def _child(
         conn.close()
 
 
+Entry = Callable[[Callable[..., Awaitable[Any]], Connection, str, tuple[Any, ...]], None]
+"""What a Peer process runs, given (fn, conn, loop kind, args): :func:`run_child`, or a
+picklable callable that prepares the process (tests/hosts.py: another PID namespace) and
+then calls it."""
+
+
 class Peer:
     """The test's handle on a child process."""
 
-    def __init__(self, fn: Callable[..., Awaitable[Any]], *args: Any, loop: str = "asyncio") -> None:
+    def __init__(
+        self, fn: Callable[..., Awaitable[Any]], *args: Any, loop: str = "asyncio", entry: Entry = run_child
+    ) -> None:
         self.conn, child_conn = _CTX.Pipe()
-        self.proc = _CTX.Process(target=_child, args=(fn, child_conn, loop, args), daemon=True)
+        self.proc = _CTX.Process(target=entry, args=(fn, child_conn, loop, args), daemon=True)
         self.proc.start()
         child_conn.close()
         self._result: Any = None

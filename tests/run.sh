@@ -50,7 +50,7 @@ if [ "$all" = 1 ]; then
     # torch: the CPU build (tests register CPU tensors; kvcache, weights, moe)
     pip_want+=("torch==2.13.0")
     # the 2.x libfabric run (tests/libfabric2.py), the two-rail network-namespace tests
-    # (tests/netns.py), and the README's install line in a fresh debootstrap'd Debian
+    # (tests/netns.py, tests/hosts.py), and the README's install line in a fresh debootstrap'd Debian
     # (tests/fresh_machine.sh, about 2 minutes with its root cached in ~/.cache/afabric;
     # needs Debian's mirror and PyPI)
     require+=(AFABRIC_REQUIRE_LIBFABRIC2=1 AFABRIC_REQUIRE_NETNS=1 AFABRIC_FRESH_MACHINE=1)
