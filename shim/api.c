@@ -148,8 +148,8 @@ static int load_write(afs_engine *eng, uint64_t mr_id, uint64_t remote_id, int64
     if (rc)
         return rc;
     if ((rc = check_imm(imm, has_imm, imm_value)) || (rc = load_mr(eng, mr_id, m)) ||
-        (rc = load_remote(eng, remote_id, r)) || (rc = check_access(r, read, UINT64_MAX)) ||
-        (rc = route(eng, m->local_mask, r, read, tp)))
+        (rc = load_remote(eng, remote_id, r)) || (rc = route(eng, m->local_mask, r, read, tp)) ||
+        (rc = check_access(r, read, UINT64_MAX)))
         return rc;
     return 0;
 }
@@ -386,8 +386,8 @@ static int scatter_rw(afs_engine *eng, uint64_t mr_id, uint64_t count, const uin
         afs_remote_entry r;
         afs_target *t = &x->rma.targets[i];
         uint32_t tp;
-        if ((rc = load_remote(eng, remote_ids[i], &r)) || (rc = check_access(&r, read, i)) ||
-            (rc = route(eng, m.local_mask, &r, read, &tp))) {
+        if ((rc = load_remote(eng, remote_ids[i], &r)) ||
+            (rc = route(eng, m.local_mask, &r, read, &tp)) || (rc = check_access(&r, read, i))) {
             afs_xfer_free(x);
             return rc;
         }

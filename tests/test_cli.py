@@ -198,8 +198,9 @@ def test_json_dash_and_progress_when_piped(tmp_path: Path) -> None:
     progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("afabric: ") and "/" in ln]
     assert any("write 4 KiB" in ln for ln in progress) and progress[-1].split(" (")[0].endswith("latency 8 B")
     assert "\r" not in proc.stderr and "[#" not in proc.stderr, "a terminal's bar drawn on a pipe"
-    # `auto` was resolved once and said which provider it took
-    assert doc["provider"] != "auto" and ("auto picked" in proc.stderr or "using " in proc.stderr)
+    # the default engine's transports were resolved once, said, and the route to the target named
+    assert doc["provider"] == "auto" and doc["route"] == "cma" and "auto opened cma" in proc.stderr
+    assert "route to the target: cma" in proc.stderr
 
     plan, _ = _run(
         ["weights", "plan", "--model", "deepseek-v3", "--layers", "2", "--json", "-"], cwd=tmp_path

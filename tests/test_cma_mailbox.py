@@ -44,7 +44,7 @@ LARGE = 64 * 1024  # run whole on a copy thread (cma_pool.h: AFABRIC_CMA_ASYNC_A
 
 # node_seg.h's layout (pinned there by _Static_assert)
 MAGIC = 0x31414D4331414641  # "AFA1CMA1"
-VERSION = 2
+VERSION = 3
 CLOSED_WORD = 0xC105ED
 HDR_BYTES = 104
 OFF_CLOSED, OFF_RING_BYTES, OFF_EXPORTS_OFF, OFF_RING_OFF = 24, 36, 40, 48

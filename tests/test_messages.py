@@ -468,7 +468,7 @@ async def test_stats_has_the_typed_keys(provider: str) -> None:
         assert set(st) == set(afabric.EngineStats.__annotations__) | set(
             afabric.stats.MessageStats.__annotations__
         )
-        native = {f[0] for f in _native.NicStats._fields_} | {"outstanding"}
+        native = {f[0] for f in _native.NicStats._fields_} | {"outstanding", "transport"}
         assert set(afabric.NicStats.__annotations__) == native
         assert all(set(n) == native for n in st["nics"])
 

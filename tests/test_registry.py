@@ -178,8 +178,12 @@ def test_same_entry_seen_twice_is_not_a_conflict(monkeypatch: pytest.MonkeyPatch
 
 
 def test_auto_picks_the_best_available_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """resolve("auto"): the network provider a default engine holds (cma and shm reach this
+    host only, nvlink this node's GPUs: they sit beside it, see routes())."""
     avail = registry.probe_all()
-    usable = [a for a in avail if a.available and a.spec is not None and a.spec.priority > 0]
+    usable = [
+        a for a in avail if a.available and a.spec is not None and a.spec.priority > 0 and a.spec.reach == "network"
+    ]
     assert usable, "this machine should offer tcp at least"
     best = max(usable, key=lambda a: a.spec.priority if a.spec else 0)
     with caplog.at_level(logging.INFO, logger="afabric"):
@@ -290,12 +294,15 @@ def test_auto_survives_broken_plugins_and_names_them(broken: dict[str, tuple[str
     for name in broken:
         assert not avail[name].available
     assert avail["fine"].available
-    spec, sentence = registry.resolve("auto")
-    # tcp is refused (offered twice), so the next one by priority is picked, and the
-    # sentence says what happened to tcp
-    assert spec.name == "shm"
+    # tcp is refused (offered twice): a default engine opens what is left (cma for this
+    # host, no network provider), and the sentence says what happened to tcp
+    specs, sentence = registry.routes()
+    assert [s.name for s in specs] == ["cma"]
+    assert "no network provider is available" in sentence
     assert "tcp unavailable: provider 'tcp' is offered by 2 distributions" in sentence
     assert "afabric-tcp-fork" in sentence
+    with pytest.raises(ProviderUnavailable, match="tcp: unavailable"):
+        registry.resolve("auto")  # the network pick alone: none left
 
 
 def test_entry_point_without_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -363,8 +370,10 @@ def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
     _check_info(info)
     assert info["thp"] in ("always", "madvise", "never", "")
     auto = info["auto"]
-    assert auto["provider"] == registry.resolve("auto")[0].name
-    assert auto["why"].startswith(f"auto picked {auto['provider']}")
+    specs, _ = registry.routes()
+    assert auto["transports"] == [s.name for s in specs] and auto["provider"] == "+".join(auto["transports"])
+    assert auto["transports"][-1] == registry.resolve("auto")[0].name  # the network one, last
+    assert auto["why"].startswith(f"auto opened {auto['transports'][0]} for ")
 
 
 def test_info_json_with_broken_plugins(
@@ -377,7 +386,7 @@ def test_info_json_with_broken_plugins(
     for name, (dist, _, _) in broken.items():
         assert by_name[name]["available"] is False
         assert dist in str(by_name[name]["reason"])
-    assert info["auto"]["provider"] == "shm"
+    assert info["auto"]["provider"] == "cma"
 
 
 def test_info_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -390,7 +399,7 @@ def test_info_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert re.search(r"libfabric provider: shm \(libfabric 1\.\d+\.\d+\)\n", out), out
     if "cma: available" in out:
         assert "libfabric provider: cma;process_vm_writev\n" in out  # no libfabric under it
-    assert "efa: " in out and "auto picked " in out
+    assert "efa: " in out and "auto opened " in out and "a default engine (provider=\"auto\") opens: cma, tcp" in out
     if _sockets_installed():
         assert "sockets: available  [distribution afabric-sockets, priority 0]" in out
     # the kernel's huge page setting, which cma's copy speed depends on (docs/providers/cma.md)

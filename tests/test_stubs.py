@@ -135,10 +135,10 @@ def test_native_reexports_the_declarations() -> None:
 
 def test_header_constants_reach_python() -> None:
     hdr = _gen_shim.parse(HEADER.read_text())
-    assert _native.ABI_VERSION == int(hdr.constants["ABI_VERSION"].rstrip("u")) == 11
+    assert _native.ABI_VERSION == int(hdr.constants["ABI_VERSION"].rstrip("u")) == 12
     assert (_native.C_DONE, _native.C_NOTICE, _native.NO_IMM, _native.TRIG_IMM) == (1, 5, -1, 2)
     assert _native.CFG_TIMING == 0x2 and _native.ALLOW_UNKNOWN == 0x2
-    assert len(hdr.functions) > 30 and len(hdr.structs) == 9
+    assert len(hdr.functions) > 30 and len(hdr.structs) == 11
     # the request is size-prefixed: ABI 4's request is the smallest the shim accepts
     assert ctypes.sizeof(_native.Request) == _native.REQUEST_MIN_SIZE == 184
     assert _native.Request.trigger.offset == 160 and ctypes.sizeof(_native.Trigger) == 24
@@ -223,7 +223,7 @@ def test_structures_have_the_c_layout(tmp_path: Path) -> None:
     classes: dict[str, type[ctypes.Structure]] = {
         s.c_name: getattr(_native_decl, s.py_name) for s in hdr.structs.values()
     }
-    assert "afp_nic_info" in classes and len(classes) == 10
+    assert "afp_nic_info" in classes and len(classes) == 12
     fields = {c: [f[0] for f in cls._fields_] for c, cls in classes.items()}
     (tmp_path / "both.h").write_text('#include "afabric_shim.h"\n#include "afabric_provider.h"\n')
     layout = _c_layout(tmp_path, str(tmp_path / "both.h"), fields)

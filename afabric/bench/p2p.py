@@ -586,7 +586,7 @@ def main(args: argparse.Namespace) -> int:
     args.hugepages = bool(getattr(args, "hugepages", False))
     loop = getattr(args, "loop", None) or harness.default_loop()
 
-    async def run() -> tuple[list[Row], list[Latency], str, str]:
+    async def run() -> tuple[list[Row], list[Latency], str, str, str]:
         # resolve the provider here first so "auto" is decided once, for both processes
         probe = Engine(args.provider)
         provider, fabric, why = probe.provider, probe.fabric_provider, probe.provider_choice
@@ -598,8 +598,11 @@ def main(args: argparse.Namespace) -> int:
             async with harness.watch(target):  # a target that dies fails the run at once
                 desc_blob = await target.arecv(60)
                 # a default engine routes: the transport it takes to the target, said in the
-                # header (and fabtests' reference is that transport's libfabric provider)
-                route = probe.route(MrDesc.from_bytes(desc_blob).owner)
+                # header (and fabtests' reference is that transport's libfabric provider). A
+                # single-provider engine's route is its provider: the probe does not contact
+                # the target then (libfabric 1.17's shm target crashed in fi_cq_read when an
+                # engine that had resolved it closed before the measuring one started).
+                route = probe.route(MrDesc.from_bytes(desc_blob).owner) if provider == "auto" else provider
                 await probe.aclose()
                 why = f"route to the target: {route}\n{why}"
                 route_fabric = _route_fabric(fabric, route) if provider == "auto" else fabric
@@ -608,13 +611,13 @@ def main(args: argparse.Namespace) -> int:
                     raise RuntimeError(f"--fabtests: provider {provider} is not a libfabric one")
                 rows, lat, eng = await _measure(args, desc_blob)
                 await eng.aclose()
-            return rows, lat, fabric, why
+            return rows, lat, fabric, why, route
         finally:
             await probe.aclose()
             target.stop("stop")
             await asyncio.get_running_loop().run_in_executor(None, target.close, 30.0)
 
-    rows, lat, fabric, why = run_on_loop(run(), loop)
+    rows, lat, fabric, why, route = run_on_loop(run(), loop)
     header = (
         f"afabric bench p2p — provider {args.provider} ({fabric}), loop {loop}, polling {args.polling}, "
         f"{os.cpu_count()} cores, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{why}\n"
@@ -632,6 +635,7 @@ def main(args: argparse.Namespace) -> int:
             "bench": "p2p",
             "command": report.command_line(args),
             "provider": args.provider,
+            "route": route,
             "fabric_provider": fabric,
             "loop": loop,
             "polling": args.polling,
