@@ -700,6 +700,7 @@ class Endpoint:
         eng = self._state.engine
         assert eng is not None
         self.provider: str = eng.provider
+        self.transports: tuple[str, ...] = eng.transports
         self.address: bytes = bytes(eng.address)
         self.max_write_size: int = eng.max_write_size
         self.listener: tuple[str, int] | None = None

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ... import errors
+from ... import Address, errors
 from .. import _core
 from .descs import _DescList, nixlRegDList, nixlXferDList
 from .enums import nixl_mem_t, nixl_thread_sync_t, nixl_xfer_op_t
@@ -481,11 +481,15 @@ class nixlAgent:
         if name == self.name:
             fail(_S.NIXL_ERR_INVALID_PARAM, "remote agent name same as local agent")
         ep = self._ep()
-        if info.provider != ep.provider:
+        try:
+            theirs = Address.from_bytes(info.address).transports
+        except errors.AfabricError as e:
+            fail(_S.NIXL_ERR_MISMATCH, f"metadata of {name} has a bad address: {e}")
+        if not set(theirs) & set(ep.transports):
             fail(
                 _S.NIXL_ERR_BACKEND,
-                f"no common backend: agent {name} uses afabric provider {info.provider!r}, "
-                f"this one {ep.provider!r}",
+                f"no common backend: agent {name} has afabric transports {', '.join(theirs)}, "
+                f"this one {', '.join(ep.transports)}",
             )
         nixl = info.extra.get("nixl") if isinstance(info.extra, dict) else None
         if not isinstance(nixl, dict) or not _regions_ok(nixl.get("regions")):
