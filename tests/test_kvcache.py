@@ -60,13 +60,13 @@ def seed_of(payload: bytes) -> int:
 
 async def prefill_proc(
     ctl: Ctl, provider: str, layout_kw: dict[str, Any], staging_pages: int, delay: float, op_timeout: float,
-    dead: float,
+    dead: float, bind: str | None = None,
 ) -> dict[str, int]:  # fmt: skip
     """A prefiller whose model takes ``delay`` s per layer; answers "state" with its
     bookkeeping until told "stop"."""
     lay = KvCacheLayout(**layout_kw)
     stage = lay.with_pages(staging_pages)
-    async with afabric.Engine(provider, op_timeout=op_timeout) as eng:
+    async with afabric.Engine(provider, op_timeout=op_timeout, bind=bind) as eng:
         cache = np.zeros(stage.shape(), dtype=np.float16)
         async with Prefiller(eng, stage, cache=cache, heartbeat_interval=HB, peer_timeout=dead) as pf:
             loop = asyncio.get_running_loop()

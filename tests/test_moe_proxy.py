@@ -53,7 +53,12 @@ async def _wait_word(words: np.ndarray[Any, Any], i: int, value: int, timeout: f
         await asyncio.sleep(0.001)
 
 
-async def _rank(ctl: Ctl, rank: int, provider: str) -> str:
+async def _writes(px: Proxy) -> dict[str, int]:
+    return {n["transport"]: n["writes"] for n in px.eng.stats()["nics"]}
+
+
+async def _rank(ctl: Ctl, rank: int, provider: str) -> dict[str, int]:
+    """One rank's calls; returns the writes its proxy's engine posted, per transport."""
     cfg = MoeConfig(**CFG)  # type: ignore[arg-type]
     peer = 1 - rank
     px = Proxy(cfg, rank, [peer], provider, tag=3, device=None)
@@ -104,15 +109,13 @@ async def _rank(ctl: Ctl, rank: int, provider: str) -> str:
         # like AllToAll.close: nobody closes before every rank has received everything (a
         # write this rank fired may still be on its way to the peer)
         assert await ctl.get() == "close"
-        return "ok"
+        return px._call(_writes(px))  # (the engine is the proxy loop's)
     finally:
         px.close()
 
 
-@pytest.mark.timeout(120)
-async def test_proxy_protocol(provider: str, peers: list[Peer]) -> None:
-    ranks = [Peer(_rank, r, provider) for r in range(2)]
-    peers.extend(ranks)
+async def run_protocol(ranks: list[Peer]) -> list[dict[str, int]]:
+    """Drive two :func:`_rank` peers through the calls; their results."""
     descs = [await p.get() for p in ranks]
     ranks[0].put(descs[1])
     ranks[1].put(descs[0])
@@ -126,8 +129,15 @@ async def test_proxy_protocol(provider: str, peers: list[Peer]) -> None:
             assert await p.get() == ("done", s)
     for p in ranks:
         p.put("close")
-    for p in ranks:
-        assert await p.result() == "ok"
+    return [await p.result() for p in ranks]
+
+
+@pytest.mark.timeout(120)
+async def test_proxy_protocol(provider: str, peers: list[Peer]) -> None:
+    ranks = [Peer(_rank, r, provider) for r in range(2)]
+    peers.extend(ranks)
+    for writes in await run_protocol(ranks):
+        assert writes[provider] > 0
 
 
 def test_imm_values_are_distinct() -> None:

@@ -31,9 +31,9 @@ def _undumpable() -> None:
     assert libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())
 
 
-async def target(ctl: Ctl, provider: str, undumpable: bool = False) -> str:
+async def target(ctl: Ctl, provider: str, undumpable: bool = False, bind: str | None = None) -> str:
     """A peer with a 1 MiB region (the bytes i % 251) that answers commands."""
-    async with afabric.Engine(provider) as eng:
+    async with afabric.Engine(provider, bind=bind) as eng:
         if undumpable:
             _undumpable()
         buf = np.zeros(REGION, dtype=np.uint8)

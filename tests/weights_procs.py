@@ -112,13 +112,18 @@ async def member(
 ) -> dict[str, Any]:
     """One rank. cfg: trainers, model kwargs, tp, fp8, shard_group (HSDP), steps, options,
     die_at (a trainer rank that kills itself half way through its writes of step die_step),
-    rank0 (even steps use the rank-0 baseline)."""
+    rank0 (even steps use the rank-0 baseline), hosts (per rank: the address its engine
+    binds and gloo's interface, on a two-host bed; rank 0's address is gloo's rendezvous)."""
     import torch.distributed as dist
 
     from afabric import weights as aw
 
+    bind, master = None, "127.0.0.1"
+    if "hosts" in cfg:
+        bind, os.environ["GLOO_SOCKET_IFNAME"] = cfg["hosts"][rank]
+        master = cfg["hosts"][0][0]
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=cfg.get("pg_timeout", 30)),
     )  # fmt: skip
     trainers = list(range(cfg["trainers"]))
@@ -130,7 +135,7 @@ async def member(
         None if params else aw.rank_tensors(model, cfg["tp"], (rank - len(trainers)) % cfg["tp"], cfg["fp8"])
     )
     result: dict[str, Any] = {"rank": rank, "steps": []}
-    async with afabric.Engine(provider) as eng:
+    async with afabric.Engine(provider, bind=bind) as eng:
         wt = await aw.WeightTransfer.connect(
             eng, trainers=trainers, inference=list(range(len(trainers), world)), params=params,
             tensors=tensors, options=aw.PlanOptions(**cfg.get("options", {})),
@@ -167,6 +172,7 @@ async def member(
                     info["version"] = wt.receiver.version()
                 result["steps"].append(info)
                 await wt.barrier()  # inference has read this version: the next may overwrite it
+            result["writes"] = {n["transport"]: n["writes"] for n in eng.stats()["nics"]}
         finally:
             wt.close()
     dist.destroy_process_group()
