@@ -250,6 +250,7 @@ typedef struct afs_nic {
     uint32_t *rx_retry;
     uint32_t rx_retry_len;
     uint64_t key_counter;
+    uint64_t found_turn; /* worker: the loop turn whose look at it last found something */
 } afs_nic;
 
 typedef struct afs_mr_entry {

@@ -182,7 +182,9 @@ def test_auto_picks_the_best_available_and_says_why(caplog: pytest.LogCaptureFix
     host only, nvlink this node's GPUs: they sit beside it, see routes())."""
     avail = registry.probe_all()
     usable = [
-        a for a in avail if a.available and a.spec is not None and a.spec.priority > 0 and a.spec.reach == "network"
+        a
+        for a in avail
+        if a.available and a.spec is not None and a.spec.priority > 0 and a.spec.reach == "network"
     ]
     assert usable, "this machine should offer tcp at least"
     best = max(usable, key=lambda a: a.spec.priority if a.spec else 0)
@@ -399,7 +401,8 @@ def test_info_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert re.search(r"libfabric provider: shm \(libfabric 1\.\d+\.\d+\)\n", out), out
     if "cma: available" in out:
         assert "libfabric provider: cma;process_vm_writev\n" in out  # no libfabric under it
-    assert "efa: " in out and "auto opened " in out and "a default engine (provider=\"auto\") opens: cma, tcp" in out
+    assert "efa: " in out and "auto opened " in out
+    assert 'a default engine (provider="auto") opens: cma, tcp' in out
     if _sockets_installed():
         assert "sockets: available  [distribution afabric-sockets, priority 0]" in out
     # the kernel's huge page setting, which cma's copy speed depends on (docs/providers/cma.md)

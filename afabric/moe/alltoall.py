@@ -134,7 +134,10 @@ class AllToAll:
         device: the CUDA device (default: the current one).
         path: ``"auto"`` (NVLink within a node, the host proxy across), ``"nvlink"`` or
             ``"proxy"``.
-        provider: the proxy engine's provider.
+        provider: the proxy engine's provider (default: a default engine, which routes: cma
+            to ranks of this host, the network provider to the others).
+        bind: the interface address the proxy engine's network transport binds (tcp binds
+            127.0.0.1 unless given one: ranks on other nodes need it).
         tag: the message tag of the proxy's control messages.
         timeout: seconds after which kernels waiting for a peer give up.
 
@@ -151,7 +154,8 @@ class AllToAll:
         all_gather: AllGather,
         device: int | None = None,
         path: str = "auto",
-        provider: str = "tcp",
+        provider: str = "auto",
+        bind: str | None = None,
         tag: int = 0,
         timeout: float = 30.0,
     ) -> None:
@@ -190,7 +194,7 @@ class AllToAll:
             if self.proxy_peers:
                 from .proxy import Proxy
 
-                self.proxy = Proxy(cfg, rank, self.proxy_peers, provider, tag, self.device)
+                self.proxy = Proxy(cfg, rank, self.proxy_peers, provider, tag, self.device, bind)
                 descs = self.proxy.descs()
                 address = bytes(self.proxy.eng.address)
             me = control.PeerInfo(

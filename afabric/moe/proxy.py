@@ -83,7 +83,14 @@ class Proxy:
     """Engine, regions and armed operations for this rank's proxy peers."""
 
     def __init__(
-        self, cfg: MoeConfig, rank: int, peers: list[int], provider: str, tag: int, device: int | None
+        self,
+        cfg: MoeConfig,
+        rank: int,
+        peers: list[int],
+        provider: str,
+        tag: int,
+        device: int | None,
+        bind: str | None = None,
     ) -> None:
         self.cfg = cfg
         # the loop thread has its own current CUDA device: never ask it. None: no GPU (tests)
@@ -113,7 +120,7 @@ class Proxy:
             self.crecv = self._new_region(2 * n * self.cslot)
             self.flags = self._new_region(4096)  # [0]: dispatch epoch, [8]: combine epoch
             self._thread.start()
-            self.eng: Engine = self._call(self._open(provider))
+            self.eng: Engine = self._call(self._open(provider, bind))
         except BaseException:
             self._stop()
             raise
@@ -128,8 +135,8 @@ class Proxy:
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    async def _open(self, provider: str) -> Engine:
-        eng = Engine(provider, name=f"moe-proxy-{self.rank}")
+    async def _open(self, provider: str, bind: str | None) -> Engine:
+        eng = Engine(provider, name=f"moe-proxy-{self.rank}", bind=bind)
         try:
             reg = eng.register_ptr
             self.mr_dsend = reg(self.dsend.host, self.dsend.nbytes, remote=False)
