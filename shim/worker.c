@@ -1857,7 +1857,7 @@ void *afs_worker_main(void *arg)
             if (!nic_due(eng, k, turn, idle))
                 continue;
             enum nic_found f = poll_nic(eng, k, now);
-            if (f != FOUND_NOTHING)
+            if (f == FOUND_WORK || f == FOUND_ARRIVAL) /* a slow call alone is no work there */
                 eng->nics[k].found_turn = turn;
             did |= f == FOUND_WORK || f == FOUND_ARRIVAL;
             slow |= f == FOUND_SLOW_CALL;
