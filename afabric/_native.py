@@ -319,6 +319,7 @@ def make_config(
     return cfg
 
 
+# What a provider can reach, narrowest first (the shim's AFS_REACH_*).
 REACHES = {"host": REACH_HOST, "node": REACH_NODE, "network": REACH_NETWORK}
 
 

@@ -45,7 +45,7 @@ __all__ = [
 GROUP = "afabric.providers"
 # What a provider can reach, narrowest first: a default engine prefers the narrowest
 # transport that reaches a peer (shim/route.c).
-REACHES = ("host", "node", "network")
+REACHES = tuple(_native.REACHES)
 _REACH_TEXT = {"host": "this host's processes", "node": "this node's GPUs", "network": "any host"}
 ENV_PROVIDER = "AFABRIC_PROVIDER"
 

@@ -967,30 +967,36 @@ int32_t afs_peer_resolve(afs_engine *eng, const uint8_t *addr, uint32_t len, uin
     return afs_find_or_resolve_peer(eng, &v, addr, len, peer_id);
 }
 
-int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle)
+/* The checks the peer queries start with: an open engine, an output, a resolved peer. */
+static int load_peer(afs_engine *eng, uint64_t peer_id, const void *out, const char *what,
+                     afs_peer_entry **p)
 {
     int rc = afs_engine_check_open(eng);
     if (rc)
         return rc;
-    if (!handle)
-        return afs_fail(AFS_EINVAL, "peer handle: NULL output");
-    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    if (!p)
+    if (!out)
+        return afs_fail(AFS_EINVAL, "%s: NULL output", what);
+    if (!(*p = afs_slots_lookup(&eng->peers, peer_id)))
         return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
+    return 0;
+}
+
+int32_t afs_peer_handle(afs_engine *eng, uint64_t peer_id, uint64_t *handle)
+{
+    afs_peer_entry *p;
+    int rc = load_peer(eng, peer_id, handle, "peer handle", &p);
+    if (rc)
+        return rc;
     *handle = afs_peer_src(eng, p, afs_peer_nic(eng, p));
     return 0;
 }
 
 int32_t afs_peer_source(afs_engine *eng, uint64_t peer_id, uint64_t src, uint32_t *match)
 {
-    int rc = afs_engine_check_open(eng);
+    afs_peer_entry *p;
+    int rc = load_peer(eng, peer_id, match, "peer source", &p);
     if (rc)
         return rc;
-    if (!match)
-        return afs_fail(AFS_EINVAL, "peer source: NULL output");
-    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    if (!p)
-        return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
     *match = 0;
     for (uint32_t t = 0; t < eng->ntp; t++)
         if ((p->tp_mask & (1u << t)) && afs_peer_src(eng, p, eng->tps[t].first) == src)
@@ -1001,14 +1007,10 @@ int32_t afs_peer_source(afs_engine *eng, uint64_t peer_id, uint64_t src, uint32_
 int32_t afs_peer_route(afs_engine *eng, uint64_t peer_id, int32_t device, uint32_t *transport,
                        char *why, uint32_t why_len)
 {
-    int rc = afs_engine_check_open(eng);
+    afs_peer_entry *p;
+    int rc = load_peer(eng, peer_id, (!why && why_len) ? NULL : transport, "route", &p);
     if (rc)
         return rc;
-    if (!transport || (!why && why_len))
-        return afs_fail(AFS_EINVAL, "route: NULL output");
-    afs_peer_entry *p = afs_slots_lookup(&eng->peers, peer_id);
-    if (!p)
-        return afs_fail(AFS_ESTALE, "peer %llx is not resolved", (unsigned long long)peer_id);
     char refused[sizeof p->refused];
     memcpy(refused, p->refused, sizeof refused);
     uint32_t mask = p->tp_mask;

@@ -47,7 +47,7 @@ from typing import Any
 
 from . import netns
 from .netns import RAILS, NetnsError, Side, TwoRails
-from .procs import Ctl, Peer, run_child
+from .procs import Ctl, Peer, kill_through_pidfd, run_child
 
 _CLONE_NEWPID = 0x20000000
 _PR_SET_PDEATHSIG = 1
@@ -218,14 +218,7 @@ class HostBPeer(Peer):
             fd = os.pidfd_open(inner[0])
         except ProcessLookupError:
             return super().kill()
-        try:
-            os.kill(inner[0], signal.SIGKILL)
-            waiter = select.poll()
-            waiter.register(fd, select.POLLIN)
-            waiter.poll(10_000)
-            gone = time.monotonic()
-        finally:
-            os.close(fd)
+        gone = kill_through_pidfd(fd, inner[0])
         self.proc.join(10)
         if self.proc.is_alive():
             super().kill()

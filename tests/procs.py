@@ -92,6 +92,19 @@ picklable callable that prepares the process (tests/hosts.py: another PID namesp
 then calls it."""
 
 
+def kill_through_pidfd(fd: int, pid: int) -> float:
+    """SIGKILL `pid` (whose pidfd is `fd`, closed here) and return when it was gone: when
+    the pidfd turned readable (time.monotonic())."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        waiter = select.poll()  # (not select(): the fd may be above FD_SETSIZE)
+        waiter.register(fd, select.POLLIN)
+        waiter.poll(10_000)
+        return time.monotonic()
+    finally:
+        os.close(fd)
+
+
 class Peer:
     """The test's handle on a child process."""
 
@@ -144,15 +157,8 @@ class Peer:
         gone = time.monotonic()
         pid = self.proc.pid
         if self.proc.is_alive() and pid is not None:
-            fd = os.pidfd_open(pid)  # ours and not reaped yet: the pid cannot be reused
-            try:
-                os.kill(pid, signal.SIGKILL)
-                waiter = select.poll()  # (not select(): the fd may be above FD_SETSIZE)
-                waiter.register(fd, select.POLLIN)
-                waiter.poll(10_000)
-                gone = time.monotonic()
-            finally:
-                os.close(fd)
+            # ours and not reaped yet: the pid cannot be reused
+            gone = kill_through_pidfd(os.pidfd_open(pid), pid)
         self.proc.join(10)
         return gone
 
